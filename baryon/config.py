@@ -1,0 +1,217 @@
+"""Engine configuration: user arguments (kwargs or CLI) + the checkpoint's config.json, validated.
+
+`EngineArgs` is what a user sets (each field documented in its metadata, which also drives the
+CLI); `EngineConfig.from_args` resolves it against the checkpoint into the groups the engine
+reads: `ModelConfig`, `CacheConfig`, `SchedulerConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from baryon.hub import resolve_model_path
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set when building an engine (`LLM(**kwargs)` or CLI flags)."""
+
+    model: str = _arg(None, "Checkpoint folder or Hugging Face repo id")
+    tokenizer: str | None = _arg(None, "Tokenizer folder or repo id (default: the model's)")
+    revision: str | None = _arg(None, "Hub revision (branch, tag or commit) of a repo id")
+    download_dir: str | None = _arg(None, "Where Hub downloads go (default: the HF cache)")
+    trust_remote_code: bool = _arg(False, "Allow custom code in the checkpoint's config/tokenizer")
+    dtype: str = _arg("auto", "auto|float32|float16|bfloat16 (auto: checkpoint dtype on GPU, float32 on CPU)")
+    device: str = _arg("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
+    seed: int = _arg(0, "Seed of the random sampling of requests without their own seed")
+    max_model_len: int | None = _arg(None, "Longest prompt + output (default: the model's context)")
+    max_num_seqs: int = _arg(256, "Most requests running at once")
+    max_num_batched_tokens: int = _arg(8192, "Token budget of one scheduler step (prefill chunks + decodes)")
+    block_size: int = _arg(16, "Tokens per KV-cache block (a power of two)")
+    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes")
+    gpu_memory_utilization: float = _arg(0.9, "Fraction of GPU memory the engine may use (GPU only)")
+    kv_cache_memory_gib: float | None = _arg(
+        None, "KV-cache size in GiB (default: 4 on CPU; on GPU what gpu_memory_utilization leaves)")
+    num_kv_blocks: int | None = _arg(None, "Exact number of KV-cache blocks (overrides the sizing)")
+    load_format: str = _arg("auto", "auto|safetensors|pt|dummy (dummy: random weights, for benchmarks)")
+    skip_tokenizer_init: bool = _arg(False, "No tokenizer: prompts must be token ids; outputs carry ids only")
+    max_logprobs: int = _arg(20, "Largest logprobs / prompt_logprobs a request may ask for")
+
+
+@dataclass
+class ModelConfig:
+    model: str  # as the user gave it
+    model_path: str  # local folder holding config.json and the weights
+    tokenizer_path: str | None  # None when skip_tokenizer_init
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str
+    trust_remote_code: bool
+    max_logprobs: int
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["<none>"])[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    kv_cache_memory_gib: float | None
+    num_kv_blocks: int | None
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: torch.device
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> EngineConfig:
+        _check_user_values(args)
+        device = _resolve_device(args.device)
+        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+        hf_config = _load_hf_config(model_path, args.trust_remote_code)
+        tokenizer_path = None
+        if not args.skip_tokenizer_init:
+            tokenizer_path = resolve_model_path(args.tokenizer, args.revision, args.download_dir) \
+                if args.tokenizer else model_path
+        max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
+        model = ModelConfig(
+            model=args.model, model_path=model_path, tokenizer_path=tokenizer_path,
+            hf_config=hf_config, dtype=_resolve_dtype(args.dtype, hf_config, device),
+            max_model_len=max_model_len, load_format=args.load_format,
+            trust_remote_code=args.trust_remote_code, max_logprobs=args.max_logprobs,
+        )
+        cache = CacheConfig(
+            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        return cls(model=model, cache=cache, scheduler=scheduler, device=device, seed=args.seed)
+
+    @classmethod
+    def create(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in dataclasses.fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; accepted: {sorted(known)}")
+        return cls.from_args(EngineArgs(**kwargs))
+
+
+def _check_user_values(args: EngineArgs) -> None:
+    def positive_int(name: str) -> None:
+        value = getattr(args, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1.")
+
+    if not args.model:
+        raise ValueError("model is required: a checkpoint folder or a Hugging Face repo id.")
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
+        positive_int(name)
+    for name in ("max_model_len", "num_kv_blocks"):
+        if getattr(args, name) is not None:
+            positive_int(name)
+    if args.block_size & (args.block_size - 1) or args.block_size > 1024:
+        raise ValueError(f"block_size={args.block_size} is invalid: it must be a power of two <= 1024.")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={args.gpu_memory_utilization} is invalid: it must be in (0, 1].")
+    if args.kv_cache_memory_gib is not None and not args.kv_cache_memory_gib > 0:
+        raise ValueError(f"kv_cache_memory_gib={args.kv_cache_memory_gib} is invalid: it must be > 0.")
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={args.load_format!r} is invalid: accepted {list(LOAD_FORMATS)}.")
+    if args.dtype != "auto" and args.dtype not in _DTYPES:
+        raise ValueError(f"dtype={args.dtype!r} is invalid: accepted ['auto', {', '.join(map(repr, _DTYPES))}].")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device={name!r} is invalid ({e}); accepted: auto, cpu, cuda, cuda:N.") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={name!r} is not supported; accepted: auto, cpu, cuda, cuda:N.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} was asked for but CUDA is not available; use device='cpu'.")
+    return device
+
+
+def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read the model config of {model_path!r}: {e}") from e
+
+
+def _checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype, getattr(torch, dtype, None))
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    return _checkpoint_dtype(hf_config) if device.type == "cuda" else torch.float32
+
+
+def model_context_length(hf_config: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    derived = model_context_length(hf_config)
+    if requested is None:
+        if derived is None:
+            raise ValueError("the model config gives no context length; pass max_model_len.")
+        return derived
+    if derived is not None and requested > derived:
+        raise ValueError(
+            f"max_model_len={requested} exceeds the model's context length {derived} "
+            f"(max_position_embeddings in config.json); use max_model_len <= {derived}.")
+    return requested

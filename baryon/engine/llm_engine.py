@@ -1,0 +1,89 @@
+"""LLMEngine: the in-process frontend — prompt processing, the EngineCore, output processing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baryon.config import EngineConfig
+from baryon.engine.core import EngineCore
+from baryon.engine.output_processor import OutputProcessor
+from baryon.outputs import RequestOutput
+from baryon.sampling_params import SamplingParams
+from baryon.tokenizer import eos_token_ids, load_tokenizer
+
+# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [ids]}.
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model = config.model
+        self.tokenizer = None
+        if model.tokenizer_path is not None:
+            self.tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
+        self.eos_token_ids = eos_token_ids(model.model_path, model.hf_config, self.tokenizer)
+        self.core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), validated."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or len(prompt) != 1:
+                raise ValueError(f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of integer token ids")
+                self.core.check_prompt(list(ids))
+                return None, list(ids)
+            prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or a dict with 'prompt'/'prompt_token_ids'; got {type(prompt).__name__}")
+        if prompt == "":
+            raise ValueError("the prompt is empty; give some text or token ids")
+        if self.tokenizer is None:
+            raise ValueError("this engine was built with skip_tokenizer_init=True: give prompts as "
+                             "{'prompt_token_ids': [...]} instead of text")
+        ids = self.tokenizer.encode(prompt)
+        self.core.check_prompt(ids)
+        return prompt, ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"SamplingParams.{name}={value} exceeds max_logprobs={limit} of this engine")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        if self.tokenizer is None and params.stop_strings:
+            raise ValueError("stop strings need a tokenizer; this engine has skip_tokenizer_init=True "
+                             "(use stop_token_ids)")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.process_prompt(prompt)
+        self.check_params(params)
+        core_ids = self.output_processor.add_request(request_id, text, ids, params)
+        for i, core_id in enumerate(core_ids):
+            self.core.add_request(core_id, ids, params.for_sample(i) if params.n > 1 else params,
+                                  self.eos_token_ids)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.core.abort_requests(self.output_processor.abort_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.output_processor.requests)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, stopped = self.output_processor.process(self.core.step())
+        self.core.abort_requests(stopped)
+        return outputs

@@ -1,0 +1,104 @@
+"""The scheduler: which requests advance this step, and by how many tokens.
+
+One step has a token budget (`max_num_batched_tokens`). Running requests go first, oldest first:
+a decode takes one token, a prefill takes what is left of its prompt or of the budget (chunked
+prefill), so decodes and prefill chunks share a step. When the KV blocks run out, the newest
+running request is preempted: its blocks are freed and it goes back to the front of the waiting
+queue, to be recomputed later (its prefix may still be in the prefix cache). Waiting requests are
+admitted in arrival order while budget, blocks and `max_num_seqs` allow, and none while a
+preemption happened in the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from baryon.config import SchedulerConfig
+from baryon.engine.kv_cache import BlockManager
+from baryon.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of new tokens to compute this step), in batch order.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate(request, num_new):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        block_size = self.block_manager.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached_blocks = self.block_manager.find_cached_prefix(request)
+            num_cached = len(cached_blocks) * block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(request, num_new, cached_blocks):
+                return
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request (finished or aborted) from the queues and free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status

@@ -1,0 +1,31 @@
+"""The attention backend interface: store this step's K/V in the paged cache, then attend."""
+
+from __future__ import annotations
+
+import torch
+
+from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.selector import Kernel
+
+
+class AttentionBackend(Kernel):
+    """One instance per attention layer. Implementations override `forward`.
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values) — the layer's
+    slice of the engine's single cache buffer.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None) -> None:
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        # Query at position p sees keys at positions (p - sliding_window, p]; None: all of [0, p].
+        self.sliding_window = sliding_window
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
+        head_dim]. Returns [num_tokens, num_heads, head_dim]."""
+        raise NotImplementedError

@@ -1,0 +1,97 @@
+"""Paged attention in plain torch: the reference every faster backend is tested against.
+
+Runs on CPU and GPU. Decode-only steps are batched (one gather of every block table); steps with
+prefill chunks loop over sequences, each attending over its cached prefix plus its new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from baryon.kernels.attention.backend import AttentionBackend
+from baryon.kernels.attention.metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into the cache at slot_mapping
+    (slot = block_id * block_size + offset); tokens with slot -1 are not stored."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, H, D]
+    v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    k_flat.index_copy_(0, slot_mapping, key.to(k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(v_flat.dtype))
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    @classmethod
+    def cannot_implement_reason(cls, **config: Any) -> str | None:
+        return None  # any head size, GQA ratio, window, dtype
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        if metadata.max_query_len == 1 and metadata.num_tokens == metadata.num_seqs:
+            return self._decode(query, kv_cache, metadata)
+        output = torch.empty_like(query)
+        starts = metadata.query_start_loc_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        for i, seq_len in enumerate(seq_lens):
+            start, end = starts[i], starts[i + 1]
+            if end > start:
+                output[start:end] = self._attend_one(query[start:end], kv_cache,
+                                                     metadata.block_tables[i], seq_len)
+        return output
+
+    def _mask(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """[..., q, k] boolean: key visible from query (causal, and inside the window if any)."""
+        visible = key_pos.unsqueeze(-2) <= query_pos.unsqueeze(-1)
+        if self.sliding_window is not None:
+            visible &= key_pos.unsqueeze(-2) > query_pos.unsqueeze(-1) - self.sliding_window
+        return visible
+
+    def _attend_one(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_len: int) -> torch.Tensor:
+        """query: [q_len, H, D] -> [q_len, H, D] over the sequence's first seq_len cached tokens."""
+        q_len, block_size = query.shape[0], kv_cache.shape[2]
+        first = 0  # first key position any query can see
+        if self.sliding_window is not None:
+            first = max(0, seq_len - q_len - self.sliding_window + 1)
+        first_block = first // block_size
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[first_block:num_blocks]
+        offset = first_block * block_size
+        keys = kv_cache[0, blocks].flatten(0, 1)[: seq_len - offset]  # [k_len, H_kv, D]
+        values = kv_cache[1, blocks].flatten(0, 1)[: seq_len - offset]
+        key_pos = torch.arange(offset, seq_len, device=query.device)
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        out = F.scaled_dot_product_attention(
+            query.transpose(0, 1), keys.transpose(0, 1).to(query.dtype),
+            values.transpose(0, 1).to(query.dtype), attn_mask=self._mask(query_pos, key_pos),
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(0, 1)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """One query token per sequence: gather every block table at once and mask by length."""
+        block_size = kv_cache.shape[2]
+        max_blocks = -(-metadata.max_seq_len // block_size)
+        tables = metadata.block_tables[:, :max_blocks]
+        keys = kv_cache[0, tables].flatten(1, 2)  # [num_seqs, max_blocks * block_size, H_kv, D]
+        values = kv_cache[1, tables].flatten(1, 2)
+        key_pos = torch.arange(keys.shape[1], device=query.device)
+        query_pos = (metadata.seq_lens - 1).unsqueeze(-1)  # [num_seqs, 1]
+        mask = self._mask(query_pos, key_pos.unsqueeze(0)).unsqueeze(1)  # [num_seqs, 1, 1, k]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2), keys.transpose(1, 2).to(query.dtype),
+            values.transpose(1, 2).to(query.dtype), attn_mask=mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads)  # [num_seqs, H, 1, D]
+        return out.squeeze(2)

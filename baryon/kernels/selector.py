@@ -1,0 +1,80 @@
+"""The kernel selector: each op family lists its implementations in priority order.
+
+An implementation is a class deriving from `Kernel`. It says whether it runs on a device
+(`unsupported_reason`) and whether it can serve a layer's configuration
+(`cannot_implement_reason`), each returning None for yes or a reason for no. The first that
+accepts wins and the choice is logged once. A torch reference is always last, so every op runs
+on CPU. `BARYON_KERNEL_<FAMILY>=<name>` (e.g. `BARYON_KERNEL_ATTENTION=torch`) forces a choice;
+a forced kernel that cannot run is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, ClassVar
+
+import torch
+
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+class Kernel:
+    """Base of every selectable implementation."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        return None
+
+    @classmethod
+    def cannot_implement_reason(cls, **config: Any) -> str | None:
+        return None
+
+
+# family -> "module:Class" in priority order (imported only when considered).
+_REGISTRY: dict[str, list[str]] = {
+    "attention": ["baryon.kernels.attention.torch_paged:TorchPagedAttention"],
+    "rms_norm": ["baryon.kernels.norm:TorchRMSNorm"],
+    "silu_and_mul": ["baryon.kernels.activation:TorchSiluAndMul"],
+    "rotary": ["baryon.kernels.rotary:TorchRotary"],
+    "sampling": ["baryon.kernels.sampling:TorchSampling"],
+}
+_logged: set[tuple[str, str]] = set()
+
+
+def families() -> list[str]:
+    return list(_REGISTRY)
+
+
+def candidates(family: str) -> list[type[Kernel]]:
+    if family not in _REGISTRY:
+        raise ValueError(f"unknown kernel family {family!r}; known: {families()}")
+    classes = []
+    for target in _REGISTRY[family]:
+        module, attr = target.split(":")
+        classes.append(getattr(importlib.import_module(module), attr))
+    return classes
+
+
+def select(family: str, device: torch.device, **config: Any) -> type[Kernel]:
+    """The first implementation of `family` that runs on `device` and accepts `config`."""
+    forced = os.environ.get(f"BARYON_KERNEL_{family.upper()}")
+    reasons = []
+    for cls in candidates(family):
+        if forced and cls.name != forced:
+            continue
+        reason = cls.unsupported_reason(device) or cls.cannot_implement_reason(**config)
+        if reason is None:
+            if (family, cls.name) not in _logged:
+                _logged.add((family, cls.name))
+                logger.info("kernel %s: using %s", family, cls.name)
+            return cls
+        reasons.append(f"{cls.name}: {reason}")
+    if forced and not reasons:
+        names = [c.name for c in candidates(family)]
+        raise ValueError(f"BARYON_KERNEL_{family.upper()}={forced!r} is not a {family} kernel; known: {names}")
+    raise ValueError(f"no {family} kernel can serve {config} on {device}: " + "; ".join(reasons))

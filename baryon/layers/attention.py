@@ -1,0 +1,35 @@
+"""The attention layer: stores this step's keys/values in the paged cache and attends over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baryon.kernels.selector import select
+from baryon.layers.forward_context import current_attn_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.sliding_window = sliding_window
+        backend = select("attention", torch.get_default_device(), head_dim=head_dim,
+                         num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         dtype=torch.get_default_dtype(), sliding_window=sliding_window)
+        self.backend = backend(num_heads, head_dim, num_kv_heads, scale, sliding_window)
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once the
+        # cache is allocated (a plain attribute, not part of the state dict).
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query: [num_tokens, num_heads * head_dim]; key/value: [num_tokens, num_kv_heads *
+        head_dim]. Returns [num_tokens, num_heads * head_dim]."""
+        num_tokens = query.shape[0]
+        output = self.backend.forward(
+            query.view(num_tokens, self.num_heads, self.head_dim),
+            key.view(num_tokens, self.num_kv_heads, self.head_dim),
+            value.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.kv_cache, current_attn_metadata())
+        return output.reshape(num_tokens, self.num_heads * self.head_dim)

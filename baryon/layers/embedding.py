@@ -1,0 +1,51 @@
+"""Vocabulary-parallel input embedding and the LM head (logits only for the tokens sampled)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_world_size
+from baryon.layers.linear import copy_checked
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary rows (padded to equal size)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_size = tp_world_size()
+        self.rows_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = tp_rank() * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.weight.expected_shards = frozenset([None])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected "
+                             f"({self.vocab_size}, {param.shape[1]})")
+        rows = self.vocab_end - self.vocab_start
+        copy_checked(param.data[:rows], loaded[self.vocab_start:self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens] -> [num_tokens, hidden]."""
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(mine, input_ids - self.vocab_start, 0)
+        embedded = F.embedding(local_ids, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return tp_all_reduce(embedded)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to vocabulary logits. Tied models share the embedding's weight."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->
+        [num_sampled, vocab_size] float32 logits."""
+        logits = F.linear(hidden_states, self.weight)
+        return tp_all_gather(logits, dim=-1)[:, : self.vocab_size].float()

@@ -1,0 +1,25 @@
+"""RMSNorm layer with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baryon.kernels.selector import select
+from baryon.layers.linear import copy_checked
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param.data, loaded)
+        self.weight.expected_shards = frozenset([None])
+        self.kernel = select("rms_norm", torch.get_default_device())
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., hidden]. Without residual returns rms_norm(x); with it returns
+        (rms_norm(x + residual), x + residual), the new residual stream."""
+        out, residual_out = self.kernel.forward(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual_out)

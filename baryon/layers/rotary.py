@@ -1,0 +1,117 @@
+"""Rotary position embedding: frequencies for each supported `rope_type`, and the layer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from baryon.kernels.selector import select
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The checkpoint's RoPE settings as one dict with `rope_type` and `rope_theta`, whether the
+    config uses transformers 5's `rope_parameters` or the older `rope_scaling` + `rope_theta`."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return params
+
+
+def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """Returns inv_freq [rotary_dim // 2] float32 and the factor applied to cos/sin."""
+    rope_type = params["rope_type"]
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / params["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3(inv_freq, params), 1.0
+    if rope_type == "yarn":
+        return _yarn(rotary_dim, base, params, max_position)
+    raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, a smooth blend in between."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn(dim: int, base: float, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, ramp between; scale cos/sin by mscale."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style rotary embedding over the first `rotary_dim` features of each head."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, scaling = _inverse_frequencies(rotary_dim, params, max_position)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
+        cos_sin = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
+        # [max_position, rotary_dim] float32, whatever the model dtype.
+        self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
+        self.kernel = select("rotary", torch.get_default_device())
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+        """positions: [num_tokens]; query: [num_tokens, num_heads * head_dim]; key likewise."""
+        return self.kernel.forward(positions, query, key, self.cos_sin_cache, self.head_dim)
+
+
+def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+    params = rope_parameters(hf_config)
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {params['rope_type']!r} (rope_scaling in config.json) is not "
+                         f"supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    return RotaryEmbedding(head_dim, rotary_dim, hf_config.max_position_embeddings, params)

@@ -1,0 +1,91 @@
+"""The sampler: logits of the rows to sample -> next token ids (and logprobs), batched on device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from baryon.kernels.selector import select
+
+
+@dataclass
+class PenaltyInputs:
+    prompt_mask: torch.Tensor  # [B, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor  # [B, V] float32: times the token was generated so far
+    presence: torch.Tensor  # [B] float32
+    frequency: torch.Tensor  # [B] float32
+    repetition: torch.Tensor  # [B] float32
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, already on the device."""
+
+    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] int64 (0 = all); None when no row truncates
+    top_p: torch.Tensor | None  # [B] float32; None when no row truncates
+    min_p: torch.Tensor | None  # [B] float32; None when no row uses it
+    generators: dict[int, torch.Generator]  # row -> the request's own seeded generator
+    penalties: PenaltyInputs | None
+    banned: torch.Tensor | None  # [B, V] bool: tokens that may not be sampled (stop tokens before min_tokens)
+    num_logprobs: int | None  # largest logprobs count asked for in the batch; None: no logprobs
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64
+    # With logprobs: [B, 1 + num_logprobs] ids and logprobs, the sampled token first, then the top ones.
+    logprob_token_ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    sampled_rank: torch.Tensor | None = None  # [B] int64, 1 = most likely
+
+
+class Sampler(nn.Module):
+    def __init__(self, device: torch.device, seed: int) -> None:
+        super().__init__()
+        self.kernel = select("sampling", device)
+        # Draws for the rows that bring no seed of their own.
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [B, V] float32 -> SamplerOutput. Logprobs are those of the model's raw
+        distribution (before penalties, temperature and truncation), as vLLM reports them."""
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
+        if batch.banned is not None:
+            logits = logits.masked_fill(batch.banned, float("-inf"))
+        if batch.penalties is not None:
+            p = batch.penalties
+            logits = self.kernel.apply_penalties(logits, p.prompt_mask, p.output_counts,
+                                                 p.presence, p.frequency, p.repetition)
+        sampled = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            sampled = torch.where(batch.greedy, sampled, self._sample(logits, batch))
+        output = SamplerOutput(sampled=sampled)
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, batch.num_logprobs, output)
+        return output
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        logits = logits / batch.temperature.unsqueeze(1)
+        logits = self.kernel.apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        if batch.min_p is not None:
+            probs = self.kernel.apply_min_p(probs, batch.min_p)
+        # Exponential race: argmax(p / q) with q ~ Exp(1) draws a token with probability p.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in batch.generators.items():
+            noise[row].exponential_(generator=generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(logprobs: torch.Tensor, k: int, output: SamplerOutput) -> None:
+        sampled = output.sampled.unsqueeze(1)
+        sampled_logprob = logprobs.gather(1, sampled)  # [B, 1]
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [B, k]
+        output.logprob_token_ids = torch.cat((sampled, top_ids), dim=1)
+        output.logprobs = torch.cat((sampled_logprob, top_logprobs), dim=1)
+        output.sampled_rank = (logprobs > sampled_logprob).sum(dim=-1) + 1

@@ -1,0 +1,102 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from baryon.config import EngineConfig
+from baryon.engine.llm_engine import LLMEngine, PromptType
+from baryon.outputs import RequestOutput
+from baryon.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. Keyword arguments are those of `baryon.config.EngineArgs`
+    (dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, seed, ...)."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig.create(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                                 f"give one for all or one per prompt")
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(request_ids)  # a bad prompt leaves no half-added batch behind
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to a
+        list of conversations, rendered with the tokenizer's chat template."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this engine has skip_tokenizer_init=True")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.config.model.model!r} has no chat template; "
+                             f"pass chat_template=... (a Jinja template) or use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not conversations or any(not c for c in conversations):
+            raise ValueError("chat needs at least one non-empty conversation of messages")
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=True,
+                                                add_generation_prompt=add_generation_prompt, return_dict=False)
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if not output.finished:
+                        continue
+                    finished[output.request_id] = output
+                    prompt_tokens += len(output.prompt_token_ids)
+                    output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                    elapsed = time.perf_counter() - start
+                    bar.set_postfix_str(f"est. speed input: {prompt_tokens / elapsed:.2f} toks/s, "
+                                        f"output: {output_tokens / elapsed:.2f} toks/s", refresh=False)
+                    bar.update(1)
+        except BaseException:
+            self.engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]

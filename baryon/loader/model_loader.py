@@ -1,0 +1,98 @@
+"""Build a model on its device and fill its parameters from the checkpoint (or randomly)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from baryon.config import ModelConfig
+from baryon.loader.weights import WeightLoadError, iterate_weights, weight_files
+from baryon.logger import get_logger
+from baryon.models.registry import resolve_model_class
+
+logger = get_logger(__name__)
+
+# Checkpoint tensors that are buffers recomputed at build time, not weights.
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
+    model_class = resolve_model_class(config.architecture)
+    with torch.device(device), _default_dtype(config.dtype):
+        model = model_class(config.hf_config)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        files, index = weight_files(config.model_path, config.load_format)
+        load_weights(model, iterate_weights(files, index), config.hf_config)
+    return model.eval()
+
+
+def _target_of(name: str, packed_modules_mapping: dict) -> tuple[str, object]:
+    """Checkpoint tensor name -> (parameter name, shard id); q_proj -> (qkv_proj, 'q') etc."""
+    for packed, parts in packed_modules_mapping.items():
+        for part, shard_id in parts:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{packed}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, str]], hf_config) -> None:
+    """Stream `weights` into the model's parameters through their weight_loaders; any missing,
+    unexpected or mis-shaped tensor is a WeightLoadError naming the tensor and file."""
+    params = dict(model.named_parameters())
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    packed = getattr(model, "packed_modules_mapping", {})
+    loaded: dict[str, set] = defaultdict(set)
+    for name, tensor, file in weights:
+        if name.endswith(_DERIVED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target, shard_id = _target_of(name, packed)
+        param = params.get(target)
+        if param is None:
+            raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {type(model).__name__} "
+                                  f"has no parameter {target!r}")
+        if shard_id in loaded[target]:
+            raise WeightLoadError(f"tensor {name!r} in {file} is loaded twice")
+        try:
+            with torch.no_grad():
+                param.weight_loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise WeightLoadError(f"tensor {name!r} in {file}: {e}") from e
+        loaded[target].add(shard_id)
+    missing = [f"{name} (missing shards {sorted(map(str, p.expected_shards - loaded[name]))})"
+               if len(p.expected_shards) > 1 and loaded[name] else name
+               for name, p in params.items() if loaded[name] != set(p.expected_shards)]
+    if missing:
+        raise WeightLoadError(f"the checkpoint has no tensor for {len(missing)} parameter(s) of "
+                              f"{type(model).__name__}: {', '.join(missing[:10])}"
+                              + (" ..." if len(missing) > 10 else ""))
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of a realistic scale (normal, std 0.02); norms at 1, biases at 0."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            gen = generators.setdefault(param.device, torch.Generator(param.device).manual_seed(seed))
+            param.normal_(0.0, 0.02, generator=gen)
+    logger.info("initialised %s with dummy weights", type(model).__name__)

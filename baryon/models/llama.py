@@ -1,0 +1,157 @@
+"""Llama-family decoder (Llama 2/3, Mistral; Qwen2 and Qwen3 are variants in their own files).
+
+Module names mirror the Hugging Face checkpoint so weights load by name; q/k/v and gate/up are
+fused (`packed_modules_mapping` tells the loader how checkpoint tensors map onto them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from baryon.layers.activation import SiluAndMul
+from baryon.layers.attention import Attention
+from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from baryon.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from baryon.layers.norm import RMSNorm
+from baryon.layers.rotary import get_rope
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """The layer's attention window: per `layer_types` when the config has them (Qwen2/3),
+    otherwise `sliding_window` for every layer (Mistral), else None (full attention)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        head_dim = head_dim_of(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
+                                          num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
+        self.q_size, self.kv_size, self.head_dim = self.qkv_proj.q_size, self.qkv_proj.kv_size, head_dim
+        self.rotary_emb = get_rope(config, head_dim)
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
+                              scale=head_dim ** -0.5, sliding_window=sliding_window_of(config, layer_idx))
+        self.qk_norm = qk_norm
+        if qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, bias: bool) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu'.")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, attention: dict[str, bool], mlp_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, **attention)
+        self.mlp = LlamaMLP(config, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, attention: dict[str, bool], mlp_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention, mlp_bias) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.attention_options(config), self.mlp_bias(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def attention_options(config: Any) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    @staticmethod
+    def mlp_bias(config: Any) -> bool:
+        return bool(getattr(config, "mlp_bias", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: [num_sampled, hidden] -> [num_sampled, vocab] float32."""
+        return self.lm_head.compute_logits(hidden_states)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layers with a sliding window on every layer and no biases."""
+
+    @staticmethod
+    def attention_options(config: Any) -> dict[str, bool]:
+        return {"qkv_bias": False, "o_bias": False, "qk_norm": False}
+
+    @staticmethod
+    def mlp_bias(config: Any) -> bool:
+        return False

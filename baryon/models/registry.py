@@ -1,0 +1,26 @@
+"""Lazy model registry: Hugging Face `architectures[0]` -> "module:Class", imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "baryon.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "baryon.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "baryon.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "baryon.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(f"architecture {architecture!r} (config.json 'architectures') is not supported; "
+                         f"supported: {supported_architectures()}")
+    module, name = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,170 @@
+"""The model runner: owns the model, the KV cache and the sampler; runs one scheduled step.
+
+Each step turns the scheduler's (request, num_new_tokens) list into flat batch tensors and
+attention metadata (built with vectorised numpy), runs the model, computes logits only for the
+rows that are sampled (plus prompt positions whose logprobs were asked for) and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from baryon.config import EngineConfig
+from baryon.request import Request
+from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.layers.attention import Attention
+from baryon.layers.forward_context import forward_context
+from baryon.layers.sampler import Sampler
+from baryon.loader.model_loader import load_model
+from baryon.logger import get_logger
+from baryon.runner.kv_cache_sizing import choose_num_blocks
+from baryon.runner.sampling_inputs import build_sampling_batch
+
+logger = get_logger(__name__)
+
+# (token ids [k+1], logprobs [k+1], rank of the first id): one position's logprobs, the token
+# that was sampled (or, for prompt logprobs, the actual next prompt token) first.
+RawLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token id
+    logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)  # for this chunk
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_rows: list[int]  # token index of each sampling request's last token
+    sampling_requests: list[Request]
+    # (request, first token index, number of rows) for prompt-logprob rows of this chunk.
+    prompt_logprob_spans: list[tuple[Request, int, int]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
+        self.model = load_model(config.model, self.device, config.seed)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = Sampler(self.device, config.seed)
+        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.num_blocks = choose_num_blocks(config, self)
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+
+    def kv_bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attention_layers)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, bound to it."""
+        caches = []
+        for layer in self.attention_layers:
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                dtype=self.config.model.dtype, device=self.device)
+            layer.kv_cache = cache
+            caches.append(cache)
+        return caches
+
+    # -- one step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> ModelRunnerOutput:
+        batch = self._prepare(scheduled)
+        with forward_context(batch.metadata):
+            hidden = self.model(batch.input_ids, batch.positions)  # [num_tokens, hidden]
+        rows = list(batch.sample_rows)
+        for _, start, count in batch.prompt_logprob_spans:
+            rows.extend(range(start, start + count))
+        if not rows:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [rows, vocab]
+        num_sampled = len(batch.sample_rows)
+        output = ModelRunnerOutput()
+        if num_sampled:
+            self._sample(logits[:num_sampled], batch.sampling_requests, output)
+        self._prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans, output)
+        return output
+
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Batch:
+        num_seqs = len(scheduled)
+        num_new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_seqs)
+        computed = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=num_seqs)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
+        positions = np.arange(num_tokens) - query_start[seq_of_token] + computed[seq_of_token]
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        sample_rows, sampling_requests, spans = [], [], []
+        for i, (request, n) in enumerate(scheduled):
+            start, c = int(query_start[i]), request.num_computed_tokens
+            input_ids[start:start + n] = request.all_token_ids[c:c + n]
+            block_tables[i, : len(request.block_ids)] = request.block_ids
+            if c + n == request.num_tokens:
+                sample_rows.append(start + n - 1)
+                sampling_requests.append(request)
+            if request.sampling_params.prompt_logprobs is not None and c < request.num_prompt_tokens - 1:
+                spans.append((request, start, min(c + n, request.num_prompt_tokens - 1) - c))
+        slot_mapping = (block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
+                        * self.block_size + positions % self.block_size)
+        seq_lens = (computed + num_new).astype(np.int32)
+        device = self.device
+        metadata = AttentionMetadata(
+            num_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens).to(device, non_blocking=True),
+            block_tables=torch.from_numpy(block_tables).to(device, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+        )
+        return _Batch(
+            input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True),
+            positions=torch.from_numpy(positions).to(device, non_blocking=True),
+            metadata=metadata, sample_rows=sample_rows, sampling_requests=sampling_requests,
+            prompt_logprob_spans=spans,
+        )
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], output: ModelRunnerOutput) -> None:
+        sampling = build_sampling_batch(requests, self.vocab_size, self.device)
+        result = self.sampler(logits, sampling)
+        sampled = result.sampled.tolist()
+        for request, token in zip(requests, sampled):
+            output.sampled[request.request_id] = token
+        if result.logprobs is None:
+            return
+        ids, values, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_rank.tolist()
+        for i, request in enumerate(requests):
+            k = request.sampling_params.logprobs
+            if k is not None:
+                output.logprobs[request.request_id] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
+
+    def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]],
+                         output: ModelRunnerOutput) -> None:
+        """Logprob of each next prompt token (plus the top-k) at the chunk's prompt positions."""
+        offset = 0
+        for request, start, count in spans:
+            k = request.sampling_params.prompt_logprobs
+            logprobs = logits[offset:offset + count].log_softmax(dim=-1)  # [count, vocab]
+            offset += count
+            first = request.num_computed_tokens + 1  # prompt index of the token predicted by row 0
+            actual = torch.tensor(request.prompt_token_ids[first:first + count], device=self.device).unsqueeze(1)
+            actual_logprob = logprobs.gather(1, actual)
+            ranks = ((logprobs > actual_logprob).sum(dim=-1) + 1).tolist()
+            top_values, top_ids = logprobs.topk(k, dim=-1)
+            ids = torch.cat((actual, top_ids), dim=1).tolist()
+            values = torch.cat((actual_logprob, top_values), dim=1).tolist()
+            output.prompt_logprobs[request.request_id] = list(zip(ids, values, ranks))

@@ -1,0 +1,73 @@
+"""Build the sampler's batched tensors from the requests that sample a token this step."""
+
+from __future__ import annotations
+
+import torch
+
+from baryon.request import Request
+from baryon.layers.sampler import PenaltyInputs, SamplingBatch
+
+
+def _token_matrix(rows: list[list[int]], vocab_size: int, device: torch.device, count: bool) -> torch.Tensor:
+    """[len(rows), vocab_size]: per row, how often each token id occurs (count) or whether it does."""
+    width = max((len(r) for r in rows), default=0)
+    padded = torch.full((len(rows), max(width, 1)), vocab_size, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    padded = padded.to(device)
+    # One spare column (id vocab_size) absorbs the padding.
+    out = torch.zeros(len(rows), vocab_size + 1, device=device)
+    out.scatter_add_(1, padded, torch.ones_like(padded, dtype=out.dtype))
+    out = out[:, :vocab_size]
+    return out if count else out > 0
+
+
+def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+    params = [r.sampling_params for r in requests]
+
+    def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    greedy = [p.is_greedy for p in params]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    penalties = None
+    if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
+        penalties = PenaltyInputs(
+            prompt_mask=_token_matrix([r.prompt_token_ids for r in requests], vocab_size, device, count=False),
+            output_counts=_token_matrix([r.output_token_ids for r in requests], vocab_size, device, count=True),
+            presence=column([p.presence_penalty for p in params], torch.float32),
+            frequency=column([p.frequency_penalty for p in params], torch.float32),
+            repetition=column([p.repetition_penalty for p in params], torch.float32),
+        )
+    banned = None
+    ban_rows = [(i, _stop_ids(r)) for i, r in enumerate(requests)
+                if r.num_output_tokens < r.sampling_params.min_tokens]
+    if any(ids for _, ids in ban_rows):
+        banned = torch.zeros(len(requests), vocab_size, dtype=torch.bool)
+        for i, ids in ban_rows:
+            banned[i, [t for t in ids if t < vocab_size]] = True
+        banned = banned.to(device)
+    asked = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingBatch(
+        temperature=column([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
+        greedy=column(greedy, torch.bool),
+        all_greedy=all(greedy),
+        top_k=column(top_k, torch.int64) if any(top_k) else None,
+        top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+        min_p=column(min_p, torch.float32) if any(min_p) else None,
+        generators={i: r.generator for i, r in enumerate(requests)
+                    if r.generator is not None and not r.sampling_params.is_greedy},
+        penalties=penalties,
+        banned=banned,
+        num_logprobs=max(asked) if asked else None,
+    )
+
+
+def _stop_ids(request: Request) -> list[int]:
+    """Token ids that would end the request (banned until min_tokens are generated)."""
+    ids = list(request.sampling_params.stop_token_ids)
+    if not request.sampling_params.ignore_eos:
+        ids += list(request.eos_token_ids)
+    return ids

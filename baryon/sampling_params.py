@@ -1,0 +1,114 @@
+"""SamplingParams: how to pick each new token and when to stop (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy decoding (argmax).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping parameters.
+
+    Every field is validated on construction; a bad value raises ``ValueError`` that names the
+    field, the value given and what is accepted.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: until the context (max_model_len) is full
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Derived: the stop strings as a list (empty when none).
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif self.stop is None:
+            self.stop_strings = []
+        else:
+            self.stop_strings = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self._validate()
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.is_greedy:
+            # Greedy ignores the truncation parameters; normalise them so batching code can
+            # skip masks nobody asked for.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def _validate(self) -> None:
+        def bad(name: str, accepted: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {accepted}.")
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "it must be an integer >= 1")
+        if not is_number(self.temperature) or not self.temperature >= 0:
+            raise bad("temperature", "it must be a number >= 0 (0 means greedy)")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "it must be in (0, 1]")
+        if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+            raise bad("top_k", "it must be -1 or 0 (all tokens) or an integer >= 1")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "it must be in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "it must be an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -2 <= value <= 2:
+                raise bad(name, "it must be in [-2, 2]")
+        if not is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "it must be a number > 0 (1 means no penalty)")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "it must be an integer >= 1, or None for 'until the context is full'")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "it must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise bad("stop", "it must be a non-empty string or a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "it must be a list of non-negative integer token ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise bad(name, "it must be an integer >= 0 (number of top alternatives) or None")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "it must be True or False")
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of the index-th of n parallel samples (each a separate sequence).
+
+        A seeded request gives sample i the seed ``seed + i`` so the samples differ but the
+        whole request stays reproducible.
+        """
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

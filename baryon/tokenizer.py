@@ -1,0 +1,43 @@
+"""Tokenizer loading and the end-of-sequence ids of a checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r} ({e}); pass tokenizer=... or, to give "
+                         f"token ids only, skip_tokenizer_init=True") from e
+
+
+def eos_token_ids(model_path: str, hf_config: Any, tokenizer: Any | None) -> frozenset[int]:
+    """Every id that ends generation: the tokenizer's EOS and generation_config.json's eos_token_id
+    (an int or a list), falling back to config.json's."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    try:
+        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json
+    if not ids:
+        add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return frozenset(ids)
