@@ -1,0 +1,138 @@
+"""The command line: `baryon generate`.
+
+Engine flags are generated from `EngineArgs` (one flag per field, same defaults and help), so
+the CLI and `LLM(**kwargs)` cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import types
+import typing
+from typing import Any
+
+from baryon.config import EngineArgs
+
+
+def _flag_type(field: dataclasses.Field) -> Any:
+    hint = typing.get_type_hints(EngineArgs)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    return args[0]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_type(field)
+        help_text = field.metadata["help"]
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=field.default, help=f"{help_text} (default: {field.default})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--n", type=int, default=1, help="Samples per prompt")
+    group.add_argument("--max-tokens", type=int, default=16, help="Most new tokens per sample")
+    group.add_argument("--min-tokens", type=int, default=0, help="Fewest new tokens before a stop may end a sample")
+    group.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0, help="0 = all tokens")
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="Seed of each request's own sampling")
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--stop", action="append", default=None, help="Stop string (repeatable)")
+    group.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--logprobs", type=int, default=None, help="Top logprobs per generated token (--json)")
+
+
+def sampling_params_from(args: argparse.Namespace):
+    from baryon.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, stop=args.stop, stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise SystemExit("baryon generate: give --prompt TEXT (repeatable) or --prompts-file FILE")
+    return prompts
+
+
+def _as_json(output) -> dict[str, Any]:
+    def logprobs(entries):
+        if entries is None:
+            return None
+        return [{str(t): {"logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
+                 for t, lp in entry.items()} for entry in entries]
+
+    return {
+        "prompt": output.prompt,
+        "prompt_token_ids": output.prompt_token_ids,
+        "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                     "cumulative_logprob": o.cumulative_logprob, "logprobs": logprobs(o.logprobs)}
+                    for o in output.outputs],
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from baryon.llm import LLM
+
+    prompts = _read_prompts(args)
+    params = sampling_params_from(args)
+    llm = LLM(**engine_kwargs(args))
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    for output in outputs:
+        if args.json:
+            print(json.dumps(_as_json(output), ensure_ascii=False))
+            continue
+        for sample in output.outputs:
+            print(output.prompt + sample.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baryon", description="baryon: a fast LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="Generate text for prompts (offline, in this process)")
+    gen.add_argument("--prompt", action="append", help="A prompt (repeatable)")
+    gen.add_argument("--prompts-file", help="A file of prompts, one per line")
+    gen.add_argument("--json", action="store_true", help="Print one JSON object per prompt")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"baryon {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Shared test helpers: tiny random Hugging Face checkpoints and the shared stories260K model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("BARYON_LOG_LEVEL", "WARNING")
+# Each run draws fresh random inputs from this seed; a failure names it so it can be replayed
+# with BARYON_TEST_SEED=<seed>.
+TEST_SEED = int(os.environ.get("BARYON_TEST_SEED", int.from_bytes(os.urandom(3), "little")))
+
+
+def pytest_report_header(config) -> str:
+    return f"baryon test seed: {TEST_SEED} (replay with BARYON_TEST_SEED={TEST_SEED})"
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test (derived from the session seed and the test's name)."""
+    import zlib
+
+    return (TEST_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31)
+
+STORIES_PATH = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+
+# Small but complete architectures: every feature the engine supports can be switched on.
+BASE_CONFIG = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+    # A large init scale makes the logits decisive: greedy choices are separated by clear
+    # margins, so a numerical bug cannot hide behind a near-tie.
+    initializer_range=0.15,
+)
+
+
+def hf_classes(arch: str):
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+
+
+def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised transformers model of `arch` to `path` (float32 safetensors)."""
+    config_cls, model_cls = hf_classes(arch)
+    config = config_cls(**{**BASE_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(path: Path, prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:
+    """Reference: greedy decoding with full recomputation every step in transformers (eager
+    attention, float32). Returns the new tokens and each one's logprob."""
+    _, model_cls = hf_classes_from_path(path)
+    model = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = list(prompt)
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for _ in range(num_new):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            lp = logits.log_softmax(-1)
+            token = int(lp.argmax())
+            tokens.append(token)
+            logprobs.append(float(lp[token]))
+            ids.append(token)
+    return tokens, logprobs
+
+
+def hf_classes_from_path(path: Path):
+    import json
+
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    return hf_classes({"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                       "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}[arch])
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    if not STORIES_PATH.is_dir():
+        pytest.skip(f"stories260K checkpoint not found at {STORIES_PATH} (it lives in ../shared/models)")
+    return STORIES_PATH
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama checkpoint (GQA 4/2, untied), shared by tests that only read it."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=1)
+
+
+def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (count,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
