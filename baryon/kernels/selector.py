@@ -76,5 +76,5 @@ def select(family: str, device: torch.device, **config: Any) -> type[Kernel]:
         reasons.append(f"{cls.name}: {reason}")
     if forced and not reasons:
         names = [c.name for c in candidates(family)]
-        raise ValueError(f"BARYON_KERNEL_{family.upper()}={forced!r} is not a {family} kernel; known: {names}")
+        raise ValueError(f"BARYON_KERNEL_{family.upper()}={forced!r} names no {family} kernel; known: {names}")
     raise ValueError(f"no {family} kernel can serve {config} on {device}: " + "; ".join(reasons))

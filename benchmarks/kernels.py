@@ -1,0 +1,106 @@
+"""Time every kernel family's selected implementation on representative shapes.
+
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small]
+
+Prints one JSON line per (kernel, shape) with the median time in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from baryon.kernels import selector
+from baryon.kernels.attention.metadata import AttentionMetadata
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _attention_case(device, dtype, num_seqs, q_len, seq_len, heads, kv_heads, head_dim, block_size=16):
+    blocks_per_seq = -(-seq_len // block_size)
+    cache = torch.randn(2, num_seqs * blocks_per_seq, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    tables = torch.arange(num_seqs * blocks_per_seq, device=device, dtype=torch.int32).view(num_seqs, -1)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    starts = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32)
+    positions = torch.arange(seq_len - q_len, seq_len).repeat(num_seqs)
+    seq_of_token = torch.arange(num_seqs).repeat_interleave(q_len)
+    slots = tables.cpu()[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    metadata = AttentionMetadata(num_seqs * q_len, starts.to(device), seq_lens.to(device), tables,
+                                 slots.to(device), q_len, seq_len, starts, seq_lens)
+    tokens = num_seqs * q_len
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+    kv = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
+    return q, kv, cache, metadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    scale = 4 if args.small else 1
+    heads, kv_heads, head_dim, hidden, vocab = 32, 8, 128, 4096, 151936
+    results = []
+
+    def record(kernel: str, shape: str, fn) -> None:
+        us = _time(fn, device, args.repeats)
+        results.append({"kernel": kernel, "shape": shape, "device": str(device), "dtype": str(dtype).split(".")[1],
+                        "median_us": round(us, 1)})
+        print(json.dumps(results[-1]), flush=True)
+
+    attention = selector.select("attention", device)
+    for name, num_seqs, q_len, seq_len in [("decode", 64 // scale, 1, 1024 // scale),
+                                           ("prefill", 4 // min(scale, 4) or 1, 512 // scale, 512 // scale)]:
+        q, kv, cache, md = _attention_case(device, dtype, num_seqs, q_len, seq_len, heads, kv_heads, head_dim)
+        impl = attention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
+        record(f"attention.{attention.name}", f"{name} seqs={num_seqs} q={q_len} kv={seq_len}",
+               lambda: impl.forward(q, kv, kv, cache, md))
+
+    tokens = 256 // scale
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    weight = torch.ones(hidden, device=device, dtype=dtype)
+    norm = selector.select("rms_norm", device)
+    record(f"rms_norm.{norm.name}", f"tokens={tokens} hidden={hidden} +residual",
+           lambda: norm.forward(x, weight, 1e-6, x))
+    act = selector.select("silu_and_mul", device)
+    gate_up = torch.randn(tokens, 2 * 12288 // scale, device=device, dtype=dtype)
+    record(f"silu_and_mul.{act.name}", f"tokens={tokens} d={12288 // scale}", lambda: act.forward(gate_up))
+    rope = selector.select("rotary", device)
+    positions = torch.arange(tokens, device=device)
+    cos_sin = torch.randn(4096, head_dim, device=device)
+    q2, k2 = torch.randn(tokens, heads * head_dim, device=device, dtype=dtype), torch.randn(
+        tokens, kv_heads * head_dim, device=device, dtype=dtype)
+    record(f"rotary.{rope.name}", f"tokens={tokens} heads={heads}/{kv_heads} d={head_dim}",
+           lambda: rope.forward(positions, q2, k2, cos_sin, head_dim))
+    sampling = selector.select("sampling", device)
+    rows = 64 // scale
+    logits = torch.randn(rows, vocab, device=device)
+    top_k = torch.full((rows,), 50, device=device)
+    top_p = torch.full((rows,), 0.9, device=device)
+    record(f"sampling.{sampling.name}", f"top_k_top_p rows={rows} vocab={vocab}",
+           lambda: sampling.apply_top_k_top_p(logits, top_k, top_p))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Kernels against independent references: paged attention vs dense attention, RoPE, RMSNorm,
+SiLU-and-mul, and the kernel selector's rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from baryon.kernels import selector
+from baryon.kernels.activation import TorchSiluAndMul
+from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.attention.torch_paged import TorchPagedAttention
+from baryon.kernels.norm import TorchRMSNorm
+from baryon.kernels.rotary import TorchRotary
+
+
+def dense_attention(q, k, v, scale, window):
+    """q: [q_len, H, D] for the last q_len positions of k/v [seq_len, H_kv, D]; float64 softmax."""
+    q_len, heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    k = k.repeat_interleave(heads // kv_heads, dim=1).double()
+    v = v.repeat_interleave(heads // kv_heads, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+    k_pos = torch.arange(seq_len).unsqueeze(0)
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+
+
+def _case(gen, seqs, heads, kv_heads, head_dim, block_size):
+    """Random paged layout for sequences given as (cached_len, new_len)."""
+    max_blocks = max(-(-(c + n) // block_size) for c, n in seqs)
+    num_blocks = len(seqs) * max_blocks + 3
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # blocks scattered over the cache
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+    full_k, full_v, queries, new_k, new_v, slots = [], [], [], [], [], []
+    for i, (cached, new) in enumerate(seqs):
+        length = cached + new
+        blocks = [perm.pop() for _ in range(-(-length // block_size))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        k = torch.randn(length, kv_heads, head_dim, generator=gen)
+        v = torch.randn(length, kv_heads, head_dim, generator=gen)
+        for pos in range(cached):  # the prefix is already in the cache
+            cache[0, blocks[pos // block_size], pos % block_size] = k[pos]
+            cache[1, blocks[pos // block_size], pos % block_size] = v[pos]
+        full_k.append(k), full_v.append(v)
+        queries.append(torch.randn(new, heads, head_dim, generator=gen))
+        new_k.append(k[cached:]), new_v.append(v[cached:])
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, length)]
+    q_lens = [n for _, n in seqs]
+    seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    metadata = AttentionMetadata(
+        num_tokens=sum(q_lens), query_start_loc=starts, seq_lens=seq_lens, block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), max_query_len=max(q_lens),
+        max_seq_len=int(seq_lens.max()), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    return cache, metadata, torch.cat(queries), torch.cat(new_k), torch.cat(new_v), full_k, full_v
+
+
+SHAPES = [  # (heads, kv_heads, head_dim, block_size, window)
+    (4, 4, 16, 4, None), (8, 2, 32, 8, None), (6, 1, 8, 16, None), (4, 2, 64, 4, 5), (8, 4, 16, 2, 1),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", SHAPES)
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window, kind):
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "decode":
+        seqs = [(int(torch.randint(0, 30, (1,), generator=gen)), 1) for _ in range(5)]
+    else:  # prefills with and without a cached prefix, decodes, a length-1 prompt
+        seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (3, 1), (20, 13)]
+    cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
+    scale = 1 / math.sqrt(head_dim)
+    attn = TorchPagedAttention(heads, head_dim, kv_heads, scale, window)
+    out = attn.forward(q, k, v, cache, metadata)
+    start = 0
+    for (cached, new), fk, fv in zip(seqs, full_k, full_v):
+        expected = dense_attention(q[start:start + new], fk, fv, scale, window)
+        torch.testing.assert_close(out[start:start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
+
+
+def test_store_skips_padding_slots(seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    from baryon.kernels.attention.torch_paged import store_kv
+
+    store_kv(key, value, cache, torch.tensor([5, -1, 14]))
+    flat = cache.view(2, -1, 2, 8)
+    torch.testing.assert_close(flat[0, 5], key[0])
+    torch.testing.assert_close(flat[1, 14], value[2])
+    assert int((flat.abs().sum((-1, -2)) > 0).sum()) == 4  # only two slots written, K and V
+
+
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+def test_rotary_matches_transformers(seed, rotary_fraction):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(seed)
+    head_dim, heads, kv_heads, tokens = 32, 4, 2, 11
+    rotary_dim = int(head_dim * rotary_fraction)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    positions = torch.randint(0, 100, (tokens,), generator=gen)
+    freqs = torch.outer(torch.arange(128).float(), inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    q = torch.randn(tokens, heads * head_dim, generator=gen)
+    k = torch.randn(tokens, kv_heads * head_dim, generator=gen)
+    q_out, k_out = TorchRotary.forward(positions, q, k, cache, head_dim)
+    emb = torch.cat((freqs[positions], freqs[positions]), dim=-1)  # HF layout: [tokens, rotary_dim]
+    q_heads, k_heads = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    q_ref, k_ref = apply_rotary_pos_emb(q_heads[..., :rotary_dim].transpose(0, 1).unsqueeze(0),
+                                        k_heads[..., :rotary_dim].transpose(0, 1).unsqueeze(0),
+                                        emb.cos().unsqueeze(0), emb.sin().unsqueeze(0))
+    q_ref = torch.cat((q_ref[0].transpose(0, 1), q_heads[..., rotary_dim:]), -1).flatten(1)
+    k_ref = torch.cat((k_ref[0].transpose(0, 1), k_heads[..., rotary_dim:]), -1).flatten(1)
+    torch.testing.assert_close(q_out, q_ref)
+    torch.testing.assert_close(k_out, k_ref)
+
+
+def test_rms_norm_with_residual_matches_transformers(seed):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = torch.randn(7, 48, generator=gen), torch.randn(7, 48, generator=gen)
+    weight = torch.randn(48, generator=gen)
+    ref = LlamaRMSNorm(48, eps=1e-6)
+    ref.weight.data.copy_(weight)
+    out, new_residual = TorchRMSNorm.forward(x, weight, 1e-6, residual)
+    torch.testing.assert_close(new_residual, x + residual)
+    torch.testing.assert_close(out, ref(x + residual))
+    plain, none = TorchRMSNorm.forward(x, weight, 1e-6)
+    assert none is None
+    torch.testing.assert_close(plain, ref(x))
+
+
+def test_silu_and_mul(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 2 * 24, generator=gen)
+    gate, up = x[:, :24], x[:, 24:]
+    torch.testing.assert_close(TorchSiluAndMul.forward(x), gate * torch.sigmoid(gate) * up)
+
+
+def test_selector_falls_back_and_can_be_forced(monkeypatch):
+    cpu = torch.device("cpu")
+    for family in selector.families():
+        assert selector.select(family, cpu).name == "torch"  # every family runs on CPU
+    monkeypatch.setenv("BARYON_KERNEL_ATTENTION", "torch")
+    assert selector.select("attention", cpu) is TorchPagedAttention
+    monkeypatch.setenv("BARYON_KERNEL_ATTENTION", "nonexistent")
+    with pytest.raises(ValueError, match="names no attention kernel"):
+        selector.select("attention", cpu)
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        selector.select("nope", cpu)
