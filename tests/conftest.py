@@ -25,7 +25,8 @@ def seed(request) -> int:
 
     return (TEST_SEED + zlib.crc32(request.node.nodeid.encode())) % (2**31)
 
-STORIES_PATH = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES_PATH = Path(os.environ.get(
+    "BARYON_STORIES_PATH", Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"))
 
 # Small but complete architectures: every feature the engine supports can be switched on.
 BASE_CONFIG = dict(

@@ -7,6 +7,7 @@ tokens as transformers for 32 new tokens, with the chosen tokens' logprobs withi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from baryon import LLM, SamplingParams
 from conftest import hf_greedy, make_checkpoint, random_prompts
@@ -37,12 +38,17 @@ CASES = [
 ]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs a CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name,arch,overrides", CASES, ids=[c[0] for c in CASES])
-def test_greedy_parity_with_transformers(tmp_path, seed, name, arch, overrides):
+def test_greedy_parity_with_transformers(tmp_path, seed, name, arch, overrides, device):
     path = make_checkpoint(tmp_path / name, arch, seed=seed, **overrides)
     prompts = random_prompts(3, 128, 5, 20, seed)
-    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
-              max_num_batched_tokens=16)  # small blocks and chunked prefill exercise the paging
+    llm = LLM(str(path), skip_tokenizer_init=True, device=device, dtype="float32", block_size=4,
+              max_num_batched_tokens=16, kv_cache_memory_gib=0.01)  # small blocks and chunked prefill exercise the paging
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
