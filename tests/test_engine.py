@@ -1,0 +1,110 @@
+"""Engine behaviour end to end on a tiny model: abort, stopping rules, context limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from baryon import LLM, SamplingParams
+from conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), skip_tokenizer_init=True, device="cpu", block_size=4, max_model_len=64)
+
+
+def _greedy(llm, prompt, **kwargs):
+    params = SamplingParams(temperature=0, ignore_eos=True, **{"max_tokens": 12, **kwargs})
+    return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+
+
+def _all_blocks_free(llm) -> bool:
+    block_manager = llm.engine.core.block_manager
+    return block_manager.num_free_blocks == block_manager.num_blocks
+
+
+def test_abort_mid_generation_frees_blocks_and_spares_others(llm, seed):
+    prompts = random_prompts(3, 128, 6, 20, seed)
+    expected = [_greedy(llm, p, max_tokens=15).token_ids for p in prompts]
+    engine = llm.engine
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=15)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    finished = {}
+    for step in range(100):
+        if step == 3:
+            engine.abort_request(["r1"])
+            assert "r1" not in engine.core.requests
+        for out in engine.step():
+            assert out.request_id != "r1" or step < 3
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finished) == {"r0", "r2"}
+    assert finished["r0"] == expected[0] and finished["r2"] == expected[2]
+    assert _all_blocks_free(llm)
+
+
+def test_stop_token_ids_and_eos(llm, seed):
+    prompt = random_prompts(1, 128, 5, 10, seed)[0]
+    free_run = _greedy(llm, prompt, max_tokens=12).token_ids
+    stop_at = free_run[4]
+    first = free_run.index(stop_at)
+    out = _greedy(llm, prompt, stop_token_ids=[stop_at])
+    assert out.token_ids == free_run[: first + 1]  # the stop token is kept in token_ids
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens holds the stop token off: it is banned until then, so the output changes.
+    held = _greedy(llm, prompt, stop_token_ids=[stop_at], min_tokens=first + 2, max_tokens=first + 2)
+    assert stop_at not in held.token_ids[: first + 2] and len(held.token_ids) == first + 2
+
+
+def test_eos_from_generation_config(llm, tiny_llama, tmp_path, seed):
+    import json
+    import shutil
+
+    prompt = random_prompts(1, 128, 5, 10, seed)[0]
+    free_run = _greedy(llm, prompt, max_tokens=12).token_ids
+    eos = free_run[6]
+    folder = shutil.copytree(tiny_llama, tmp_path / "eos")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 127]}))
+    eos_llm = LLM(str(folder), skip_tokenizer_init=True, device="cpu", block_size=4, max_model_len=64)
+    assert {eos, 127} <= eos_llm.engine.eos_token_ids
+    params = SamplingParams(temperature=0, max_tokens=12)
+    out = eos_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run[: free_run.index(eos) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    ignoring = _greedy(eos_llm, prompt, max_tokens=12)
+    assert ignoring.token_ids == free_run and ignoring.finish_reason == "length"
+
+
+def test_max_tokens_none_runs_to_the_context_end(llm, seed):
+    prompt = random_prompts(1, 128, 50, 50, seed)[0]
+    out = _greedy(llm, prompt, max_tokens=None)
+    assert len(out.token_ids) == 64 - 50 and out.finish_reason == "length"
+    longest = random_prompts(1, 128, 63, 63, seed)[0]
+    assert len(_greedy(llm, longest, max_tokens=5).token_ids) == 1  # only one slot of context left
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        _greedy(llm, longest + [1])
+    assert _all_blocks_free(llm)
+
+
+def test_logprobs_are_consistent(llm, seed):
+    prompt = random_prompts(1, 128, 5, 10, seed)[0]
+    out = _greedy(llm, prompt, logprobs=3, max_tokens=6)
+    assert len(out.logprobs) == 6
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        top = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in top] == [1, 2, 3]
+        assert top[0].logprob >= top[1].logprob >= top[2].logprob
+        total += entry[token].logprob
+    assert out.cumulative_logprob == pytest.approx(total)
+
+
+def test_dummy_weights_generate(tiny_llama):
+    llm = LLM(str(tiny_llama), load_format="dummy", skip_tokenizer_init=True, device="cpu")
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
