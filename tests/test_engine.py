@@ -108,3 +108,21 @@ def test_dummy_weights_generate(tiny_llama):
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama, seed):
+    """A prompt_logprobs request preempted during its prefill recomputes them from scratch."""
+    prompts = [random_prompts(1, 128, 20, 20, seed)[0], random_prompts(1, 128, 40, 40, seed + 1)[0]]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)]
+
+    def run(num_kv_blocks):
+        llm = LLM(str(tiny_llama), skip_tokenizer_init=True, device="cpu", block_size=4, max_model_len=64,
+                  max_num_batched_tokens=8, num_kv_blocks=num_kv_blocks)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[1]
+
+    roomy, tight = run(64), run(16)  # 16 blocks of 4 forces the second request out repeatedly
+    assert len(tight.prompt_logprobs) == len(prompts[1]) == len(roomy.prompt_logprobs)
+    for a, b in zip(roomy.prompt_logprobs[1:], tight.prompt_logprobs[1:]):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)

@@ -95,11 +95,13 @@ class EngineCore:
     def _update(self, scheduled: list[tuple[Request, int]], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         for request, num_new in scheduled:
-            request.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(request)
             rid = request.request_id
             if rid in result.prompt_logprobs:
-                self._prompt_logprobs.setdefault(rid, []).extend(result.prompt_logprobs[rid])
+                # A prefill recomputed after preemption starts again from 0: start the list again.
+                previous = self._prompt_logprobs.get(rid, []) if request.num_computed_tokens else []
+                self._prompt_logprobs[rid] = previous + result.prompt_logprobs[rid]
+            request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
             token = result.sampled.get(rid)
             if token is None:
                 continue

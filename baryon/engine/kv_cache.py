@@ -36,8 +36,6 @@ class BlockManager:
         # Blocks with ref_count 0, least recently freed first (evicted first).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        self.num_hit_tokens = 0  # prefix-cache statistics
-        self.num_queried_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,8 +71,6 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * self.block_size
         return hits
 
     def cache_full_blocks(self, request: Request) -> None:
