@@ -148,6 +148,8 @@ def _check_user_values(args: EngineArgs) -> None:
     for name in ("max_model_len", "num_kv_blocks"):
         if getattr(args, name) is not None:
             positive_int(name)
+    if not isinstance(args.seed, int) or isinstance(args.seed, bool) or not 0 <= args.seed < 2**63:
+        raise ValueError(f"seed={args.seed!r} is invalid: it must be an integer in [0, 2**63).")
     if args.block_size & (args.block_size - 1) or args.block_size > 1024:
         raise ValueError(f"block_size={args.block_size} is invalid: it must be a power of two <= 1024.")
     if not 0 < args.gpu_memory_utilization <= 1:

@@ -22,15 +22,15 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
 
 def _download(repo_id: str, revision: str | None, download_dir: str | None) -> str:
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         files = HfApi().list_repo_files(repo_id, revision=revision)
         weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else ["*.bin"]
         return snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
                                  allow_patterns=_CONFIG_AND_TOKENIZER + weights)
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
-        # Offline or unreachable: a previously downloaded snapshot still works.
+    except Exception as e:  # offline, unreachable, unknown repo, no access: the HTTP errors vary
+        # A previously downloaded snapshot still works.
         try:
             return snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True)
         except (LocalEntryNotFoundError, OSError):

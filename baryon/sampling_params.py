@@ -78,8 +78,8 @@ class SamplingParams:
             raise bad("top_k", "it must be -1 or 0 (all tokens) or an integer >= 1")
         if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "it must be in [0, 1]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "it must be an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed <= 2**63 - self.n):
+            raise bad("seed", "it must be an integer in [-2**63, 2**63 - n] or None")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_number(value) or not -2 <= value <= 2:

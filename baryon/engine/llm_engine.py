@@ -72,9 +72,13 @@ class LLMEngine:
         text, ids = self.process_prompt(prompt)
         self.check_params(params)
         core_ids = self.output_processor.add_request(request_id, text, ids, params)
-        for i, core_id in enumerate(core_ids):
-            self.core.add_request(core_id, ids, params.for_sample(i) if params.n > 1 else params,
-                                  self.eos_token_ids)
+        try:
+            for i, core_id in enumerate(core_ids):
+                self.core.add_request(core_id, ids, params.for_sample(i) if params.n > 1 else params,
+                                      self.eos_token_ids)
+        except Exception:
+            self.abort_request([request_id])  # all or nothing: no sample of a refused request stays
+            raise
 
     def abort_request(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -1,0 +1,38 @@
+"""Built-in model presets for benchmarks: the configs of published checkpoints, without weights.
+
+`resolve_model("qwen3-8b")` writes the preset's config.json into a cache folder and returns it, so
+`LLM(folder, load_format="dummy", skip_tokenizer_init=True)` builds the real architecture with
+random weights and no download. Any other value is returned unchanged (a path or repo id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+_QWEN3_COMMON = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, head_dim=128,
+    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+    attention_bias=False, attention_dropout=0.0, torch_dtype="bfloat16", bos_token_id=151643,
+    eos_token_id=151645, use_sliding_window=False, sliding_window=None, max_window_layers=28,
+)
+
+PRESETS: dict[str, dict] = {
+    # Qwen/Qwen3-0.6B
+    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+
+def resolve_model(model: str) -> str:
+    if model not in PRESETS:
+        return model
+    folder = os.path.join(tempfile.gettempdir(), "baryon-presets", model)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(PRESETS[model], f, indent=1)
+    return folder
