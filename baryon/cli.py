@@ -112,6 +112,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(f"baryon.bench.{args.benchmark}").main(args.bench_args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baryon", description="baryon: a fast LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="Run a benchmark (prints one JSON line)",
+                           description="baryon bench latency|throughput [flags]; see "
+                                       "`baryon bench latency --help` for each benchmark's flags")
+    bench.add_argument("benchmark", choices=["latency", "throughput"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> dict:
     from baryon.sampling_params import SamplingParams
 
     llm, startup = build_llm(args)
-    prompts = random_token_prompts(random.Random(0), [args.input_len] * args.batch_size)
+    vocab = llm.config.model.vocab_size
+    prompts = random_token_prompts(random.Random(0), [args.input_len] * args.batch_size, min(vocab, 10000))
 
     def timed(max_tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -42,10 +43,10 @@ def run(args: argparse.Namespace) -> dict:
     for _ in range(args.num_iters):
         # Prefix caching would serve the repeated prompts from cache: vary the first token.
         for p in prompts:
-            p["prompt_token_ids"][0] = (p["prompt_token_ids"][0] + 1) % 10000
+            p["prompt_token_ids"][0] = (p["prompt_token_ids"][0] + 1) % min(vocab, 10000)
         first = timed(1)
         for p in prompts:
-            p["prompt_token_ids"][0] = (p["prompt_token_ids"][0] + 1) % 10000
+            p["prompt_token_ids"][0] = (p["prompt_token_ids"][0] + 1) % min(vocab, 10000)
         full = timed(args.output_len)
         ttfts.append(first)
         tpots.append((full - first) / (args.output_len - 1))

@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def workload(name: str, num_requests: int | None):
+def workload(name: str, num_requests: int | None, vocab_size: int):
     from baryon.sampling_params import SamplingParams
 
     rng = random.Random(0)
@@ -36,13 +36,14 @@ def workload(name: str, num_requests: int | None):
         n = num_requests or 16
         input_lens = [2048] * n
         params = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)] * n
-    return random_token_prompts(rng, input_lens), params
+    return random_token_prompts(rng, input_lens, min(vocab_size, 10000)), params
 
 
 def run(args: argparse.Namespace) -> dict:
     llm, startup = build_llm(args)
-    prompts, params = workload(args.workload, args.num_requests)
-    warm_prompts, warm_params = workload(args.workload, 4)
+    vocab = llm.config.model.vocab_size
+    prompts, params = workload(args.workload, args.num_requests, vocab)
+    warm_prompts, warm_params = workload(args.workload, 4, vocab)
     llm.generate(warm_prompts, warm_params, use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -69,8 +69,9 @@ class TorchPagedAttention(AttentionBackend):
         num_blocks = -(-seq_len // block_size)
         blocks = block_table[first_block:num_blocks]
         offset = first_block * block_size
-        keys = kv_cache[0, blocks].flatten(0, 1)[: seq_len - offset]  # [k_len, H_kv, D]
-        values = kv_cache[1, blocks].flatten(0, 1)[: seq_len - offset]
+        blocks = blocks.long()
+        keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[: seq_len - offset]  # [k_len, H_kv, D]
+        values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[: seq_len - offset]
         key_pos = torch.arange(offset, seq_len, device=query.device)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         out = F.scaled_dot_product_attention(
@@ -84,9 +85,11 @@ class TorchPagedAttention(AttentionBackend):
         """One query token per sequence: gather every block table at once and mask by length."""
         block_size = kv_cache.shape[2]
         max_blocks = -(-metadata.max_seq_len // block_size)
-        tables = metadata.block_tables[:, :max_blocks]
-        keys = kv_cache[0, tables].flatten(1, 2)  # [num_seqs, max_blocks * block_size, H_kv, D]
-        values = kv_cache[1, tables].flatten(1, 2)
+        tables = metadata.block_tables[:, :max_blocks].flatten().long()
+        shape = (metadata.num_seqs, max_blocks * block_size, *kv_cache.shape[3:])
+        # index_select, not advanced indexing: the latter is orders of magnitude slower on CPU.
+        keys = kv_cache[0].index_select(0, tables).view(shape)  # [num_seqs, max_blocks * block_size, H_kv, D]
+        values = kv_cache[1].index_select(0, tables).view(shape)
         key_pos = torch.arange(keys.shape[1], device=query.device)
         query_pos = (metadata.seq_lens - 1).unsqueeze(-1)  # [num_seqs, 1]
         mask = self._mask(query_pos, key_pos.unsqueeze(0)).unsqueeze(1)  # [num_seqs, 1, 1, k]
