@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = field.metadata["help"]
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+        elif typing.get_origin(kind) is list:
+            group.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=field.default, help=help_text)
         else:
             group.add_argument(flag, type=kind, default=field.default, help=f"{help_text} (default: {field.default})")
 

@@ -51,6 +51,9 @@ class EngineArgs:
     load_format: str = _arg("auto", "auto|safetensors|pt|dummy (dummy: random weights, for benchmarks)")
     skip_tokenizer_init: bool = _arg(False, "No tokenizer: prompts must be token ids; outputs carry ids only")
     max_logprobs: int = _arg(20, "Largest logprobs / prompt_logprobs a request may ask for")
+    enforce_eager: bool = _arg(False, "GPU: run every step eagerly (no CUDA graphs)")
+    cuda_graph_sizes: list[int] | None = _arg(
+        None, "GPU: decode batch sizes to capture (default: 1, 2, 4, 8, then every 16 up to max_num_seqs)")
 
 
 @dataclass
@@ -84,6 +87,12 @@ class CacheConfig:
 
 
 @dataclass
+class CompilationConfig:
+    enforce_eager: bool
+    cuda_graph_sizes: list[int] | None
+
+
+@dataclass
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -95,6 +104,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    compilation: CompilationConfig
     device: torch.device
     seed: int
 
@@ -124,7 +134,9 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        return cls(model=model, cache=cache, scheduler=scheduler, device=device, seed=args.seed)
+        compilation = CompilationConfig(enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
+        return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
+                   seed=args.seed)
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -150,6 +162,10 @@ def _check_user_values(args: EngineArgs) -> None:
             positive_int(name)
     if not isinstance(args.seed, int) or isinstance(args.seed, bool) or not 0 <= args.seed < 2**63:
         raise ValueError(f"seed={args.seed!r} is invalid: it must be an integer in [0, 2**63).")
+    sizes = args.cuda_graph_sizes
+    if sizes is not None and (not isinstance(sizes, (list, tuple)) or not sizes or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)):
+        raise ValueError(f"cuda_graph_sizes={sizes!r} is invalid: it must be a non-empty list of integers >= 1.")
     if args.block_size & (args.block_size - 1) or args.block_size > 1024:
         raise ValueError(f"block_size={args.block_size} is invalid: it must be a power of two <= 1024.")
     if not 0 < args.gpu_memory_utilization <= 1:

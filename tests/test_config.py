@@ -223,6 +223,8 @@ def _random_value(field: dataclasses.Field, rng: random.Random):
         return (field.default or 0) + rng.randrange(1, 1000)
     if kind is float:
         return round((field.default or 0) + rng.uniform(0.01, 0.09), 6)
+    if typing.get_origin(kind) is list:
+        return sorted(rng.sample(range(1, 512), rng.randrange(1, 5)))
     return f"value-{field.name}-{rng.randrange(10**6)}"
 
 
@@ -247,6 +249,8 @@ def test_cli_flags_round_trip(seed):
         value = values[f.name]
         if isinstance(value, bool):
             groups.append([_flag(f.name) if value else "--no-" + f.name.replace("_", "-")])
+        elif isinstance(value, list):
+            groups.append([_flag(f.name), *map(str, value)])
         else:
             groups.append([_flag(f.name), str(value)])
     for _ in range(2):  # in field order, then shuffled: the order does not matter

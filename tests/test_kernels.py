@@ -159,3 +159,17 @@ def test_selector_falls_back_and_can_be_forced(monkeypatch):
         selector.select("attention", cpu)
     with pytest.raises(ValueError, match="unknown kernel family"):
         selector.select("nope", cpu)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 16, 17, 100, 256, 300])
+def test_every_decode_batch_size_maps_to_a_captured_graph(max_num_seqs):
+    from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
+
+    sizes = default_capture_sizes(max_num_seqs)
+    assert sizes[-1] == max_num_seqs and sizes == sorted(set(sizes))
+    assert all(s in sizes for s in (1, 2, 4, 8, 16, 32, 48) if s < max_num_seqs)
+    runner = CUDAGraphRunner(torch.nn.Identity(), sizes, max_blocks_per_seq=4, device=torch.device("cpu"))
+    for n in range(1, max_num_seqs + 1):  # every batch the scheduler can form (<= max_num_seqs)
+        padded = runner.padded_size(n)
+        assert padded in sizes and 0 <= padded - n < 16  # a graph exists, padding under one step
+    assert runner.padded_size(max_num_seqs + 1) is None  # larger batches run eagerly

@@ -20,6 +20,7 @@ from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler
 from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
+from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.sampling_inputs import build_sampling_batch
 
@@ -60,6 +61,20 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.num_blocks = choose_num_blocks(config, self)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.graph_runner = self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
+        if self.device.type != "cuda" or self.config.compilation.enforce_eager:
+            return None
+        unsafe = sorted({a.backend.name for a in self.attention_layers if not a.backend.cuda_graph_safe})
+        if unsafe:
+            logger.info("CUDA graphs off: attention backend %s cannot be captured", unsafe)
+            return None
+        sizes = self.config.compilation.cuda_graph_sizes or default_capture_sizes(
+            self.config.scheduler.max_num_seqs)
+        runner = CUDAGraphRunner(self.model, sizes, self.max_blocks_per_seq, self.device)
+        runner.capture()
+        return runner
 
     def kv_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()
@@ -80,8 +95,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelRunnerOutput:
         batch = self._prepare(scheduled)
-        with forward_context(batch.metadata):
-            hidden = self.model(batch.input_ids, batch.positions)  # [num_tokens, hidden]
+        if self._can_replay(batch):
+            hidden = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)
+        else:
+            with forward_context(batch.metadata):
+                hidden = self.model(batch.input_ids, batch.positions)  # [num_tokens, hidden]
         rows = list(batch.sample_rows)
         for _, start, count in batch.prompt_logprob_spans:
             rows.extend(range(start, start + count))
@@ -94,6 +112,12 @@ class ModelRunner:
             self._sample(logits[:num_sampled], batch.sampling_requests, output)
         self._prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans, output)
         return output
+
+    def _can_replay(self, batch: _Batch) -> bool:
+        """A decode-only step (one token per sequence) small enough for a captured graph."""
+        md = batch.metadata
+        return (self.graph_runner is not None and md.num_tokens == md.num_seqs
+                and self.graph_runner.padded_size(md.num_seqs) is not None)
 
     def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Batch:
         num_seqs = len(scheduled)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
@@ -14,6 +16,10 @@ class AttentionBackend(Kernel):
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (keys, values) — the layer's
     slice of the engine's single cache buffer.
     """
+
+    # True when forward() launches only work whose sizes and loop bounds live in device memory,
+    # so a decode step can be captured in a CUDA graph and replayed with new inputs.
+    cuda_graph_safe: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  sliding_window: int | None) -> None:

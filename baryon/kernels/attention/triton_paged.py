@@ -1,0 +1,188 @@
+"""Paged attention in Triton: one kernel for a mixed batch of decodes and (chunked) prefills.
+
+Grid: (sequence, query tile, KV head). A program takes BLOCK_Q query tokens of one sequence and
+all the query heads that share one KV head (GQA: the tile holds BLOCK_Q x group rows), then
+walks the sequence's block table in TILE_N-token steps with an online softmax. Programs whose
+query tile lies past their sequence's query length return at once, so one launch serves a step
+whatever its mix. The loop bounds come from device memory (seq_lens, query_start_loc), so the
+launch can be captured in a CUDA graph.
+
+The KV write is a separate small kernel (`store_kv`) that skips slots of -1 (padding).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from baryon.kernels.attention.backend import AttentionBackend
+from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.selector import triton_interpreter_forced
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the selector then falls back to the torch reference
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
+                         stride_kt, stride_vt, stride_cache_slot,
+                         ROW: tl.constexpr, ROW_PADDED: tl.constexpr):
+        token = tl.program_id(0)
+        slot = tl.load(slot_mapping + token)
+        if slot < 0:
+            return
+        offs = tl.arange(0, ROW_PADDED)
+        mask = offs < ROW
+        k = tl.load(key + token * stride_kt + offs, mask=mask)
+        v = tl.load(value + token * stride_vt + offs, mask=mask)
+        tl.store(k_cache + slot * stride_cache_slot + offs, k, mask=mask)
+        tl.store(v_cache + slot * stride_cache_slot + offs, v, mask=mask)
+
+    @triton.jit
+    def _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos, kv_head, m_i, l_i, acc,
+                     dims, dim_valid, scale, stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
+                     PAGE: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr):
+        """One TILE_N-token step of the online softmax over keys [start, start + TILE_N)."""
+        key_pos = start + tl.arange(0, TILE_N)
+        key_valid = key_pos < last_pos
+        page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_valid, other=0)
+        slot_offset = page.to(tl.int64) * stride_cache_block + (key_pos % PAGE) * stride_cache_slot
+        kv_offset = slot_offset[:, None] + kv_head * stride_cache_head + dims[None, :]
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = tl.load(k_cache + kv_offset, mask=kv_mask, other=0.0)  # [TILE_N, D]
+        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, TILE_N]
+        visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        if WINDOW > 0:
+            visible = visible & (key_pos[None, :] > q_pos[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache + kv_offset, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _paged_attention_kernel(
+        query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
+        TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        q_tile = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        q_start = tl.load(query_start_loc + seq)
+        q_len = tl.load(query_start_loc + seq + 1) - q_start
+        if q_tile * BLOCK_Q >= q_len:
+            return
+        seq_len = tl.load(seq_lens + seq)
+        context = seq_len - q_len  # tokens already in the cache before this step
+
+        rows = tl.arange(0, BLOCK_M)
+        q_token = q_tile * BLOCK_Q + rows // GROUP  # query token (within the sequence's new tokens)
+        head = kv_head * GROUP + rows % GROUP
+        row_valid = (rows < BLOCK_Q * GROUP) & (q_token < q_len)
+        dims = tl.arange(0, HEAD_DIM_PADDED)
+        dim_valid = dims < HEAD_DIM
+        q = tl.load(query + (q_start + q_token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, D]
+        q_pos = context + q_token  # absolute position of each row's token
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+        last_pos = tl.minimum(context + (q_tile + 1) * BLOCK_Q, seq_len)  # keys needed: [lo, last_pos)
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(context + q_tile * BLOCK_Q - WINDOW + 1, 0)
+            lo = (lo // TILE_N) * TILE_N
+        if INTERPRETED:
+            # The CPU interpreter cannot take loaded values as range() bounds: the same loop as a while.
+            start = lo
+            while start < last_pos:
+                m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
+                                             kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
+                                             stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW)
+                start += TILE_N
+        else:
+            for start in range(lo, last_pos, TILE_N):
+                m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
+                                             kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
+                                             stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(output + (q_start + q_token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(output.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into kv_cache [2, num_blocks,
+    block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] (-1: skip)."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    row = key.shape[1] * key.shape[2]
+    key, value = key.reshape(num_tokens, row), value.reshape(num_tokens, row)
+    _store_kv_kernel[(num_tokens,)](key, value, kv_cache[0], kv_cache[1], slot_mapping,
+                                    key.stride(0), value.stride(0), kv_cache.stride(2),
+                                    ROW=row, ROW_PADDED=_next_power_of_2(row))
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+    cuda_graph_safe = True
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        if triton is None:
+            return "triton is not installed"
+        if device.type != "cuda" and not triton_interpreter_forced("attention"):
+            return "needs a CUDA device (on CPU: TRITON_INTERPRET=1 and BARYON_KERNEL_ATTENTION=triton)"
+        return None
+
+    @classmethod
+    def cannot_implement_reason(cls, head_dim: int = 128, **config: Any) -> str | None:
+        if head_dim not in (64, 128, 256):
+            return f"head_dim {head_dim} (supported: 64, 128, 256)"
+        return None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        group = self.num_heads // self.num_kv_heads
+        if metadata.max_query_len == 1:
+            block_q = 1
+            block_m = max(16, _next_power_of_2(group))
+        else:
+            block_m = max(64, _next_power_of_2(group))
+            block_q = block_m // group
+        page = kv_cache.shape[2]
+        grid = (metadata.num_seqs, -(-metadata.max_query_len // block_q), self.num_kv_heads)
+        _paged_attention_kernel[grid](
+            query, kv_cache[0], kv_cache[1], output, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, self.scale,
+            query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+            kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), metadata.block_tables.stride(0),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=self.head_dim,
+            HEAD_DIM_PADDED=_next_power_of_2(self.head_dim), PAGE=page, TILE_N=max(16, min(64, page * 4)),
+            WINDOW=self.sliding_window or 0, INTERPRETED=_INTERPRETED,
+        )
+        return output

@@ -1,0 +1,95 @@
+"""CUDA graphs for decode-only steps.
+
+One graph per batch-size bucket (1, 2, 4, 8, then every 16 up to max_num_seqs, or the configured
+list), captured largest first into one shared memory pool, over static input buffers. A decode
+step of n requests copies its inputs into the buffers, pads to the next captured size (padding
+rows: token 0, slot -1 so nothing is stored, sequence length 0 so nothing is attended) and replays.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+
+import torch
+from torch import nn
+
+from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.layers.forward_context import forward_context
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class CUDAGraphRunner:
+    def __init__(self, model: nn.Module, capture_sizes: list[int], max_blocks_per_seq: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.sizes = sorted(set(capture_sizes))
+        largest = self.sizes[-1]
+        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_seqs: int) -> int | None:
+        """The captured size a batch of num_seqs decodes runs at (None: too large for graphs)."""
+        i = bisect.bisect_left(self.sizes, num_seqs)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_tokens=size, query_start_loc=self.query_start_loc[: size + 1], seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
+            max_seq_len=self.block_tables.shape[1],  # not read by the graph-safe kernels
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.zeros(size, dtype=torch.int32))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        gc.collect()
+        gc.disable()  # a collection during capture could free tensors the graph uses
+        try:
+            for size in reversed(self.sizes):
+                metadata = self._metadata(size)
+                with forward_context(metadata):
+                    self.model(self.input_ids[:size], self.positions[:size])  # warm-up (autotune, allocations)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        hidden = self.model(self.input_ids[:size], self.positions[:size])
+                pool = graph.pool()
+                self.graphs[size] = (graph, hidden)
+        finally:
+            gc.enable()
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Replay the decode step of metadata.num_seqs sequences; returns hidden [num_seqs, hidden]."""
+        n = metadata.num_seqs
+        size = self.padded_size(n)
+        graph, hidden = self.graphs[size]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping)
+        self.seq_lens[:n].copy_(metadata.seq_lens)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(metadata.block_tables)
+        if size > n:  # padding rows store nothing and attend to nothing
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].zero_()
+        graph.replay()
+        return hidden[:n]
