@@ -59,6 +59,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler(self.device, config.seed)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
         self.num_blocks = choose_num_blocks(config, self)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.graph_runner = self._capture_cuda_graphs()
