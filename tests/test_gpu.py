@@ -31,7 +31,7 @@ def test_bf16_greedy_parity_with_transformers(tmp_path, seed):
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
                            initializer_range=0.02)
     prompts = random_prompts(4, 128, 8, 40, seed)
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=0.5)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_gib=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     _, model_cls = hf_classes_from_path(path)
@@ -57,7 +57,7 @@ def test_cuda_graphs_match_eager(tmp_path, seed):
     results = []
     for eager in (True, False):
         llm = LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, enforce_eager=eager,
-                  gpu_memory_utilization=0.3, max_num_seqs=32)
+                  kv_cache_memory_gib=1, max_num_seqs=32)
         runner = llm.engine.core.runner
         assert (runner.graph_runner is None) == eager
         assert {a.backend.name for a in runner.attention_layers} == {"triton"}

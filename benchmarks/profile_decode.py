@@ -1,0 +1,43 @@
+"""Where a decode step's time goes: cProfile of the host side and torch.profiler's kernel table.
+
+    python benchmarks/profile_decode.py --model qwen3-0.6b --batch-size 1 [engine flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+
+import torch
+
+from baryon.bench.common import add_engine_flags, build_llm, random_token_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=64)
+    add_engine_flags(parser)
+    args = parser.parse_args()
+    from baryon.sampling_params import SamplingParams
+
+    llm, _ = build_llm(args)
+    prompts = random_token_prompts(random.Random(0), [128] * args.batch_size, 10000)
+    params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
