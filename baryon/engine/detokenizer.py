@@ -3,29 +3,55 @@
 With a tokenizers-backed tokenizer (all fast tokenizers) this is `tokenizers.decoders.DecodeStream`,
 primed with the end of the prompt so the first output token gets its leading space right. Other
 tokenizers decode a sliding window of ids and emit the text past the window's previous end,
-holding back text that ends in an incomplete character.
+holding back text that ends in an incomplete character. Either way the prompt context is cut at
+character boundaries (`split_prompt_tail`), so byte-fallback tokens never straddle it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Prompt tokens used as left context (enough for any merge or leading-space rule).
-_CONTEXT_TOKENS = 6
+# Left context taken from the prompt: the shortest clean suffix of at least this many tokens...
+_MIN_CONTEXT = 4
+# ...and at most this many.
+_MAX_CONTEXT = 24
+_REPLACEMENT = "\ufffd"
+
+
+def split_prompt_tail(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> tuple[list[int], list[int]]:
+    """(context, pending) from the end of the prompt. `context` decodes to whole characters (it
+    neither starts nor ends inside one), so it can prime the decoder; `pending` holds the last
+    prompt tokens of a character the output will complete, whose text then belongs to the output."""
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    tail = list(prompt_token_ids[-_MAX_CONTEXT:])
+    end = len(tail)
+    while end > 0 and len(tail) - end < 4 and decode(tail[:end]).endswith(_REPLACEMENT):
+        end -= 1  # a UTF-8 character spans at most 4 byte tokens
+    if decode(tail[:end]).endswith(_REPLACEMENT):
+        end = len(tail)  # not a split character: invalid bytes of the prompt itself
+    context, pending = tail[:end], tail[end:]
+    for start in range(max(0, len(context) - _MIN_CONTEXT), -1, -1):
+        if not decode(context[start:]).startswith(_REPLACEMENT):
+            return context[start:], pending
+    return context, pending
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        context, pending = split_prompt_tail(tokenizer, prompt_token_ids, skip_special_tokens)
         self._backend = getattr(tokenizer, "_tokenizer", None)
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+            for token_id in pending:  # an unfinished character: no text yet
+                self._stream.step(self._backend, token_id)
         else:
-            self._ids = context
+            self._ids = context + pending
             self._prefix_offset, self._read_offset = 0, len(context)
 
     def step(self, token_id: int) -> str:
@@ -39,7 +65,7 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         before = decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=self.skip_special_tokens)
         after = decode(self._ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)
-        if len(after) <= len(before) or after.endswith("\ufffd"):
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return after[len(before):]
