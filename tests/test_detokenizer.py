@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from baryon.engine import detokenizer as detokenizer_module
 from baryon.engine.core import EngineCoreOutput
 from baryon.engine.detokenizer import IncrementalDetokenizer
 from baryon.engine.output_processor import OutputProcessor
