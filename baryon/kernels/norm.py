@@ -1,10 +1,11 @@
-"""RMSNorm with an optional fused residual add: torch reference."""
+"""RMSNorm with an optional fused residual add: torch reference and Triton kernel."""
 
 from __future__ import annotations
 
 import torch
 
 from baryon.kernels.selector import Kernel
+from baryon.kernels.triton_utils import next_power_of_2, tl, triton, triton_unsupported_reason
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,3 +26,53 @@ class TorchRMSNorm(Kernel):
             x = x + residual
             residual = x
         return rms_norm_reference(x, weight, eps), residual
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r, stride_o, stride_ro,
+                         eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < HIDDEN
+        h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            h = h + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+            tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
+        h32 = h.to(tl.float32)
+        variance = tl.sum(h32 * h32, axis=0) / HIDDEN
+        normed = (h32 * tl.rsqrt(variance + eps)).to(h.dtype)  # as HF: normalise in fp32, round
+        w = tl.load(weight + cols, mask=mask, other=0.0)
+        tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(h.dtype), mask=mask)
+
+
+class TritonRMSNorm(Kernel):
+    """One kernel per call: residual add, normalisation and scale fused."""
+
+    name = "triton"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        return triton_unsupported_reason(device, "rms_norm")
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = x.shape[-1]
+        x2 = x.reshape(-1, hidden)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        rows = x2.shape[0]
+        if residual is None:
+            res2 = res_out = x2  # unused
+        else:
+            res2 = residual.reshape(-1, hidden)
+            res_out = torch.empty_like(out)
+        if rows:
+            _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0),
+                                      out.stride(0), res_out.stride(0), eps, HIDDEN=hidden,
+                                      BLOCK=next_power_of_2(hidden), HAS_RESIDUAL=residual is not None)
+        out = out.view(x.shape)
+        return out, (None if residual is None else res_out.view(x.shape))

@@ -35,19 +35,13 @@ class Kernel:
         return None
 
 
-def triton_interpreter_forced(family: str, name: str = "triton") -> bool:
-    """On CPU a Triton kernel runs only in the interpreter (TRITON_INTERPRET=1), and only when
-    asked for by name (BARYON_KERNEL_<FAMILY>=triton): the interpreter is for tests, not speed."""
-    return os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get(f"BARYON_KERNEL_{family.upper()}") == name
-
-
 # family -> "module:Class" in priority order (imported only when considered).
 _REGISTRY: dict[str, list[str]] = {
     "attention": ["baryon.kernels.attention.triton_paged:TritonPagedAttention",
                   "baryon.kernels.attention.torch_paged:TorchPagedAttention"],
-    "rms_norm": ["baryon.kernels.norm:TorchRMSNorm"],
-    "silu_and_mul": ["baryon.kernels.activation:TorchSiluAndMul"],
-    "rotary": ["baryon.kernels.rotary:TorchRotary"],
+    "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:TorchRMSNorm"],
+    "silu_and_mul": ["baryon.kernels.activation:TritonSiluAndMul", "baryon.kernels.activation:TorchSiluAndMul"],
+    "rotary": ["baryon.kernels.rotary:TritonRotary", "baryon.kernels.rotary:TorchRotary"],
     "sampling": ["baryon.kernels.sampling:TorchSampling"],
 }
 _logged: set[tuple[str, str]] = set()

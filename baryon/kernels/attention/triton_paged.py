@@ -12,20 +12,14 @@ The KV write is a separate small kernel (`store_kv`) that skips slots of -1 (pad
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from baryon.kernels.attention.backend import AttentionBackend
 from baryon.kernels.attention.metadata import AttentionMetadata
-from baryon.kernels.selector import triton_interpreter_forced
+from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton, triton_unsupported_reason
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the selector then falls back to the torch reference
-    triton = None
 
 if triton is not None:
 
@@ -125,13 +119,6 @@ if triton is not None:
                  out.to(output.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] into kv_cache [2, num_blocks,
     block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] (-1: skip)."""
@@ -142,7 +129,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     key, value = key.reshape(num_tokens, row), value.reshape(num_tokens, row)
     _store_kv_kernel[(num_tokens,)](key, value, kv_cache[0], kv_cache[1], slot_mapping,
                                     key.stride(0), value.stride(0), kv_cache.stride(2),
-                                    ROW=row, ROW_PADDED=_next_power_of_2(row))
+                                    ROW=row, ROW_PADDED=next_power_of_2(row))
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -151,11 +138,7 @@ class TritonPagedAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
-        if triton is None:
-            return "triton is not installed"
-        if device.type != "cuda" and not triton_interpreter_forced("attention"):
-            return "needs a CUDA device (on CPU: TRITON_INTERPRET=1 and BARYON_KERNEL_ATTENTION=triton)"
-        return None
+        return triton_unsupported_reason(device, "attention")
 
     @classmethod
     def cannot_implement_reason(cls, head_dim: int = 128, **config: Any) -> str | None:
@@ -170,9 +153,9 @@ class TritonPagedAttention(AttentionBackend):
         group = self.num_heads // self.num_kv_heads
         if metadata.max_query_len == 1:
             block_q = 1
-            block_m = max(16, _next_power_of_2(group))
+            block_m = max(16, next_power_of_2(group))
         else:
-            block_m = max(64, _next_power_of_2(group))
+            block_m = max(64, next_power_of_2(group))
             block_q = block_m // group
         page = kv_cache.shape[2]
         grid = (metadata.num_seqs, -(-metadata.max_query_len // block_q), self.num_kv_heads)
@@ -182,7 +165,7 @@ class TritonPagedAttention(AttentionBackend):
             query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), metadata.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=self.head_dim,
-            HEAD_DIM_PADDED=_next_power_of_2(self.head_dim), PAGE=page, TILE_N=max(16, min(64, page * 4)),
-            WINDOW=self.sliding_window or 0, INTERPRETED=_INTERPRETED,
+            HEAD_DIM_PADDED=next_power_of_2(self.head_dim), PAGE=page, TILE_N=max(16, min(64, page * 4)),
+            WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED,
         )
         return output

@@ -1,0 +1,35 @@
+"""What every Triton kernel module shares: the optional import and the CPU rule."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the selector falls back to the torch references
+    triton = None
+    tl = None
+
+# The CPU interpreter cannot take loaded values as loop bounds; kernels that loop over such
+# bounds use a while loop when interpreted.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_unsupported_reason(device: torch.device, family: str) -> str | None:
+    """Triton kernels run on CUDA; on CPU only in the interpreter and when asked for by name
+    (TRITON_INTERPRET=1 and BARYON_KERNEL_<FAMILY>=triton): the interpreter is for tests."""
+    if triton is None:
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None
+    forced = os.environ.get(f"BARYON_KERNEL_{family.upper()}") == "triton"
+    if INTERPRETED and forced:
+        return None
+    return f"needs a CUDA device (on CPU: TRITON_INTERPRET=1 and BARYON_KERNEL_{family.upper()}=triton)"
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
