@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,8 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor  # [num_seqs + 1] int32 on host
     seq_lens_cpu: torch.Tensor  # [num_seqs] int32 on host
+    # Per-step work a backend derives from this metadata once and reuses in every layer.
+    backend_scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -1,11 +1,11 @@
 """Paged attention in Triton: one kernel for a mixed batch of decodes and (chunked) prefills.
 
-Grid: (sequence, query tile, KV head). A program takes BLOCK_Q query tokens of one sequence and
-all the query heads that share one KV head (GQA: the tile holds BLOCK_Q x group rows), then
-walks the sequence's block table in TILE_N-token steps with an online softmax. Programs whose
-query tile lies past their sequence's query length return at once, so one launch serves a step
-whatever its mix. The loop bounds come from device memory (seq_lens, query_start_loc), so the
-launch can be captured in a CUDA graph.
+A program takes BLOCK_Q query tokens of one sequence and all the query heads that share one KV
+head (GQA: the tile holds BLOCK_Q x group rows), then walks the sequence's block table in
+TILE_N-token steps with an online softmax. Decode-only steps launch one program per (sequence,
+KV head); steps with prefill chunks launch one per (non-empty query tile, KV head) from a tile
+table built once per step, so one launch serves any mix. The loop bounds come from device
+memory (seq_lens, query_start_loc), so decode launches can be captured in a CUDA graph.
 
 The KV write is a separate small kernel (`store_kv`) that skips slots of -1 (padding).
 """
@@ -41,7 +41,7 @@ if triton is not None:
     @triton.jit
     def _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos, kv_head, m_i, l_i, acc,
                      dims, dim_valid, scale, stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
-                     PAGE: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr):
+                     PAGE: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr):
         """One TILE_N-token step of the online softmax over keys [start, start + TILE_N)."""
         key_pos = start + tl.arange(0, TILE_N)
         key_valid = key_pos < last_pos
@@ -50,7 +50,10 @@ if triton is not None:
         kv_offset = slot_offset[:, None] + kv_head * stride_cache_head + dims[None, :]
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache + kv_offset, mask=kv_mask, other=0.0)  # [TILE_N, D]
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, TILE_N]
+        if IEEE_DOT:  # float32 models: full-precision products (Triton's default would be TF32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE_N]
+        else:
+            scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
         visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         if WINDOW > 0:
             visible = visible & (key_pos[None, :] > q_pos[:, None] - WINDOW)
@@ -61,20 +64,28 @@ if triton is not None:
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache + kv_offset, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         return m_new, l_i, acc
 
     @triton.jit
     def _paged_attention_kernel(
-        query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, scale,
+        query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, tile_seq, tile_q, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
-        TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr,
+        TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr, TILED: tl.constexpr,
+        IEEE_DOT: tl.constexpr,
     ):
-        seq = tl.program_id(0)
-        q_tile = tl.program_id(1)
+        if TILED:  # program -> (sequence, query tile) from the step's tile table: no idle programs
+            seq = tl.load(tile_seq + tl.program_id(0))
+            q_tile = tl.load(tile_q + tl.program_id(0))
+        else:  # one program per sequence and query tile (decode: one tile per sequence)
+            seq = tl.program_id(0)
+            q_tile = tl.program_id(1)
         kv_head = tl.program_id(2)
         q_start = tl.load(query_start_loc + seq)
         q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -107,16 +118,33 @@ if triton is not None:
             while start < last_pos:
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
-                                             stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW)
+                                             stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
+                                             IEEE_DOT)
                 start += TILE_N
         else:
             for start in range(lo, last_pos, TILE_N):
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
-                                             stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW)
+                                             stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
+                                             IEEE_DOT)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(output + (q_start + q_token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(output.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+def _query_tiles(metadata: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, query tile) of every non-empty tile of the step, built once per step on the
+    host and shared by all layers. Returns two [num_tiles] int32 device tensors."""
+    key = f"triton_tiles_{block_q}"
+    if key not in metadata.backend_scratch:
+        q_lens = (metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]).long()
+        tiles_per_seq = (q_lens + block_q - 1) // block_q
+        tile_seq = torch.repeat_interleave(torch.arange(len(q_lens)), tiles_per_seq)
+        first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
+        tile_q = torch.arange(len(tile_seq)) - first_tile[tile_seq]
+        device = metadata.query_start_loc.device
+        metadata.backend_scratch[key] = (tile_seq.to(device, torch.int32), tile_q.to(device, torch.int32))
+    return metadata.backend_scratch[key]
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -158,14 +186,21 @@ class TritonPagedAttention(AttentionBackend):
             block_m = max(64, next_power_of_2(group))
             block_q = block_m // group
         page = kv_cache.shape[2]
-        grid = (metadata.num_seqs, -(-metadata.max_query_len // block_q), self.num_kv_heads)
+        tiled = metadata.max_query_len > 1
+        if tiled:
+            tile_seq, tile_q = _query_tiles(metadata, block_q)
+            grid = (tile_seq.shape[0], 1, self.num_kv_heads)
+        else:
+            tile_seq = tile_q = metadata.seq_lens  # unused
+            grid = (metadata.num_seqs, 1, self.num_kv_heads)
         _paged_attention_kernel[grid](
             query, kv_cache[0], kv_cache[1], output, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, self.scale,
+            metadata.query_start_loc, tile_seq, tile_q, self.scale,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), metadata.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=self.head_dim,
             HEAD_DIM_PADDED=next_power_of_2(self.head_dim), PAGE=page, TILE_N=max(16, min(64, page * 4)),
-            WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED,
+            WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED, TILED=tiled,
+            IEEE_DOT=query.dtype == torch.float32,
         )
         return output
