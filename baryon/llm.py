@@ -84,9 +84,7 @@ class LLM:
         start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
         try:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if not output.finished:
-                        continue
+                for output in self.engine.step(final_only=True):
                     finished[output.request_id] = output
                     prompt_tokens += len(output.prompt_token_ids)
                     output_tokens += sum(len(o.token_ids) for o in output.outputs)

@@ -43,6 +43,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)  # the KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     generator: torch.Generator | None = None  # the request's own RNG when it has a seed
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -345,7 +345,8 @@ def test_eviction_order_prefers_least_recently_freed_cached_block():
 
 def test_duplicate_computation_registers_one_block_per_hash():
     """Two requests that compute the same prefix side by side: the first one registers it, the
-    second's copy stays unhashed (not a second cache entry)."""
+    second's copy stays unhashed (not a second cache entry), also after the first copy is
+    evicted: each block is offered to the cache once, when it fills."""
     bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     a = make_request("a", [1, 2, 3])
     b = make_request("b", [1, 2, 4])
@@ -356,13 +357,12 @@ def test_duplicate_computation_registers_one_block_per_hash():
     assert bm.blocks[b.block_ids[0]].block_hash is None
     assert len(bm.cached) == 1
     check_consistency(bm, [a, b])
-    # Once a's copy is evicted, b's copy gets registered at b's next cache_full_blocks.
     bm.free(a)
     fill = make_request("f", range(100, 112))
     assert bm.allocate(fill, 12)  # takes every free block, a's included
     assert bm.cached == {}
     bm.cache_full_blocks(b)
-    assert bm.cached == {b.block_hashes[0]: b.block_ids[0]}
+    assert bm.cached == {} and bm.blocks[b.block_ids[0]].block_hash is None
     check_consistency(bm, [b, fill])
 
 
@@ -381,9 +381,9 @@ def test_hits_stop_at_the_first_missing_block():
     assert bm.allocate(f, 2)  # evicts x's [1, 2, 9] and [1, 2] blocks
     z = make_request("z", [1, 2, 3, 9, 5])
     assert bm.find_cached_prefix(z) == [bm.cached[z.block_hashes[0]]]
-    # Once y registers its copy of [1, 2], the whole prefix is cached again, through y's blocks.
+    # y's unhashed copy of [1, 2] is not offered again, so the hit still stops there.
     bm.cache_full_blocks(y)
-    assert bm.find_cached_prefix(z) == [bm.cached[z.block_hashes[0]]] + y.block_ids[1:]
+    assert bm.find_cached_prefix(z) == [bm.cached[z.block_hashes[0]]]
     check_consistency(bm, [y, f])
 
 

@@ -5,7 +5,9 @@ The cache is `num_blocks` blocks of `block_size` token slots. A request owns a l
 the block before it with its own token ids, so equal hashes mean equal prefixes; a later request
 whose prompt starts with the same blocks shares them (reference count + 1) instead of
 recomputing. A block whose count drops to 0 goes to the back of the free queue but keeps its
-hash: it can still be hit until it is reused, least recently freed first.
+hash: it can still be hit until it is reused, least recently freed first. Each block is offered
+to the cache once, when it fills; a copy computed beside an identical cached block stays
+unhashed (one entry per hash).
 """
 
 from __future__ import annotations
@@ -78,12 +80,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_registered_blocks:
+            return
         self._hash_full_blocks(request, num_full * self.block_size)
-        for i in range(num_full):
+        for i in range(request.num_registered_blocks, num_full):  # each block once
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None and request.block_hashes[i] not in self.cached:
                 block.block_hash = request.block_hashes[i]
                 self.cached[block.block_hash] = block.block_id
+        request.num_registered_blocks = num_full
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -129,3 +134,4 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_queue[block_id] = None
         request.block_ids = []
+        request.num_registered_blocks = 0

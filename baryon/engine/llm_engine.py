@@ -87,7 +87,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
-    def step(self) -> list[RequestOutput]:
-        outputs, stopped = self.output_processor.process(self.core.step())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Advance every request by one scheduler step; returns the outputs of the requests that
+        changed (final_only: of those that finished)."""
+        outputs, stopped = self.output_processor.process(self.core.step(), final_only)
         self.core.abort_requests(stopped)
         return outputs

@@ -96,9 +96,11 @@ class OutputProcessor:
             self.samples.pop(sample_request_id(request_id, s.index, n), None)
         return unfinished
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput], final_only: bool = False) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's core outputs. Returns the RequestOutputs of the requests that changed
-        and the core ids that a stop string finished (the caller aborts them in the core)."""
+        (with final_only, of those that finished: building every running request's output every
+        step is wasted work offline) and the core ids that a stop string finished (the caller
+        aborts them in the core)."""
         changed: dict[str, _RequestState] = {}
         to_abort = []
         for out in outputs:
@@ -119,8 +121,10 @@ class OutputProcessor:
             changed[state.request_id] = state
         results = []
         for request_id, state in changed.items():
-            results.append(state.output())
-            if state.finished:
+            finished = state.finished
+            if finished or not final_only:
+                results.append(state.output())
+            if finished:
                 del self.requests[request_id]
         return results, to_abort
 
