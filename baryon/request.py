@@ -39,7 +39,9 @@ class Request:
     # prompt + generated tokens; the last one may not be in the KV cache yet.
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or queued to be)
+    # 1 while a sampled token is still on the device (its step launched, not yet read back).
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)  # the KV blocks, in position order
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
@@ -57,13 +59,16 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Prompt + output tokens, the pending one included."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
     def append_output_token(self, token_id: int) -> None:
+        """Record a sampled token (it replaces the pending one, if any)."""
+        self.num_pending_tokens = max(self.num_pending_tokens - 1, 0)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

@@ -17,7 +17,7 @@ from baryon.engine.kv_cache import BlockManager
 from baryon.engine.scheduler import Scheduler
 from baryon.logger import get_logger
 from baryon.request import Request, RequestStatus
-from baryon.runner.model_runner import ModelRunner, ModelRunnerOutput, RawLogprobs
+from baryon.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput, RawLogprobs
 from baryon.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
@@ -34,6 +34,12 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
 
+@dataclass
+class _InFlight:
+    scheduled: list[tuple[Request, int]]
+    step: LaunchedStep
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -43,6 +49,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._prompt_logprobs: dict[str, list[RawLogprobs]] = {}
+        self._in_flight: _InFlight | None = None  # the launched step not yet read back
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -81,31 +88,47 @@ class EngineCore:
                 self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._in_flight is not None
 
     # -- one step -----------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch the next step, then read back the previous one.
+
+        Launching step N+1 before waiting for step N keeps the device busy while the host
+        prepares, updates and detokenizes. Step N+1 feeds each decoding request the token step
+        N sampled straight from device memory. A request that step N ends (EOS, a stop token)
+        may have one token computed in step N+1 in vain; that token is dropped. Requests whose
+        pending token is their last (max_tokens) are not scheduled again.
+        """
         scheduled = self.scheduler.schedule().scheduled
-        if not scheduled:
+        launched = None
+        if scheduled:
+            launched = _InFlight(scheduled, self.runner.launch(scheduled))
+            for request, num_new in scheduled:
+                request.num_computed_tokens += num_new
+                if request.request_id in launched.step.row_of:
+                    request.num_pending_tokens += 1
+        previous, self._in_flight = self._in_flight, launched
+        if previous is None:
             return []
-        result = self.runner.execute(scheduled)
-        return self._update(scheduled, result)
+        return self._update(previous.scheduled, previous.step.result())
 
     def _update(self, scheduled: list[tuple[Request, int]], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
-        for request, num_new in scheduled:
+        for request, _ in scheduled:
             rid = request.request_id
+            if self.requests.get(rid) is not request:
+                continue  # finished or aborted since this step was launched
             if rid in result.prompt_logprobs:
-                # A prefill recomputed after preemption starts again from 0: start the list again.
-                previous = self._prompt_logprobs.get(rid, []) if request.num_computed_tokens else []
+                previous = self._prompt_logprobs.get(rid, []) if result.prompt_logprobs_start[rid] else []
                 self._prompt_logprobs[rid] = previous + result.prompt_logprobs[rid]
-            request.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(request)
             token = result.sampled.get(rid)
             if token is None:
+                self.block_manager.cache_full_blocks(request)
                 continue
             request.append_output_token(token)
+            self.block_manager.cache_full_blocks(request)
             status = self._finish_status(request, token)
             output = EngineCoreOutput(
                 rid, [token], new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else None,

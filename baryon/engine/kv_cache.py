@@ -79,7 +79,8 @@ class BlockManager:
         """Register the request's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # Only blocks whose token ids are all known on the host (not the pending one).
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         if num_full <= request.num_registered_blocks:
             return
         self._hash_full_blocks(request, num_full * self.block_size)

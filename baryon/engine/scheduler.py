@@ -57,6 +57,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and request.num_output_tokens + 1 >= request.max_tokens:
+                i += 1  # its pending token is its last: it finishes when that step is read back
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.allocate(request, num_new):
                 victim = self.running.pop()  # the newest

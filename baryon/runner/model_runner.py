@@ -36,6 +36,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token id
     logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)  # for this chunk
+    prompt_logprobs_start: dict[str, int] = field(default_factory=dict)  # the chunk's first position
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
+        self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
         self.num_blocks = choose_num_blocks(config, self)
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.graph_runner = self._capture_cuda_graphs()
@@ -94,7 +96,12 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> ModelRunnerOutput:
+    def launch(self, scheduled: list[tuple[Request, int]]) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device and return without waiting.
+
+        A request whose last token is still pending (sampled by the previous launch, not yet
+        known on the host) reads it from that launch's device tensor, so the next step can be
+        prepared while the previous one runs."""
         batch = self._prepare(scheduled)
         if self._can_replay(batch):
             hidden = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)
@@ -104,15 +111,21 @@ class ModelRunner:
         rows = list(batch.sample_rows)
         for _, start, count in batch.prompt_logprob_spans:
             rows.extend(range(start, start + count))
-        if not rows:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [rows, vocab]
-        num_sampled = len(batch.sample_rows)
-        output = ModelRunnerOutput()
-        if num_sampled:
-            self._sample(logits[:num_sampled], batch.sampling_requests, output)
-        self._prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans, output)
-        return output
+        step = LaunchedStep([r.request_id for r in batch.sampling_requests])
+        if rows:
+            index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[index])  # [rows, vocab] float32
+            num_sampled = len(batch.sampling_requests)
+            if num_sampled:
+                self._sample(logits[:num_sampled], batch, step)
+            self._prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans, step)
+        step.finish_launch(self.device)
+        self.last_launch = step
+        return step
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> ModelRunnerOutput:
+        """launch() and wait for its result."""
+        return self.launch(scheduled).result()
 
     def _can_replay(self, batch: _Batch) -> bool:
         """A decode-only step (one token per sequence) small enough for a captured graph."""
@@ -132,9 +145,14 @@ class ModelRunner:
         input_ids = np.empty(num_tokens, dtype=np.int64)
         block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         sample_rows, sampling_requests, spans = [], [], []
+        pending_index, pending_source = [], []  # token index <- row of the last launch's samples
         for i, (request, n) in enumerate(scheduled):
             start, c = int(query_start[i]), request.num_computed_tokens
-            input_ids[start:start + n] = request.all_token_ids[c:c + n]
+            known = request.all_token_ids[c:c + n]
+            input_ids[start:start + len(known)] = known
+            if len(known) < n:  # the last token is the one the previous launch sampled
+                pending_index.append(start + n - 1)
+                pending_source.append(self.last_launch.row_of[request.request_id])
             block_tables[i, : len(request.block_ids)] = request.block_ids
             if c + n == request.num_tokens:
                 sample_rows.append(start + n - 1)
@@ -156,29 +174,34 @@ class ModelRunner:
             query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens),
         )
+        input_ids_device = torch.from_numpy(input_ids).to(device, non_blocking=True)
+        if pending_index:
+            source = self.last_launch.sampled_device[torch.tensor(pending_source, device=device)]
+            input_ids_device[torch.tensor(pending_index, device=device)] = source
         return _Batch(
-            input_ids=torch.from_numpy(input_ids).to(device, non_blocking=True),
+            input_ids=input_ids_device,
             positions=torch.from_numpy(positions).to(device, non_blocking=True),
             metadata=metadata, sample_rows=sample_rows, sampling_requests=sampling_requests,
             prompt_logprob_spans=spans,
         )
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], output: ModelRunnerOutput) -> None:
-        sampling = build_sampling_batch(requests, self.vocab_size, self.device)
+    def _sample(self, logits: torch.Tensor, batch: _Batch, step: LaunchedStep) -> None:
+        requests = batch.sampling_requests
+        pending = [(i, self.last_launch.row_of[r.request_id]) for i, r in enumerate(requests)
+                   if r.num_pending_tokens]
+        previous = self.last_launch.sampled_device if pending else None
+        sampling = build_sampling_batch(requests, self.vocab_size, self.device, pending, previous)
         result = self.sampler(logits, sampling)
-        sampled = result.sampled.tolist()
-        for request, token in zip(requests, sampled):
-            output.sampled[request.request_id] = token
-        if result.logprobs is None:
-            return
-        ids, values, ranks = result.logprob_token_ids.tolist(), result.logprobs.tolist(), result.sampled_rank.tolist()
-        for i, request in enumerate(requests):
-            k = request.sampling_params.logprobs
-            if k is not None:
-                output.logprobs[request.request_id] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
+        step.sampled_device = result.sampled
+        step.copy_to_host("sampled", result.sampled)
+        if result.logprobs is not None:
+            step.logprob_counts = [r.sampling_params.logprobs for r in requests]
+            step.copy_to_host("logprob_ids", result.logprob_token_ids)
+            step.copy_to_host("logprobs", result.logprobs)
+            step.copy_to_host("sampled_rank", result.sampled_rank)
 
     def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]],
-                         output: ModelRunnerOutput) -> None:
+                         step: LaunchedStep) -> None:
         """Logprob of each next prompt token (plus the top-k) at the chunk's prompt positions."""
         offset = 0
         for request, start, count in spans:
@@ -188,8 +211,59 @@ class ModelRunner:
             first = request.num_computed_tokens + 1  # prompt index of the token predicted by row 0
             actual = torch.tensor(request.prompt_token_ids[first:first + count], device=self.device).unsqueeze(1)
             actual_logprob = logprobs.gather(1, actual)
-            ranks = ((logprobs > actual_logprob).sum(dim=-1) + 1).tolist()
+            ranks = (logprobs > actual_logprob).sum(dim=-1) + 1
             top_values, top_ids = logprobs.topk(k, dim=-1)
-            ids = torch.cat((actual, top_ids), dim=1).tolist()
-            values = torch.cat((actual_logprob, top_values), dim=1).tolist()
-            output.prompt_logprobs[request.request_id] = list(zip(ids, values, ranks))
+            name = f"prompt:{request.request_id}"
+            step.copy_to_host(name + ":ids", torch.cat((actual, top_ids), dim=1))
+            step.copy_to_host(name + ":values", torch.cat((actual_logprob, top_values), dim=1))
+            step.copy_to_host(name + ":ranks", ranks)
+            step.prompt_logprob_requests.append((request.request_id, request.num_computed_tokens))
+
+
+class LaunchedStep:
+    """A step queued on the device: its sampled ids stay on the device (the next step's inputs)
+    and are copied to pinned host memory behind an event, so waiting for this step does not wait
+    for the steps launched after it."""
+
+    def __init__(self, sampling_request_ids: list[str]) -> None:
+        self.request_ids = sampling_request_ids
+        self.row_of = {rid: i for i, rid in enumerate(sampling_request_ids)}
+        self.sampled_device: torch.Tensor | None = None  # [num_sampled] int64
+        self.logprob_counts: list[int | None] = []
+        self.prompt_logprob_requests: list[tuple[str, int]] = []  # (request id, chunk start)
+        self._host: dict[str, torch.Tensor] = {}
+        self._event: torch.cuda.Event | None = None
+
+    def copy_to_host(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            self._host[name] = host
+        else:
+            self._host[name] = tensor
+
+    def finish_launch(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for this step (only) and return its sampled tokens and logprobs as Python values."""
+        if self._event is not None:
+            self._event.synchronize()
+        output = ModelRunnerOutput()
+        if "sampled" in self._host:
+            output.sampled = dict(zip(self.request_ids, self._host["sampled"].tolist()))
+        if "logprobs" in self._host:
+            ids, values = self._host["logprob_ids"].tolist(), self._host["logprobs"].tolist()
+            ranks = self._host["sampled_rank"].tolist()
+            for i, (rid, k) in enumerate(zip(self.request_ids, self.logprob_counts)):
+                if k is not None:
+                    output.logprobs[rid] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
+        for rid, start in self.prompt_logprob_requests:
+            name = f"prompt:{rid}"
+            rows = zip(self._host[name + ":ids"].tolist(), self._host[name + ":values"].tolist(),
+                       self._host[name + ":ranks"].tolist())
+            output.prompt_logprobs[rid] = list(rows)
+            output.prompt_logprobs_start[rid] = start
+        return output

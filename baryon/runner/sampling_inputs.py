@@ -22,7 +22,10 @@ def _token_matrix(rows: list[list[int]], vocab_size: int, device: torch.device, 
     return out if count else out > 0
 
 
-def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch.device,
+                         pending: list[tuple[int, int]] = (), previous: torch.Tensor | None = None) -> SamplingBatch:
+    """pending: (row, index into `previous`) for requests whose latest token is still on the
+    device (previous: the last step's sampled ids); penalties count it from there."""
     params = [r.sampling_params for r in requests]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -36,14 +39,14 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         penalties = PenaltyInputs(
             prompt_mask=_token_matrix([r.prompt_token_ids for r in requests], vocab_size, device, count=False),
-            output_counts=_token_matrix([r.output_token_ids for r in requests], vocab_size, device, count=True),
+            output_counts=_output_counts(requests, vocab_size, device, pending, previous),
             presence=column([p.presence_penalty for p in params], torch.float32),
             frequency=column([p.frequency_penalty for p in params], torch.float32),
             repetition=column([p.repetition_penalty for p in params], torch.float32),
         )
     banned = None
     ban_rows = [(i, _stop_ids(r)) for i, r in enumerate(requests)
-                if r.num_output_tokens < r.sampling_params.min_tokens]
+                if r.num_output_tokens + r.num_pending_tokens < r.sampling_params.min_tokens]
     if any(ids for _, ids in ban_rows):
         banned = torch.zeros(len(requests), vocab_size, dtype=torch.bool)
         for i, ids in ban_rows:
@@ -63,6 +66,16 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
         banned=banned,
         num_logprobs=max(asked) if asked else None,
     )
+
+
+def _output_counts(requests: list[Request], vocab_size: int, device: torch.device,
+                   pending: list[tuple[int, int]], previous: torch.Tensor | None) -> torch.Tensor:
+    counts = _token_matrix([r.output_token_ids for r in requests], vocab_size, device, count=True)
+    if pending:
+        rows = torch.tensor([row for row, _ in pending], device=device)
+        tokens = previous[torch.tensor([source for _, source in pending], device=device)]
+        counts.index_put_((rows, tokens), torch.ones(len(pending), device=device), accumulate=True)
+    return counts
 
 
 def _stop_ids(request: Request) -> list[int]:
