@@ -173,7 +173,6 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens),
-            no_cached_context=not computed.any(),
         )
         input_ids_device = torch.from_numpy(input_ids).to(device, non_blocking=True)
         if pending_index:

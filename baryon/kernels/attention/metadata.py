@@ -26,9 +26,6 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor  # [num_seqs + 1] int32 on host
     seq_lens_cpu: torch.Tensor  # [num_seqs] int32 on host
-    # True when every sequence starts this step at position 0 (no cached prefix, no decode):
-    # attention then needs only this step's keys and values.
-    no_cached_context: bool = False
     # Per-step work a backend derives from this metadata once and reuses in every layer.
     backend_scratch: dict[str, Any] = field(default_factory=dict)
 

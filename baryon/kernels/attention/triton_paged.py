@@ -177,9 +177,6 @@ class TritonPagedAttention(AttentionBackend):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         store_kv(key, value, kv_cache, metadata.slot_mapping)
-        if (metadata.no_cached_context and metadata.max_query_len > 1 and query.is_cuda and _varlen_attn
-                and query.dtype in (torch.float16, torch.bfloat16)):  # flash attention: half types only
-            return self._prefill_flash(query, key, value, metadata)
         output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         if metadata.max_query_len == 1:
@@ -207,26 +204,3 @@ class TritonPagedAttention(AttentionBackend):
             IEEE_DOT=query.dtype == torch.float32,
         )
         return output
-
-    def _prefill_flash(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       metadata: AttentionMetadata) -> torch.Tensor:
-        """Fresh prompts only (nothing cached): torch's flash attention over this step's K/V,
-        measured faster than the paged kernel for long prefills (BENCHMARKS.md)."""
-        window = (self.sliding_window - 1, 0) if self.sliding_window else (-1, 0)
-        cu_seqlens = metadata.query_start_loc
-        max_len = metadata.max_query_len
-        return _varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_len, max_len, scale=self.scale,
-                            window_size=window, enable_gqa=self.num_heads != self.num_kv_heads)
-
-
-def _load_varlen_attn():
-    """torch.nn.attention.varlen.varlen_attn (flash attention, torch >= 2.11), if this torch has it."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-_varlen_attn = _load_varlen_attn()
-
