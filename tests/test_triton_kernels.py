@@ -26,11 +26,13 @@ def _to(device, *tensors):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", SHAPES)
-@pytest.mark.parametrize("kind", ["mixed", "decode"])
+@pytest.mark.parametrize("kind", ["mixed", "decode", "fresh-prefill"])
 def test_triton_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window, kind):
     gen = torch.Generator().manual_seed(seed)
     if kind == "decode":
         seqs = [(int(torch.randint(0, 40, (1,), generator=gen)), 1) for _ in range(3)]
+    elif kind == "fresh-prefill":  # nothing cached yet: every key comes from this step
+        seqs = [(0, 9), (0, 40), (0, 1)]
     else:  # prefill with and without cached prefix, decodes, a 1-token prompt, a chunk > BLOCK_Q
         seqs = [(0, 5), (9, 1), (17, 4), (0, 1), (3, 37)]
     cache, md, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
