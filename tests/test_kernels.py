@@ -16,8 +16,9 @@ from baryon.kernels.norm import TorchRMSNorm
 from baryon.kernels.rotary import TorchRotary
 
 
-def dense_attention(q, k, v, scale, window):
-    """q: [q_len, H, D] for the last q_len positions of k/v [seq_len, H_kv, D]; float64 softmax."""
+def dense_attention(q, k, v, scale, window, sinks=None):
+    """q: [q_len, H, D] for the last q_len positions of k/v [seq_len, H_kv, D]; float64 softmax.
+    sinks: [H] extra logits that join each head's softmax without a value."""
     q_len, heads, _ = q.shape
     seq_len, kv_heads, _ = k.shape
     k = k.repeat_interleave(heads // kv_heads, dim=1).double()
@@ -29,7 +30,12 @@ def dense_attention(q, k, v, scale, window):
     if window is not None:
         visible &= k_pos > q_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.double().view(-1, 1, 1).expand(heads, q_len, 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
 
 def _case(gen, seqs, heads, kv_heads, head_dim, block_size):
@@ -173,3 +179,21 @@ def test_every_decode_batch_size_maps_to_a_captured_graph(max_num_seqs):
         padded = runner.padded_size(n)
         assert padded in sizes and 0 <= padded - n < 16  # a graph exists, padding under one step
     assert runner.padded_size(max_num_seqs + 1) is None  # larger batches run eagerly
+
+
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_paged_attention_with_sinks_matches_dense(seed, kind):
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, block_size, window = 8, 2, 16, 4, 6
+    seqs = [(5, 1), (0, 7), (11, 1)] if kind == "mixed" else [(5, 1), (9, 1)]
+    cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
+    sinks = torch.randn(heads, generator=gen) * 2
+    scale = 1 / math.sqrt(head_dim)
+    out = TorchPagedAttention(heads, head_dim, kv_heads, scale, window, sinks).forward(q, k, v, cache, metadata)
+    start = 0
+    for (cached, new), fk, fv in zip(seqs, full_k, full_v):
+        expected = dense_attention(q[start:start + new], fk, fv, scale, window, sinks)
+        torch.testing.assert_close(out[start:start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
+    no_sinks = TorchPagedAttention(heads, head_dim, kv_heads, scale, window).forward(q, k, v, cache, metadata)
+    assert not torch.allclose(out, no_sinks, atol=1e-3)  # the sinks do take probability mass

@@ -152,3 +152,21 @@ def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypat
         assert out.outputs[0].token_ids == tokens
         got = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, tokens)]
         assert max(abs(a - b) for a, b in zip(got, logprobs)) < 1e-4
+
+
+def test_triton_paged_attention_with_sinks(seed):
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, block_size, window = 8, 2, 64, 16, 5
+    seqs = [(6, 1), (0, 12), (20, 3)]
+    cache, md, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
+    cache, q, k, v = (t.to(DEVICE) for t in (cache, q, k, v))
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(md, name, getattr(md, name).to(DEVICE))
+    sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE)
+    scale = 1 / math.sqrt(head_dim)
+    out = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks).forward(q, k, v, cache, md)
+    start = 0
+    for (cached, new), fk, fv in zip(seqs, full_k, full_v):
+        expected = dense_attention(q[start:start + new].cpu(), fk, fv, scale, window, sinks.cpu())
+        torch.testing.assert_close(out[start:start + new].cpu(), expected, atol=2e-3, rtol=2e-3)
+        start += new

@@ -22,13 +22,16 @@ class AttentionBackend(Kernel):
     cuda_graph_safe: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, sinks: torch.Tensor | None = None) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         # Query at position p sees keys at positions (p - sliding_window, p]; None: all of [0, p].
         self.sliding_window = sliding_window
+        # [num_heads] float32 attention-sink logits (GPT-OSS): one extra softmax term per head
+        # that takes probability mass but contributes no value. None: no sinks.
+        self.sinks = sinks
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

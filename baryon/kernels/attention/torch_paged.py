@@ -34,7 +34,7 @@ class TorchPagedAttention(AttentionBackend):
 
     @classmethod
     def cannot_implement_reason(cls, **config: Any) -> str | None:
-        return None  # any head size, GQA ratio, window, dtype
+        return None  # any head size, GQA ratio, window, sinks, dtype
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -74,11 +74,24 @@ class TorchPagedAttention(AttentionBackend):
         values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[: seq_len - offset]
         key_pos = torch.arange(offset, seq_len, device=query.device)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1), keys.transpose(0, 1).to(query.dtype),
-            values.transpose(0, 1).to(query.dtype), attn_mask=self._mask(query_pos, key_pos),
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        out = self._attention(query.transpose(0, 1), keys.transpose(0, 1).to(query.dtype),
+                              values.transpose(0, 1).to(query.dtype), self._mask(query_pos, key_pos))
         return out.transpose(0, 1)
+
+    def _attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+        """query: [..., H, q, D]; keys/values: [..., H_kv, k, D]; mask: broadcastable to [..., q, k]."""
+        if self.sinks is None:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=self.num_heads != self.num_kv_heads)
+        # With sinks, each head's softmax has one more logit that takes probability but no value.
+        group = self.num_heads // self.num_kv_heads
+        keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+        scores = (query.float() @ keys.float().transpose(-1, -2)) * self.scale  # [..., H, q, k]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = self.sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        return (probs @ values.float()).to(query.dtype)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -93,8 +106,6 @@ class TorchPagedAttention(AttentionBackend):
         key_pos = torch.arange(keys.shape[1], device=query.device)
         query_pos = (metadata.seq_lens - 1).unsqueeze(-1)  # [num_seqs, 1]
         mask = self._mask(query_pos, key_pos.unsqueeze(0)).unsqueeze(1)  # [num_seqs, 1, 1, k]
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2), keys.transpose(1, 2).to(query.dtype),
-            values.transpose(1, 2).to(query.dtype), attn_mask=mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads)  # [num_seqs, H, 1, D]
+        out = self._attention(query.unsqueeze(2), keys.transpose(1, 2).to(query.dtype),
+                              values.transpose(1, 2).to(query.dtype), mask)  # [num_seqs, H, 1, D]
         return out.squeeze(2)

@@ -1,7 +1,7 @@
 """Paged attention in Triton: one kernel for a mixed batch of decodes and (chunked) prefills.
 
 A program takes BLOCK_Q query tokens of one sequence and all the query heads that share one KV
-head (GQA: the tile holds BLOCK_Q x group rows), then walks the sequence's block table in
+head (GQA: the tile holds BLOCK_Q x group rows; attention sinks seed its softmax), then walks the sequence's block table in
 TILE_N-token steps with an online softmax. Decode-only steps launch one program per (sequence,
 KV head); steps with prefill chunks launch one per (non-empty query tile, KV head) from a tile
 table built once per step, so one launch serves any mix. The loop bounds come from device
@@ -72,13 +72,13 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-        query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, tile_seq, tile_q, scale,
+        query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, tile_seq, tile_q, sinks, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
         TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr, TILED: tl.constexpr,
-        IEEE_DOT: tl.constexpr,
+        IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         if TILED:  # program -> (sequence, query tile) from the step's tile table: no idle programs
             seq = tl.load(tile_seq + tl.program_id(0))
@@ -104,8 +104,12 @@ if triton is not None:
                     mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, D]
         q_pos = context + q_token  # absolute position of each row's token
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+        if HAS_SINKS:  # the sink starts the online softmax: max = sink logit, sum = exp(0) = 1
+            m_i = tl.load(sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32)
+            l_i = tl.where(row_valid, 1.0, 0.0)
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
         last_pos = tl.minimum(context + (q_tile + 1) * BLOCK_Q, seq_len)  # keys needed: [lo, last_pos)
         lo = 0
@@ -195,12 +199,13 @@ class TritonPagedAttention(AttentionBackend):
             grid = (metadata.num_seqs, 1, self.num_kv_heads)
         _paged_attention_kernel[grid](
             query, kv_cache[0], kv_cache[1], output, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, tile_seq, tile_q, self.scale,
+            metadata.query_start_loc, tile_seq, tile_q,
+            self.sinks if self.sinks is not None else metadata.seq_lens, self.scale,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), metadata.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=self.head_dim,
             HEAD_DIM_PADDED=next_power_of_2(self.head_dim), PAGE=page, TILE_N=max(16, min(64, page * 4)),
             WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED, TILED=tiled,
-            IEEE_DOT=query.dtype == torch.float32,
+            IEEE_DOT=query.dtype == torch.float32, HAS_SINKS=self.sinks is not None,
         )
         return output
