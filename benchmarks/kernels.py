@@ -77,6 +77,18 @@ def main() -> None:
         record(f"attention.{attention.name}", f"{name} seqs={num_seqs} q={q_len} kv={seq_len}",
                lambda: impl.forward(q, kv, kv, cache, md))
 
+    # Long context at batch 1: flash decoding (KV splits) against one program per KV head.
+    q, kv, cache, md = _attention_case(device, dtype, 1, 1, 32768 // scale, heads, kv_heads, head_dim)
+    for splits in (1, None):
+        impl = attention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
+        if hasattr(impl, "num_kv_splits"):
+            impl.num_kv_splits = splits
+        elif splits == 1:
+            continue
+        label = "auto" if splits is None else str(splits)
+        record(f"attention.{attention.name}", f"decode seqs=1 q=1 kv={32768 // scale} kv_splits={label}",
+               lambda: impl.forward(q, kv, kv, cache, md))
+
     tokens = 256 // scale
     x = torch.randn(tokens, hidden, device=device, dtype=dtype)
     weight = torch.ones(hidden, device=device, dtype=dtype)

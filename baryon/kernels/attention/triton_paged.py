@@ -72,20 +72,23 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-        query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, tile_seq, tile_q, sinks, scale,
+        query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, tile_seq, tile_q, sinks,
+        partial_acc, partial_m, partial_l, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
         TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr, TILED: tl.constexpr,
-        IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr,
+        IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
     ):
         if TILED:  # program -> (sequence, query tile) from the step's tile table: no idle programs
             seq = tl.load(tile_seq + tl.program_id(0))
             q_tile = tl.load(tile_q + tl.program_id(0))
-        else:  # one program per sequence and query tile (decode: one tile per sequence)
+            split = 0
+        else:  # decode: one query token per sequence; program_id(1) is the KV split
             seq = tl.program_id(0)
-            q_tile = tl.program_id(1)
+            q_tile = 0
+            split = tl.program_id(1)
         kv_head = tl.program_id(2)
         q_start = tl.load(query_start_loc + seq)
         q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -104,9 +107,10 @@ if triton is not None:
                     mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, D]
         q_pos = context + q_token  # absolute position of each row's token
 
-        if HAS_SINKS:  # the sink starts the online softmax: max = sink logit, sum = exp(0) = 1
-            m_i = tl.load(sinks + head, mask=row_valid, other=float("-inf")).to(tl.float32)
-            l_i = tl.where(row_valid, 1.0, 0.0)
+        if HAS_SINKS:  # the sink starts the online softmax (of split 0 only): max = sink, sum = 1
+            seeded = row_valid & (split == 0)
+            m_i = tl.load(sinks + head, mask=seeded, other=float("-inf")).to(tl.float32)
+            l_i = tl.where(seeded, 1.0, 0.0)
         else:
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -116,24 +120,57 @@ if triton is not None:
         if WINDOW > 0:
             lo = tl.maximum(context + q_tile * BLOCK_Q - WINDOW + 1, 0)
             lo = (lo // TILE_N) * TILE_N
+        hi = last_pos
+        if SPLITS > 1:  # flash decoding: this program takes one TILE_N-aligned share of the keys
+            chunk = ((last_pos - lo + SPLITS - 1) // SPLITS + TILE_N - 1) // TILE_N * TILE_N
+            lo = lo + split * chunk
+            hi = tl.minimum(lo + chunk, last_pos)
         if INTERPRETED:
             # The CPU interpreter cannot take loaded values as range() bounds: the same loop as a while.
             start = lo
-            while start < last_pos:
+            while start < hi:
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
                                              stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
                                              IEEE_DOT)
                 start += TILE_N
         else:
-            for start in range(lo, last_pos, TILE_N):
+            for start in range(lo, hi, TILE_N):
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
                                              stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
                                              IEEE_DOT)
+        if SPLITS > 1:  # unnormalised partial results; _combine_splits_kernel merges them
+            part = ((q_start + q_token) * NUM_HEADS + head) * SPLITS + split  # [BLOCK_M]
+            tl.store(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_valid[:, None])
+            tl.store(partial_m + part, m_i, mask=row_valid)
+            tl.store(partial_l + part, l_i, mask=row_valid)
+            return
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(output + (q_start + q_token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(output.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _combine_splits_kernel(partial_acc, partial_m, partial_l, output, stride_ot, stride_oh,
+                               NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               HEAD_DIM_PADDED: tl.constexpr):
+        """Merge one (token, head)'s per-split softmax partials into the output row."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        part = (token * NUM_HEADS + head) * SPLITS + tl.arange(0, SPLITS)  # [SPLITS]
+        m = tl.load(partial_m + part)
+        l = tl.load(partial_l + part)
+        m_max = tl.max(m, axis=0)
+        weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
+        total = tl.sum(l * weight, axis=0)
+        dims = tl.arange(0, HEAD_DIM_PADDED)
+        acc = tl.load(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :])  # [SPLITS, D]
+        out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(output + token * stride_ot + head * stride_oh + dims, out.to(output.dtype.element_ty),
+                 mask=dims < HEAD_DIM)
 
 
 def _query_tiles(metadata: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,9 +201,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
                                     ROW=row, ROW_PADDED=next_power_of_2(row))
 
 
+MAX_KV_SPLITS = 16
+
+
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
     cuda_graph_safe = True
+    # Decode KV splits (a power of two); None: chosen from the batch and the GPU's SM count.
+    num_kv_splits: int | None = None
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -196,16 +238,46 @@ class TritonPagedAttention(AttentionBackend):
             grid = (tile_seq.shape[0], 1, self.num_kv_heads)
         else:
             tile_seq = tile_q = metadata.seq_lens  # unused
-            grid = (metadata.num_seqs, 1, self.num_kv_heads)
+        splits = 1 if tiled else self._decode_splits(metadata.num_seqs, query.device)
+        if not tiled:
+            grid = (metadata.num_seqs, splits, self.num_kv_heads)
+        head_dim_padded = next_power_of_2(self.head_dim)
+        if splits > 1:
+            num_tokens = query.shape[0]
+            partial_acc = torch.empty(num_tokens, self.num_heads, splits, head_dim_padded,
+                                      dtype=torch.float32, device=query.device)
+            partial_m = torch.empty(num_tokens, self.num_heads, splits, dtype=torch.float32, device=query.device)
+            partial_l = torch.empty_like(partial_m)
+        else:
+            partial_acc = partial_m = partial_l = output  # unused
         _paged_attention_kernel[grid](
             query, kv_cache[0], kv_cache[1], output, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, tile_seq, tile_q,
-            self.sinks if self.sinks is not None else metadata.seq_lens, self.scale,
+            self.sinks if self.sinks is not None else metadata.seq_lens, partial_acc, partial_m, partial_l,
+            self.scale,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), metadata.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=self.head_dim,
-            HEAD_DIM_PADDED=next_power_of_2(self.head_dim), PAGE=page, TILE_N=max(16, min(64, page * 4)),
+            HEAD_DIM_PADDED=head_dim_padded, PAGE=page, TILE_N=max(16, min(64, page * 4)),
             WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED, TILED=tiled,
             IEEE_DOT=query.dtype == torch.float32, HAS_SINKS=self.sinks is not None,
+            SPLITS=splits, NUM_HEADS=self.num_heads,
         )
+        if splits > 1:
+            _combine_splits_kernel[(query.shape[0], self.num_heads)](
+                partial_acc, partial_m, partial_l, output, output.stride(0), output.stride(1),
+                NUM_HEADS=self.num_heads, SPLITS=splits, HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=head_dim_padded)
         return output
+
+    def _decode_splits(self, num_seqs: int, device: torch.device) -> int:
+        """How many programs share one sequence's keys in a decode step (flash decoding): enough
+        to give every SM work when sequences x KV heads alone would not; 1 otherwise."""
+        if self.num_kv_splits is not None:
+            return self.num_kv_splits
+        if device.type != "cuda":
+            return 1
+        programs = num_seqs * self.num_kv_heads
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if programs >= sms:
+            return 1
+        return min(MAX_KV_SPLITS, next_power_of_2(-(-sms // programs)))
