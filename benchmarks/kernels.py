@@ -85,7 +85,7 @@ def main() -> None:
             impl.num_kv_splits = splits
         elif splits == 1:
             continue
-        label = "auto" if splits is None else str(splits)
+        label = "-" if not hasattr(impl, "num_kv_splits") else "auto" if splits is None else str(splits)
         record(f"attention.{attention.name}", f"decode seqs=1 q=1 kv={32768 // scale} kv_splits={label}",
                lambda: impl.forward(q, kv, kv, cache, md))
 
