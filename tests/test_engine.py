@@ -128,17 +128,25 @@ def test_prompt_logprobs_survive_preemption(tiny_llama, seed):
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
 
 
-def test_repetition_penalty_matches_transformers(tiny_llama, seed):
-    """Penalties see every generated token, the one still in flight on the device included."""
+def test_repetition_penalty_matches_a_reference_loop(tiny_llama, seed):
+    """Penalties see every generated token, the one still in flight on the device included.
+    Reference: transformers' logits, the vLLM/OpenAI repetition rule applied by hand each step."""
     import torch
     from transformers import LlamaForCausalLM
 
+    penalty = 1.8
     llm = LLM(str(tiny_llama), skip_tokenizer_init=True, device="cpu", block_size=4, max_model_len=64)
     prompts = random_prompts(3, 128, 4, 12, seed)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=penalty)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     model = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                                  repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
-        assert out.outputs[0].token_ids == expected.tolist()
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(16):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                seen = torch.tensor(sorted(set(ids)))
+                scores = logits[seen]
+                logits[seen] = torch.where(scores > 0, scores / penalty, scores * penalty)
+                ids.append(int(logits.argmax()))
+        assert out.outputs[0].token_ids == ids[len(prompt):]
