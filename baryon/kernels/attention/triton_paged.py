@@ -108,7 +108,7 @@ if triton is not None:
         q_pos = context + q_token  # absolute position of each row's token
 
         if HAS_SINKS:  # the sink starts the online softmax (of split 0 only): max = sink, sum = 1
-            seeded = row_valid & (split == 0)
+            seeded = row_valid & (tl.zeros([BLOCK_M], tl.int32) + split == 0)  # a [BLOCK_M] int1 mask
             m_i = tl.load(sinks + head, mask=seeded, other=float("-inf")).to(tl.float32)
             l_i = tl.where(seeded, 1.0, 0.0)
         else:
