@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import next_power_of_2, tl, triton, triton_unsupported_reason
+from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
 
 
 class TorchSiluAndMul(Kernel):
@@ -32,12 +32,8 @@ if triton is not None:
         tl.store(out + row * stride_o + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=mask)
 
 
-class TritonSiluAndMul(Kernel):
-    name = "triton"
-
-    @classmethod
-    def unsupported_reason(cls, device: torch.device) -> str | None:
-        return triton_unsupported_reason(device, "silu_and_mul")
+class TritonSiluAndMul(TritonKernel):
+    family = "silu_and_mul"
 
     @staticmethod
     def forward(x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import next_power_of_2, tl, triton, triton_unsupported_reason
+from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,14 +47,10 @@ if triton is not None:
         tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(h.dtype), mask=mask)
 
 
-class TritonRMSNorm(Kernel):
+class TritonRMSNorm(TritonKernel):
     """One kernel per call: residual add, normalisation and scale fused."""
 
-    name = "triton"
-
-    @classmethod
-    def unsupported_reason(cls, device: torch.device) -> str | None:
-        return triton_unsupported_reason(device, "rms_norm")
+    family = "rms_norm"
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, eps: float,

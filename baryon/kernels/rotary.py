@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import next_power_of_2, tl, triton, triton_unsupported_reason
+from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
 
 
 def rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,14 +61,10 @@ if triton is not None:
             tl.store(first + HALF, y2.to(x1.dtype), mask=mask)
 
 
-class TritonRotary(Kernel):
+class TritonRotary(TritonKernel):
     """Rotates query and key in place, one program per token."""
 
-    name = "triton"
-
-    @classmethod
-    def unsupported_reason(cls, device: torch.device) -> str | None:
-        return triton_unsupported_reason(device, "rotary")
+    family = "rotary"
 
     @staticmethod
     def forward(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,

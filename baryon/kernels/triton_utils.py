@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+from typing import ClassVar
+
 import torch
+
+from baryon.kernels.selector import Kernel
 
 try:
     import triton
@@ -33,3 +37,14 @@ def triton_unsupported_reason(device: torch.device, family: str) -> str | None:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+class TritonKernel(Kernel):
+    """Base of the Triton implementations of an op family (`family` names it for the CPU rule)."""
+
+    name = "triton"
+    family: ClassVar[str]
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        return triton_unsupported_reason(device, cls.family)
