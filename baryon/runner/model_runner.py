@@ -23,6 +23,7 @@ from baryon.logger import get_logger
 from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.sampling_inputs import build_sampling_batch
+from baryon.transfer import to_device
 
 logger = get_logger(__name__)
 
@@ -113,7 +114,7 @@ class ModelRunner:
             rows.extend(range(start, start + count))
         step = LaunchedStep([r.request_id for r in batch.sampling_requests])
         if rows:
-            index = torch.from_numpy(np.asarray(rows, dtype=np.int64)).to(self.device, non_blocking=True)
+            index = to_device(torch.from_numpy(np.asarray(rows, dtype=np.int64)), self.device)
             logits = self.model.compute_logits(hidden[index])  # [rows, vocab] float32
             num_sampled = len(batch.sampling_requests)
             if num_sampled:
@@ -165,22 +166,22 @@ class ModelRunner:
         device = self.device
         metadata = AttentionMetadata(
             num_tokens=num_tokens,
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(device, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens).to(device, non_blocking=True),
-            block_tables=torch.from_numpy(block_tables).to(device, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device, non_blocking=True),
+            query_start_loc=to_device(torch.from_numpy(query_start.astype(np.int32)), device),
+            seq_lens=to_device(torch.from_numpy(seq_lens), device),
+            block_tables=to_device(torch.from_numpy(block_tables), device),
+            slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens),
         )
-        input_ids_device = torch.from_numpy(input_ids).to(device, non_blocking=True)
+        input_ids_device = to_device(torch.from_numpy(input_ids), device)
         if pending_index:
-            source = self.last_launch.sampled_device[torch.tensor(pending_source, device=device)]
-            input_ids_device[torch.tensor(pending_index, device=device)] = source
+            source = self.last_launch.sampled_device[to_device(torch.tensor(pending_source), device)]
+            input_ids_device[to_device(torch.tensor(pending_index), device)] = source
         return _Batch(
             input_ids=input_ids_device,
-            positions=torch.from_numpy(positions).to(device, non_blocking=True),
+            positions=to_device(torch.from_numpy(positions), device),
             metadata=metadata, sample_rows=sample_rows, sampling_requests=sampling_requests,
             prompt_logprob_spans=spans,
         )
@@ -209,7 +210,7 @@ class ModelRunner:
             logprobs = logits[offset:offset + count].log_softmax(dim=-1)  # [count, vocab]
             offset += count
             first = request.num_computed_tokens + 1  # prompt index of the token predicted by row 0
-            actual = torch.tensor(request.prompt_token_ids[first:first + count], device=self.device).unsqueeze(1)
+            actual = to_device(torch.tensor(request.prompt_token_ids[first:first + count]), self.device).unsqueeze(1)
             actual_logprob = logprobs.gather(1, actual)
             ranks = (logprobs > actual_logprob).sum(dim=-1) + 1
             top_values, top_ids = logprobs.topk(k, dim=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from baryon.request import Request
+from baryon.transfer import to_device
 from baryon.layers.sampler import PenaltyInputs, SamplingBatch
 
 
@@ -14,7 +15,7 @@ def _token_matrix(rows: list[list[int]], vocab_size: int, device: torch.device, 
     padded = torch.full((len(rows), max(width, 1)), vocab_size, dtype=torch.int64)
     for i, row in enumerate(rows):
         padded[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-    padded = padded.to(device)
+    padded = to_device(padded, device)
     # One spare column (id vocab_size) absorbs the padding.
     out = torch.zeros(len(rows), vocab_size + 1, device=device)
     out.scatter_add_(1, padded, torch.ones_like(padded, dtype=out.dtype))
@@ -29,7 +30,7 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
     params = [r.sampling_params for r in requests]
 
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(torch.tensor(values, dtype=dtype), device)
 
     greedy = [p.is_greedy for p in params]
     top_k = [p.top_k for p in params]
@@ -51,7 +52,7 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
         banned = torch.zeros(len(requests), vocab_size, dtype=torch.bool)
         for i, ids in ban_rows:
             banned[i, [t for t in ids if t < vocab_size]] = True
-        banned = banned.to(device)
+        banned = to_device(banned, device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingBatch(
         temperature=column([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
@@ -72,8 +73,8 @@ def _output_counts(requests: list[Request], vocab_size: int, device: torch.devic
                    pending: list[tuple[int, int]], previous: torch.Tensor | None) -> torch.Tensor:
     counts = _token_matrix([r.output_token_ids for r in requests], vocab_size, device, count=True)
     if pending:
-        rows = torch.tensor([row for row, _ in pending], device=device)
-        tokens = previous[torch.tensor([source for _, source in pending], device=device)]
+        rows = to_device(torch.tensor([row for row, _ in pending]), device)
+        tokens = previous[to_device(torch.tensor([source for _, source in pending]), device)]
         counts.index_put_((rows, tokens), torch.ones(len(pending), device=device), accumulate=True)
     return counts
 

@@ -12,6 +12,7 @@ The KV write is a separate small kernel (`store_kv`) that skips slots of -1 (pad
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from baryon.kernels.attention.backend import AttentionBackend
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton, triton_unsupported_reason
+from baryon.transfer import to_device
 
 
 if triton is not None:
@@ -184,7 +186,8 @@ def _query_tiles(metadata: AttentionMetadata, block_q: int) -> tuple[torch.Tenso
         first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
         tile_q = torch.arange(len(tile_seq)) - first_tile[tile_seq]
         device = metadata.query_start_loc.device
-        metadata.backend_scratch[key] = (tile_seq.to(device, torch.int32), tile_q.to(device, torch.int32))
+        metadata.backend_scratch[key] = (to_device(tile_seq.to(torch.int32), device),
+                                         to_device(tile_q.to(torch.int32), device))
     return metadata.backend_scratch[key]
 
 
@@ -202,6 +205,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 
 
 MAX_KV_SPLITS = 16
+
+
+@functools.cache
+def _multiprocessor_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -277,7 +285,7 @@ class TritonPagedAttention(AttentionBackend):
         if device.type != "cuda":
             return 1
         programs = num_seqs * self.num_kv_heads
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _multiprocessor_count(device)
         if programs >= sms:
             return 1
         return min(MAX_KV_SPLITS, next_power_of_2(-(-sms // programs)))
