@@ -40,10 +40,6 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of num_seqs decodes runs at (None: too large for graphs)."""
         i = bisect.bisect_left(self.sizes, num_seqs)

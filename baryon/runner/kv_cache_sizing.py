@@ -82,7 +82,7 @@ def _profile_forward(config: EngineConfig, runner: ModelRunner) -> None:
     while sum(lengths) < budget and len(lengths) < config.scheduler.max_num_seqs:
         lengths.append(min(max_model_len - 1, budget - sum(lengths)))
     blocks_needed = sum(-(-n // runner.block_size) for n in lengths)
-    runner.kv_cache = runner._allocate_kv_cache(blocks_needed)
+    runner.bind_kv_cache(blocks_needed)
     scheduled, next_block = [], 0
     for i, n in enumerate(lengths):
         request = Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1), frozenset(), max_tokens=1)
@@ -91,7 +91,5 @@ def _profile_forward(config: EngineConfig, runner: ModelRunner) -> None:
         next_block += count
         scheduled.append((request, n))
     runner.execute(scheduled)
-    runner.kv_cache = None
-    for layer in runner.attention_layers:
-        layer.kv_cache = None
+    runner.bind_kv_cache(None)
     torch.cuda.empty_cache()

@@ -64,7 +64,7 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
         self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
         self.num_blocks = choose_num_blocks(config, self)
-        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.bind_kv_cache(self.num_blocks)
         self.graph_runner = self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
@@ -84,15 +84,13 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attention_layers)
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer, bound to it."""
-        caches = []
+    def bind_kv_cache(self, num_blocks: int | None) -> None:
+        """Give every attention layer its [2, num_blocks, block_size, kv_heads, head_dim] cache
+        (None: take the caches away)."""
         for layer in self.attention_layers:
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                                dtype=self.config.model.dtype, device=self.device)
-            layer.kv_cache = cache
-            caches.append(cache)
-        return caches
+            layer.kv_cache = None if num_blocks is None else torch.zeros(
+                2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                dtype=self.config.model.dtype, device=self.device)
 
     # -- one step ---------------------------------------------------------------------------
 
