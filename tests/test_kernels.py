@@ -13,7 +13,7 @@ from baryon.kernels.activation import TorchSiluAndMul
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.attention.torch_paged import TorchPagedAttention
 from baryon.kernels.norm import TorchRMSNorm
-from baryon.kernels.rotary import TorchRotary
+from baryon.kernels.rotary import apply_rotary
 
 
 def dense_attention(q, k, v, scale, window, sinks=None):
@@ -119,7 +119,7 @@ def test_rotary_matches_transformers(seed, rotary_fraction):
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     q = torch.randn(tokens, heads * head_dim, generator=gen)
     k = torch.randn(tokens, kv_heads * head_dim, generator=gen)
-    q_out, k_out = TorchRotary.forward(positions, q, k, cache, head_dim)
+    q_out, k_out = apply_rotary(positions, q, k, cache, head_dim)
     emb = torch.cat((freqs[positions], freqs[positions]), dim=-1)  # HF layout: [tokens, rotary_dim]
     q_heads, k_heads = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
     q_ref, k_ref = apply_rotary_pos_emb(q_heads[..., :rotary_dim].transpose(0, 1).unsqueeze(0),

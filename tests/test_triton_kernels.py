@@ -109,22 +109,41 @@ def test_triton_silu_and_mul_matches_torch(seed, d):
     torch.testing.assert_close(TritonSiluAndMul.forward(x), TorchSiluAndMul.forward(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(4, 2, 64, 64), (8, 1, 32, 16), (3, 3, 128, 128)])
-def test_triton_rotary_matches_torch_on_qkv_views(seed, heads, kv_heads, head_dim, rotary_dim):
-    from baryon.kernels.rotary import TorchRotary, TritonRotary
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim,qk_norm", [
+    (4, 2, 64, 64, True), (8, 1, 64, 32, False), (3, 3, 128, 128, True), (2, 2, 128, 64, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rotary_dim, qk_norm, dtype):
+    """QK norm + rotary + KV write fused: same queries and the same cache as the reference,
+    padding slots (-1) untouched, partial rotary leaves the tail features alone."""
+    from baryon.kernels.qkv_prologue import TorchQKVPrologue, TritonQKVPrologue
 
     gen = torch.Generator().manual_seed(seed)
-    tokens = 7
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE)
-    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)  # strided views
-    positions = torch.randint(0, 50, (tokens,), generator=gen).to(DEVICE)
+    tokens, num_blocks, block_size = 9, 4, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 60, (tokens,), generator=gen).to(DEVICE)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     freqs = torch.outer(torch.arange(64).float(), inv_freq)
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
-    ref_q, ref_k = TorchRotary.forward(positions, q.clone(), k.clone(), cache, head_dim)
-    out_q, out_k = TritonRotary.forward(positions, q, k, cache, head_dim)
-    torch.testing.assert_close(out_q, ref_q, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out_k, ref_k, atol=1e-5, rtol=1e-5)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
+    weights = [torch.randn(head_dim, generator=gen).to(dtype).to(DEVICE) if qk_norm else None for _ in range(2)]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[torch.randperm(tokens, generator=gen)[:2]] = -1  # padding rows
+    slots = slots.to(DEVICE)
+    caches, queries = [], []
+    for kernel in (TorchQKVPrologue, TritonQKVPrologue):
+        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        q = kernel.forward(qkv.clone(), positions, cos_sin, weights[0], weights[1], 1e-6, cache, slots,
+                           heads, kv_heads, head_dim)
+        caches.append(cache)
+        queries.append(q.clone())
+    # bf16: a one-ulp rounding difference of the normalised value (|x| up to ~8) may carry through rotary.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.07, rtol=2e-2)
+    torch.testing.assert_close(queries[1], queries[0], **tol)
+    torch.testing.assert_close(caches[1], caches[0], **tol)
+    written = caches[0].flatten(1, 2).abs().sum((0, 2, 3)) > 0  # [num_blocks * block_size]
+    assert int(written.sum()) == int((slots >= 0).sum())
+    if rotary_dim < head_dim and not qk_norm:  # the features past the rotary part are unchanged
+        tail = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)[..., rotary_dim:]
+        torch.testing.assert_close(queries[1].view(tokens, heads, head_dim)[..., rotary_dim:], tail)
 
 
 def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypatch):
@@ -133,7 +152,7 @@ def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypat
     from baryon import LLM, SamplingParams
     from conftest import hf_greedy, make_checkpoint, random_prompts
 
-    for family in ("attention", "rms_norm", "rotary", "silu_and_mul"):
+    for family in ("attention", "rms_norm", "qkv_prologue", "silu_and_mul"):
         monkeypatch.setenv(f"BARYON_KERNEL_{family.upper()}", "triton")
     path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=seed, hidden_size=128, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
@@ -142,7 +161,7 @@ def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypat
     runner = llm.engine.core.runner
     assert {type(a.backend).__name__ for a in runner.attention_layers} == {"TritonPagedAttention"}
     layer = runner.model.model.layers[0]
-    assert layer.input_layernorm.kernel.name == layer.self_attn.rotary_emb.kernel.name == "triton"
+    assert layer.input_layernorm.kernel.name == layer.self_attn.attn.prologue.name == "triton"
     assert layer.mlp.act_fn.kernel.name == "triton"
     prompts = random_prompts(2, 128, 5, 20, seed)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

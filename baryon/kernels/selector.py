@@ -41,7 +41,7 @@ _REGISTRY: dict[str, list[str]] = {
                   "baryon.kernels.attention.torch_paged:TorchPagedAttention"],
     "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:TorchRMSNorm"],
     "silu_and_mul": ["baryon.kernels.activation:TritonSiluAndMul", "baryon.kernels.activation:TorchSiluAndMul"],
-    "rotary": ["baryon.kernels.rotary:TritonRotary", "baryon.kernels.rotary:TorchRotary"],
+    "qkv_prologue": ["baryon.kernels.qkv_prologue:TritonQKVPrologue", "baryon.kernels.qkv_prologue:TorchQKVPrologue"],
     "sampling": ["baryon.kernels.sampling:TorchSampling"],
 }
 _logged: set[tuple[str, str]] = set()

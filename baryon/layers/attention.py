@@ -1,4 +1,7 @@
-"""The attention layer: stores this step's keys/values in the paged cache and attends over it."""
+"""The attention layer: stores this step's keys/values in the paged cache and attends over it.
+
+`forward_qkv` is the path the models take: from the fused QKV projection's output it runs the
+QKV prologue (QK norm, rotary, KV-cache write; one kernel on GPU) and then attention."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from torch import nn
 
 from baryon.kernels.selector import select
 from baryon.layers.forward_context import current_attn_metadata
+from baryon.layers.norm import RMSNorm
+from baryon.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -19,9 +24,25 @@ class Attention(nn.Module):
                          num_heads=num_heads, num_kv_heads=num_kv_heads,
                          dtype=torch.get_default_dtype(), sliding_window=sliding_window)
         self.backend = backend(num_heads, head_dim, num_kv_heads, scale, sliding_window)
+        self.prologue = select("qkv_prologue", torch.get_default_device(), head_dim=head_dim)
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once the
         # cache is allocated (a plain attribute, not part of the state dict).
         self.kv_cache: torch.Tensor | None = None
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] (rewritten in place);
+        positions: [num_tokens]; q_norm/k_norm: per-head RMSNorm of queries/keys before rotary
+        (Qwen3) or None. Returns [num_tokens, num_heads * head_dim]."""
+        metadata = current_attn_metadata()
+        num_tokens = qkv.shape[0]
+        query = self.prologue.forward(
+            qkv, positions, rotary.cos_sin_cache, q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0,
+            self.kv_cache, metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+        output = self.backend.forward(query.view(num_tokens, self.num_heads, self.head_dim), None, None,
+                                      self.kv_cache, metadata)
+        return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query: [num_tokens, num_heads * head_dim]; key/value: [num_tokens, num_kv_heads *

@@ -8,8 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from baryon.kernels.selector import select
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -89,22 +87,17 @@ def _yarn(dim: int, base: float, params: dict[str, Any], max_position: int) -> t
 
 
 class RotaryEmbedding(nn.Module):
-    """NeoX-style rotary embedding over the first `rotary_dim` features of each head."""
+    """NeoX-style rotary embedding over the first `rotary_dim` features of each head: holds the
+    cos/sin table that the attention layer's QKV prologue applies."""
 
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
+    def __init__(self, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
         super().__init__()
-        self.head_dim = head_dim
         inv_freq, scaling = _inverse_frequencies(rotary_dim, params, max_position)
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
         cos_sin = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
         # [max_position, rotary_dim] float32, whatever the model dtype.
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
-        self.kernel = select("rotary", torch.get_default_device())
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """positions: [num_tokens]; query: [num_tokens, num_heads * head_dim]; key likewise."""
-        return self.kernel.forward(positions, query, key, self.cos_sin_cache, self.head_dim)
 
 
 def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
@@ -114,4 +107,4 @@ def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
                          f"supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * partial)
-    return RotaryEmbedding(head_dim, rotary_dim, hf_config.max_position_embeddings, params)
+    return RotaryEmbedding(rotary_dim, hf_config.max_position_embeddings, params)

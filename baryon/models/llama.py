@@ -45,7 +45,6 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
-        self.q_size, self.kv_size, self.head_dim = self.qkv_proj.q_size, self.qkv_proj.kv_size, head_dim
         self.rotary_emb = get_rope(config, head_dim)
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
                               scale=head_dim ** -0.5, sliding_window=sliding_window_of(config, layer_idx))
@@ -56,12 +55,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+            return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary_emb, self.q_norm, self.k_norm))
+        return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary_emb))
 
 
 class LlamaMLP(nn.Module):

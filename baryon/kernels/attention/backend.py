@@ -33,8 +33,9 @@ class AttentionBackend(Kernel):
         # that takes probability mass but contributes no value. None: no sinks.
         self.sinks = sinks
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
-        head_dim]. Returns [num_tokens, num_heads, head_dim]."""
+        head_dim], stored into the cache first, or None when the caller already stored them.
+        Returns [num_tokens, num_heads, head_dim]."""
         raise NotImplementedError

@@ -36,9 +36,10 @@ class TorchPagedAttention(AttentionBackend):
     def cannot_implement_reason(cls, **config: Any) -> str | None:
         return None  # any head size, GQA ratio, window, sinks, dtype
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        if key is not None:
+            store_kv(key, value, kv_cache, metadata.slot_mapping)
         if metadata.max_query_len == 1 and metadata.num_tokens == metadata.num_seqs:
             return self._decode(query, kv_cache, metadata)
         output = torch.empty_like(query)

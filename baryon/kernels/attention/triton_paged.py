@@ -228,9 +228,10 @@ class TritonPagedAttention(AttentionBackend):
             return f"head_dim {head_dim} (supported: 64, 128, 256)"
         return None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        store_kv(key, value, kv_cache, metadata.slot_mapping)
+        if key is not None:
+            store_kv(key, value, kv_cache, metadata.slot_mapping)
         output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         if metadata.max_query_len == 1:
