@@ -373,3 +373,18 @@ def test_abort_returns_unfinished_samples(story):
     assert processor.abort_request("req") == ["0_req", "2_req"]
     assert processor.abort_request("req") == []
     assert processor.process([EngineCoreOutput("0_req", [output[0]])]) == ([], [])
+
+
+def test_random_byte_tokens_never_raise(hf_tokenizer, seed):
+    """Random ids (a serving benchmark's prompts, a dummy model's outputs) make byte tokens that
+    are no valid UTF-8; tokenizers' DecodeStream then raises "Invalid prefix". The detokenizer
+    falls back to the window method for that request instead of failing it."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = hf_tokenizer.vocab_size
+    for _ in range(100):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        detok = IncrementalDetokenizer(hf_tokenizer, prompt, skip_special_tokens=True)
+        texts = [detok.step(rng.randrange(vocab)) for _ in range(12)]
+        assert all(isinstance(t, str) for t in texts)

@@ -34,6 +34,21 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
 
 
+def check_prompt(config: EngineConfig, prompt_token_ids: list[int]) -> None:
+    """Refuse, before any work, a prompt the engine cannot run."""
+    max_model_len, vocab = config.model.max_model_len, config.model.vocab_size
+    if len(prompt_token_ids) == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room for "
+                         f"output in max_model_len={max_model_len}; the prompt may have at most "
+                         f"{max_model_len - 1} tokens")
+    bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+    if bad:
+        raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab}) of the model"
+                         + (f" ({len(bad)} such ids)" if len(bad) > 1 else ""))
+
+
 @dataclass
 class _InFlight:
     scheduled: list[tuple[Request, int]]
@@ -67,18 +82,7 @@ class EngineCore:
         self.scheduler.add(request)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Refuse, before any work, a prompt the engine cannot run."""
-        max_model_len, vocab = self.config.model.max_model_len, self.config.model.vocab_size
-        if len(prompt_token_ids) == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        if len(prompt_token_ids) >= max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room for "
-                             f"output in max_model_len={max_model_len}; the prompt may have at most "
-                             f"{max_model_len - 1} tokens")
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab}) of the model"
-                             + (f" ({len(bad)} such ids)" if len(bad) > 1 else ""))
+        check_prompt(self.config, prompt_token_ids)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -50,15 +50,28 @@ class IncrementalDetokenizer:
             self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
             for token_id in pending:  # an unfinished character: no text yet
                 self._stream.step(self._backend, token_id)
-        else:
-            self._ids = context + pending
-            self._prefix_offset, self._read_offset = 0, len(context)
+        # Every id so far (for the window method, also the stream's fallback).
+        self._ids = context + pending
+        self._prefix_offset, self._read_offset = 0, len(context)
 
     def step(self, token_id: int) -> str:
         """The text that token_id completes ('' while a character is still incomplete)."""
         if self._backend is not None:
-            return self._stream.step(self._backend, token_id) or ""
+            try:
+                text = self._stream.step(self._backend, token_id) or ""
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
+                # "Invalid prefix": byte tokens that do not form valid UTF-8 re-decode differently
+                # once more tokens follow (random ids do this). The window method copes with it.
+                self._to_window()
+                return self._window_step(token_id)
+            self._ids.append(token_id)
+            return text
         return self._window_step(token_id)
+
+    def _to_window(self) -> None:
+        self._backend = None
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - _MIN_CONTEXT)
 
     def _window_step(self, token_id: int) -> str:
         self._ids.append(token_id)

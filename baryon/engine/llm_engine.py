@@ -15,6 +15,22 @@ from baryon.tokenizer import eos_token_ids, load_tokenizer
 PromptType = str | dict[str, Any]
 
 
+def check_sampling_params(config: EngineConfig, has_tokenizer: bool, params: SamplingParams) -> None:
+    """Refuse parameters that are valid in themselves but not for this engine."""
+    limit = config.model.max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise ValueError(f"SamplingParams.{name}={value} exceeds max_logprobs={limit} of this engine")
+    vocab = config.model.vocab_size
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+    if not has_tokenizer and params.stop_strings:
+        raise ValueError("stop strings need a tokenizer; this engine has skip_tokenizer_init=True "
+                         "(use stop_token_ids)")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -51,18 +67,7 @@ class LLMEngine:
         return prompt, ids
 
     def check_params(self, params: SamplingParams) -> None:
-        limit = self.config.model.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise ValueError(f"SamplingParams.{name}={value} exceeds max_logprobs={limit} of this engine")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
-        if self.tokenizer is None and params.stop_strings:
-            raise ValueError("stop strings need a tokenizer; this engine has skip_tokenizer_init=True "
-                             "(use stop_token_ids)")
+        check_sampling_params(self.config, self.tokenizer is not None, params)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

@@ -1,0 +1,140 @@
+"""The engine-core process: an EngineCore driven by messages from the server over ZMQ.
+
+Started by `baryon.engine.core_client` as `python -m baryon.engine.core_process INPUT OUTPUT`,
+before the server has resolved the configuration: it imports the engine meanwhile, then reads
+the pickled EngineConfig from stdin (nothing there: the server gave up, exit). It pulls
+AddRequests / AbortRequests / Shutdown from INPUT and pushes EngineReady, then one
+EngineOutputs per step that changed something, to OUTPUT. It speaks token ids only; the server
+tokenizes and detokenizes.
+
+It runs in its own session, so a terminal's Ctrl-C reaches only the server, which stops it in
+order; and it exits by itself when its parent is gone, so a killed server leaves no engine.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+import zmq
+
+from baryon.config import EngineConfig
+from baryon.engine.core import EngineCore
+from baryon.engine.messages import (AbortRequests, AddRequests, EngineFailed, EngineOutputs, EngineReady,
+                                    EngineStats, Shutdown, client_message_decoder, encoder)
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
+
+# How long an idle engine waits for a message before checking that its parent is alive (ms).
+_IDLE_POLL_MS = 200
+# How long an unsent failure report may hold the process at exit (ms).
+_LINGER_MS = 2000
+
+
+def engine_stats(core: EngineCore) -> EngineStats:
+    scheduler, blocks = core.scheduler, core.block_manager
+    return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                       num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks=blocks.num_blocks)
+
+
+class EngineCoreLoop:
+    """Receive messages, step the core while it has work, send what each step produced."""
+
+    def __init__(self, core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.rejected: dict[str, str] = {}
+
+    def run(self) -> None:
+        while True:
+            changed = self._receive(timeout_ms=0 if self.core.has_unfinished_requests() else _IDLE_POLL_MS)
+            if changed is None:
+                return
+            if os.getppid() != self.parent_pid:
+                logger.warning("the server process is gone; the engine process exits")
+                return
+            step_outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            if step_outputs or changed:
+                self.outputs.send(encoder.encode(EngineOutputs(step_outputs, engine_stats(self.core), self.rejected)))
+                self.rejected = {}
+
+    def _receive(self, timeout_ms: int) -> bool | None:
+        """Apply every waiting message. True if one changed the engine's state, None on Shutdown."""
+        changed = False
+        if not self.inputs.poll(timeout_ms):
+            return changed
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return changed
+            message = client_message_decoder.decode(frame.buffer)
+            if isinstance(message, Shutdown):
+                return None
+            if isinstance(message, AddRequests):
+                for request in message.requests:
+                    self._add(request)
+            elif isinstance(message, AbortRequests):
+                self.core.abort_requests(message.request_ids)
+            changed = True
+
+    def _add(self, request) -> None:
+        try:
+            self.core.add_request(request.request_id, request.prompt_token_ids, request.sampling_params,
+                                  request.eos_token_ids)
+        except ValueError as e:
+            self.rejected[request.request_id] = str(e)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> int:
+    parent_pid = os.getppid()
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(output_address)
+    failure = None
+    try:
+        try:
+            core = EngineCore(config)
+        except Exception as e:  # report any failure to start, then exit
+            logger.exception("the engine failed to start")
+            failure = f"the engine failed to start: {type(e).__name__}: {e}"
+            return 1
+        outputs.send(encoder.encode(EngineReady(engine_stats(core))))
+        try:
+            EngineCoreLoop(core, inputs, outputs, parent_pid).run()
+        except Exception as e:  # a failed step ends the engine: tell the server why
+            logger.exception("the engine failed")
+            failure = f"the engine failed: {type(e).__name__}: {e}"
+            return 1
+        return 0
+    finally:
+        if failure is not None:
+            outputs.send(encoder.encode(EngineFailed(failure)))
+        inputs.close(linger=0)
+        outputs.close(linger=_LINGER_MS if failure is not None else 0)
+        context.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m baryon.engine.core_process INPUT_ADDRESS OUTPUT_ADDRESS "
+              "(pickled EngineConfig on stdin)", file=sys.stderr)
+        return 2
+    pickled = sys.stdin.buffer.read()  # waits while the server resolves the configuration
+    if not pickled:
+        return 0  # the server gave up before configuring the engine
+    return run_engine_core(pickle.loads(pickled), argv[0], argv[1])
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the sockets are closed: skip the slow interpreter teardown (torch), exit now

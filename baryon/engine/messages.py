@@ -1,0 +1,69 @@
+"""What the server and the engine-core process say to each other over ZMQ (msgspec, msgpack).
+
+The server sends `AddRequests`, `AbortRequests` and `Shutdown`; the engine answers once with
+`EngineReady` (or `EngineFailed` when it cannot start), then with one `EngineOutputs` per step
+that changed something: the new tokens of each request (ids and logprobs only: text is the
+server's job) and the engine's load, which feeds /metrics. A request the engine refuses comes
+back in `EngineOutputs.rejected` with the reason.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from baryon.engine.core import EngineCoreOutput
+from baryon.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct):
+    """One engine-core request: one sample of a server request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+
+
+class AddRequests(msgspec.Struct, tag=True):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+ClientMessage = AddRequests | AbortRequests | Shutdown
+
+
+class EngineStats(msgspec.Struct):
+    """The engine's load after a step: engine-core requests (samples) and KV-cache blocks."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks: int = 0
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    stats: EngineStats
+
+
+class EngineFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    rejected: dict[str, str] = {}  # engine-core request id -> why it was refused
+
+
+EngineMessage = EngineReady | EngineFailed | EngineOutputs
+
+encoder = msgspec.msgpack.Encoder()
+client_message_decoder = msgspec.msgpack.Decoder(ClientMessage)
+engine_message_decoder = msgspec.msgpack.Decoder(EngineMessage)

@@ -1,0 +1,102 @@
+"""The FastAPI app: OpenAI's routes under /v1, plus /health, /metrics, /version, /tokenize and
+/detokenize. With an API key, every /v1 route needs `Authorization: Bearer <key>`."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import baryon
+from baryon.server.errors import bad_request, error_response, install_error_handlers
+from baryon.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from baryon.server.serving import ServerContext, json_response
+from baryon.server.serving_chat import create_chat_completion
+from baryon.server.serving_completions import create_completion
+
+
+class ApiKeyMiddleware:
+    """401 for a /v1 request without the right bearer key (before its body is even read)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not hmac.compare_digest(given, self.expected):
+                message = ("this server needs an API key: send the header 'Authorization: Bearer <key>'"
+                           if given is None else "the API key is wrong")
+                await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(ctx: ServerContext, api_key: str | None) -> FastAPI:
+    app = FastAPI(title="baryon", version=baryon.__version__,
+                  description="OpenAI-compatible API of the baryon inference engine")
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    created = int(time.time())
+
+    @app.get("/health", summary="200 while the engine serves requests, 503 once it is gone")
+    async def health() -> Response:
+        ctx.check_alive()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": baryon.__version__})
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "baryon",
+                  "root": ctx.config.model.model, "max_model_len": ctx.config.model.max_model_len,
+                  "vocab_size": ctx.config.model.vocab_size} for name in ctx.model_names]
+        return json_response({"object": "list", "data": cards})
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(ctx, request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(ctx, request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        ctx.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise bad_request("give exactly one of 'prompt' (text) or 'messages' (a conversation)", param="prompt")
+        if request.prompt is not None:
+            add_special = request.add_special_tokens is not False
+            tokens = ctx.inputs.tokenize(request.prompt, add_special_tokens=add_special)
+        else:
+            add_generation_prompt = request.add_generation_prompt is not False
+            tokens = ctx.inputs.chat_prompt(request.messages, add_generation_prompt, check=False)
+        return json_response({"count": len(tokens), "max_model_len": ctx.config.model.max_model_len,
+                              "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        ctx.check_model(request.model)
+        vocab = ctx.config.model.vocab_size
+        bad = [t for t in request.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        tokenizer = ctx.inputs.tokenizer
+        if tokenizer is None:
+            raise bad_request("/detokenize needs a tokenizer, and this server runs with --skip-tokenizer-init")
+        return json_response({"prompt": tokenizer.decode(request.tokens)})
+
+    return app

@@ -1,0 +1,33 @@
+"""`baryon serve` flags (argparse only: building the parser imports nothing of the server).
+
+The names follow `vllm serve`: a positional MODEL (or --model), --host, --port, --api-key,
+--served-model-name, --chat-template, and every engine flag generated from EngineArgs
+(--max-model-len, --gpu-memory-utilization, --max-num-seqs, --enable-prefix-caching /
+--no-enable-prefix-caching, --dtype, --seed, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from baryon.cli import add_engine_args
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Checkpoint folder or Hugging Face repo id (the same as --model)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=8000, help="Port to listen on")
+    server.add_argument("--api-key", default=None,
+                        help="Require 'Authorization: Bearer KEY' on /v1 routes (default: $BARYON_API_KEY if set)")
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="Model name(s) requests may use; responses use the first (default: the model argument)")
+    server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="Jinja chat template (a file or the template itself) for tokenizers without one, "
+                             "or to replace theirs")
+    server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                        help="Log level of the HTTP server (access log at info)")
+    add_engine_args(parser)

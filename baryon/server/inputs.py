@@ -1,0 +1,122 @@
+"""Prompts in the server: text and chat messages to token ids, checked against the engine's limits.
+
+Text is tokenized as `LLM.generate` does (the tokenizer's special tokens, e.g. BOS, included);
+chat messages are rendered with the chat template as `LLM.chat` does. Every refusal is an
+APIError 400 that says why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from baryon.config import EngineConfig
+from baryon.engine.core import check_prompt
+from baryon.server.errors import bad_request
+from baryon.server.protocol import ChatMessage
+
+# A prompt for the engine: its text (None when given as token ids) and its token ids.
+Prompt = tuple[str | None, list[int]]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # a template string too long to be a file name
+        pass
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Any | None, chat_template: str | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    def _need_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise bad_request(f"{what} needs a tokenizer, and this server runs with --skip-tokenizer-init: "
+                              f"give prompts as token ids")
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._need_tokenizer("text").encode(text, add_special_tokens=add_special_tokens))
+
+    def completion_prompts(self, prompt: str | list) -> list[Prompt]:
+        """The prompts of a completion request: one text, a list of texts, token ids or a list of
+        token-id lists."""
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif not prompt:
+            raise bad_request("'prompt' is an empty list; give text or token ids", param="prompt")
+        elif isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = prompt
+        result = []
+        for item in prompts:
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request("'prompt' is empty; give some text or token ids", param="prompt")
+                result.append((item, self.tokenize(item)))
+            else:
+                result.append((None, list(item)))
+        for _, ids in result:
+            self.check(ids)
+        return result
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    check: bool = True) -> list[int]:
+        """The token ids of a conversation rendered with the chat template (checked against the
+        engine's limits unless check=False)."""
+        tokenizer = self._need_tokenizer("chat")
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise bad_request("this model's tokenizer has no chat template; start the server with "
+                              "--chat-template FILE (a Jinja template) or use /v1/completions",
+                              code="no_chat_template")
+        conversation = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                         else "\n".join(part.text for part in m.content)} for m in messages]
+        try:
+            ids = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=True,
+                                                add_generation_prompt=add_generation_prompt, return_dict=False)
+        except Exception as e:  # the template is user code: any failure is the request's
+            raise bad_request(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                              param="messages") from None
+        ids = list(ids)
+        if check:
+            self.check(ids, param="messages")
+        return ids
+
+    def check(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
+        try:
+            check_prompt(self.config, prompt_token_ids)
+        except ValueError as e:
+            code = "context_length_exceeded" if len(prompt_token_ids) >= self.max_model_len else None
+            raise bad_request(str(e), param=param, code=code) from None
+
+    def max_tokens(self, prompt_token_ids: list[int], requested: int | None, default: int | None,
+                   param: str) -> int:
+        """New tokens to allow: the requested number, which must fit in the context with the
+        prompt, or else the default cut to what fits (None: all that fits)."""
+        room = self.max_model_len - len(prompt_token_ids)
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_token_ids)} and {param}={requested} asks for {requested} more "
+                f"({len(prompt_token_ids) + requested} in all); lower {param} to at most {room}",
+                param=param, code="context_length_exceeded")
+        return requested

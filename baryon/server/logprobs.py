@@ -1,0 +1,65 @@
+"""Logprobs in OpenAI's two shapes, from the engine's per-position dicts (token id -> Logprob).
+
+Completions: {"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}.
+Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
+`top_logprobs` holds the k most likely tokens of the position (the chosen one only if it is
+among them). Without a tokenizer a token's text is "token_id:<id>".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from baryon.outputs import PositionLogprobs
+
+
+def token_text(token_id: int, entry: PositionLogprobs | None, tokenizer: Any | None) -> str:
+    logprob = entry.get(token_id) if entry else None
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    if tokenizer is not None:
+        return tokenizer.decode([token_id])
+    return f"token_id:{token_id}"
+
+
+def top_alternatives(entry: PositionLogprobs, top_n: int) -> list[tuple[int, float]]:
+    """The top_n most likely (token id, logprob) of a position, most likely first."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+    return [(token_id, lp.logprob) for token_id, lp in ranked if lp.rank <= top_n]
+
+
+@dataclass
+class CompletionLogprobs:
+    """Builds completion logprobs chunk by chunk (text_offset continues across chunks)."""
+
+    top_n: int
+    tokenizer: Any | None
+    offset: int = 0  # text offset of the next token
+
+    def build(self, token_ids: list[int], entries: list[PositionLogprobs | None]) -> dict[str, list]:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            text = token_text(token_id, entry, self.tokenizer)
+            chosen = entry.get(token_id) if entry else None
+            tokens.append(text)
+            token_logprobs.append(None if chosen is None else chosen.logprob)
+            top_logprobs.append(None if entry is None else {
+                token_text(alt, entry, self.tokenizer): value for alt, value in top_alternatives(entry, self.top_n)})
+            text_offset.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": text_offset}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], top_n: int, tokenizer: Any | None) -> dict:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        text = token_text(token_id, entry, tokenizer)
+        alternatives = []
+        for alt, value in top_alternatives(entry, top_n):
+            alt_text = token_text(alt, entry, tokenizer)
+            alternatives.append({"token": alt_text, "logprob": value, "bytes": list(alt_text.encode("utf-8"))})
+        content.append({"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode("utf-8")),
+                        "top_logprobs": alternatives})
+    return {"content": content}

@@ -1,0 +1,206 @@
+"""What the completions and chat endpoints share: the server's context, the model check, the
+engine streams of a request's prompts (merged, timed for /metrics), SSE framing, usage, and
+turning engine failures and client disconnects into the right outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from baryon.config import EngineConfig
+from baryon.engine.core_client import AsyncEngineClient, EngineDeadError, OutputProcessingError, RequestRejectedError
+from baryon.outputs import CompletionOutput, RequestOutput
+from baryon.sampling_params import SamplingParams
+from baryon.server.errors import APIError, error_body
+from baryon.server.inputs import InputProcessor, Prompt
+from baryon.server.metrics import ServerMetrics
+
+_json = msgspec.json.Encoder()
+# How a request can fail once in the engine (see failure()).
+_REQUEST_FAILURES = (EngineDeadError, RequestRejectedError, OutputProcessingError)
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class ServerContext:
+    config: EngineConfig
+    client: AsyncEngineClient
+    inputs: InputProcessor
+    metrics: ServerMetrics
+    model_names: list[str]  # the first is the one responses name
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested not in self.model_names:
+            raise APIError(404, f"the model {requested!r} does not exist; this server serves "
+                                f"{', '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
+
+    def check_alive(self) -> None:
+        if self.client.dead_reason is not None:
+            raise engine_unavailable(self.client.dead_reason)
+
+
+def engine_unavailable(reason: str) -> APIError:
+    return APIError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+def json_response(payload: dict[str, Any]) -> Response:
+    return Response(_json.encode(payload), media_type="application/json")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _timed(ctx: ServerContext, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    timer = ctx.metrics.request_timer()
+    async for output in ctx.client.generate(request_id, prompt[0], prompt[1], params):
+        timer.observe(output)
+        yield output
+
+
+async def generate_merged(ctx: ServerContext, request_id: str, prompts: list[Prompt],
+                          params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, latest output) as the engine advances any of the prompts, until all are
+    finished. Leaving early aborts every unfinished prompt."""
+    if len(prompts) == 1:
+        async for output in _timed(ctx, request_id, prompts[0], params[0]):
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    finished = object()
+
+    async def pump(index: int) -> None:
+        try:
+            async for output in _timed(ctx, f"{request_id}-{index}", prompts[index], params[index]):
+                queue.put_nowait((index, output))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, finished))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is finished:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def error_event(error: Exception) -> bytes:
+    status, message, code = failure(error)
+    body = error_body(status, message, code=code)
+    body["error"]["status"] = status
+    return sse(body)
+
+
+def failure(error: Exception) -> tuple[int, str, str | None]:
+    """(status, message, code) of one of the _REQUEST_FAILURES."""
+    if isinstance(error, EngineDeadError):
+        return 503, f"the engine is not available: {error}", "engine_unavailable"
+    if isinstance(error, RequestRejectedError):
+        return 400, str(error), None
+    return 500, str(error), "output_processing_failed"
+
+
+def streaming_response(events: AsyncIterator[bytes]) -> StreamingResponse:
+    """An SSE response ending with `data: [DONE]`; an engine failure mid-stream becomes an
+    error event. A client that disconnects cancels the stream, which aborts its requests."""
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        except _REQUEST_FAILURES as e:
+            yield error_event(e)
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def unless_disconnected(raw_request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a non-streaming request, abandoning it (and aborting it in the engine) if the client
+    disconnects first; engine failures become 503 / 400 responses."""
+    task = asyncio.create_task(work())
+    watcher = asyncio.create_task(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():  # the client left: cancelling the work aborts its requests
+        task.cancel()
+        return Response(status_code=499)  # nobody is listening
+    try:
+        return task.result()
+    except _REQUEST_FAILURES as e:
+        status, message, code = failure(e)
+        return JSONResponse(error_body(status, message, code=code), status_code=status)
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def stop_string_holdback(params: SamplingParams) -> int:
+    """Characters a stream holds back so it never sends the start of a stop string."""
+    return max(map(len, params.stop_strings), default=1) - 1
+
+
+@dataclass
+class ChoiceCursor:
+    """What a streamed choice has sent so far."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    started: bool = False
+    finished: bool = False
+
+    def advance(self, sample: CompletionOutput, holdback: int) -> tuple[str, int, int] | None:
+        """(new text, first new token, end of new tokens) for the next chunk, or None when the
+        choice has nothing new to send."""
+        if self.finished:
+            return None
+        finished = sample.finish_reason is not None
+        num_tokens = len(sample.token_ids)
+        text_end = len(sample.text) if finished else max(self.text_sent, len(sample.text) - holdback)
+        if text_end == self.text_sent and num_tokens == self.tokens_sent and not finished and self.started:
+            return None
+        delta = (sample.text[self.text_sent:text_end], self.tokens_sent, num_tokens)
+        self.text_sent, self.tokens_sent, self.started, self.finished = text_end, num_tokens, True, finished
+        return delta
