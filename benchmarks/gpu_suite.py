@@ -1,6 +1,10 @@
 """Run the GPU workloads of BENCHMARKS.md for each model, each in a fresh process, and print a
 short table last (each benchmark's JSON line is printed as it finishes).
 
+The serve workload starts `baryon serve` on the preset (dummy weights, synthetic tokenizer),
+waits for /health, runs `baryon.bench.serve` (500 requests, 1024 tokens in, 128 out, at most 64
+in flight) and stops the server with SIGTERM.
+
     python benchmarks/gpu_suite.py --models qwen3-0.6b qwen3-8b [--workloads latency-bs1 ...] [-- engine flags]
 """
 
@@ -8,29 +12,74 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 WORKLOADS = {
     "latency-bs1": ["baryon.bench.latency", "--batch-size", "1"],
     "decode-bs64": ["baryon.bench.latency", "--batch-size", "64"],
     "nano": ["baryon.bench.throughput", "--workload", "nano"],
     "prefill": ["baryon.bench.throughput", "--workload", "prefill"],
+    "serve": ["baryon.bench.serve", "--num-prompts", "500", "--random-input-len", "1024",
+              "--random-output-len", "128", "--max-concurrency", "64", "--port", "8123"],
 }
+
+
+def start_server(model: str, extra: list[str], timeout: int) -> subprocess.Popen:
+    from baryon.bench.presets import PRESETS, resolve_model
+
+    cmd = [sys.executable, "-m", "baryon.cli", "serve", resolve_model(model), "--port", "8123",
+           "--uvicorn-log-level", "warning", *extra]
+    if model in PRESETS:  # random weights; the context length of the other workloads
+        cmd += ["--load-format", "dummy", "--max-model-len", "4096"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:8123/health", timeout=2) as response:
+                if response.status == 200:
+                    return server
+        except OSError:
+            time.sleep(1)
+    server.kill()
+    raise RuntimeError("the server did not come up")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def run_one(model: str, workload: str, extra: list[str], timeout: int) -> dict:
     module, *flags = WORKLOADS[workload]
-    cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
+    server = None
+    if workload == "serve":
+        try:
+            server = start_server(model, extra, timeout)
+        except RuntimeError as e:
+            return {"model": model, "workload": workload, "error": str(e)}
+        cmd = [sys.executable, "-m", module, *flags]
+    else:
+        cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"model": model, "workload": workload, "error": f"timed out after {timeout} s"}
+    finally:
+        if server is not None:
+            stop_server(server)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"model": model, "workload": workload, "error": proc.stderr.strip().splitlines()[-1:]}
     result = json.loads(lines[-1])
-    result["workload"] = workload
+    result.update(workload=workload, model=model)
     return result
 
 
@@ -38,6 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    # The serve workload's server reads this too: keep it quiet.
+    os.environ.setdefault("BARYON_LOG_LEVEL", "WARNING")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per benchmark process")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
@@ -53,6 +104,9 @@ def main() -> None:
             figure = f"error: {r['error']}"
         elif r["benchmark"] == "latency":
             figure = f"TPOT {r['tpot_ms']:.3f} ms, TTFT {r['ttft_ms']:.1f} ms"
+        elif r["workload"] == "serve":
+            figure = (f"{r['output_throughput']:,.0f} out tok/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, "
+                      f"TPOT p50 {r['median_tpot_ms']:.1f} ms, ITL p99 {r['p99_itl_ms']:.1f} ms")
         elif r["workload"] == "prefill":
             figure = f"{r['prompt_tok_s']:,.0f} prompt tok/s"
         else:

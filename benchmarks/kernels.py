@@ -50,6 +50,30 @@ def _attention_case(device, dtype, num_seqs, q_len, seq_len, heads, kv_heads, he
     return q, kv, cache, metadata
 
 
+def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> None:
+    """Every sampling implementation that runs on `device` (torch and Triton on CUDA), each logit
+    processor on [rows, vocab] float32 logits as the sampler sees them."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).to(device)
+    probs = logits.softmax(dim=-1)
+    prompt_mask = (torch.rand(rows, vocab, generator=gen) < 0.01).to(device)
+    output_counts = (torch.rand(rows, vocab, generator=gen) < 0.01).float().to(device)
+    per_row = torch.full((rows,), 0.5, device=device)
+    top_k = torch.full((rows,), 50, device=device)
+    top_p = torch.full((rows,), 0.9, device=device)
+    shape = f"rows={rows} vocab={vocab}"
+    for impl in selector.candidates("sampling"):
+        if impl.unsupported_reason(device) is not None:
+            continue
+        name = f"sampling.{impl.name}"
+        record(name, f"penalties {shape}", lambda: impl.apply_penalties(logits, prompt_mask, output_counts,
+                                                                        per_row, per_row, per_row + 1))
+        record(name, f"top_k=50 {shape}", lambda: impl.apply_top_k_top_p(logits, top_k, None))
+        record(name, f"top_p=0.9 {shape}", lambda: impl.apply_top_k_top_p(logits, None, top_p))
+        record(name, f"top_k=50 top_p=0.9 {shape}", lambda: impl.apply_top_k_top_p(logits, top_k, top_p))
+        record(name, f"min_p=0.5 {shape}", lambda: impl.apply_min_p(probs, per_row))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,20 +122,20 @@ def main() -> None:
     act = selector.select("silu_and_mul", device)
     gate_up = torch.randn(tokens, 2 * 12288 // scale, device=device, dtype=dtype)
     record(f"silu_and_mul.{act.name}", f"tokens={tokens} d={12288 // scale}", lambda: act.forward(gate_up))
-    rope = selector.select("rotary", device)
+    # QKV prologue (Qwen3: QK norm + RoPE + KV write), every implementation that runs here.
     positions = torch.arange(tokens, device=device)
     cos_sin = torch.randn(4096, head_dim, device=device)
-    q2, k2 = torch.randn(tokens, heads * head_dim, device=device, dtype=dtype), torch.randn(
-        tokens, kv_heads * head_dim, device=device, dtype=dtype)
-    record(f"rotary.{rope.name}", f"tokens={tokens} heads={heads}/{kv_heads} d={head_dim}",
-           lambda: rope.forward(positions, q2, k2, cos_sin, head_dim))
-    sampling = selector.select("sampling", device)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+    norm_weight = torch.ones(head_dim, device=device, dtype=dtype)
+    cache = torch.zeros(2, tokens // 16 + 1, 16, kv_heads, head_dim, device=device, dtype=dtype)
+    slots = torch.arange(tokens, device=device)
+    for impl in selector.candidates("qkv_prologue"):
+        if impl.unsupported_reason(device) is None:
+            record(f"qkv_prologue.{impl.name}", f"tokens={tokens} heads={heads}/{kv_heads} d={head_dim} qk_norm",
+                   lambda: impl.forward(qkv, positions, cos_sin, norm_weight, norm_weight, 1e-6, cache, slots,
+                                        heads, kv_heads, head_dim))
     rows = 64 // scale
-    logits = torch.randn(rows, vocab, device=device)
-    top_k = torch.full((rows,), 50, device=device)
-    top_p = torch.full((rows,), 0.9, device=device)
-    record(f"sampling.{sampling.name}", f"top_k_top_p rows={rows} vocab={vocab}",
-           lambda: sampling.apply_top_k_top_p(logits, top_k, top_p))
+    sampling_kernels(record, device, rows, vocab)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,38 @@ def test_cuda_graphs_match_eager(tmp_path, seed):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_compilation_levels_match_eager_on_gpu(tmp_path, seed, level):
+    """Inductor (level 2) and inductor + CUDA graphs (level 3) give level 0's greedy tokens and
+    logprobs in float32; level 3 captures graphs, level 2 does not."""
+    path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=seed, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+    prompts = random_prompts(5, 128, 3, 40, seed)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    results = []
+    for compilation_level in (0, level):
+        llm = LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=1,
+                  max_num_seqs=8, compilation_level=compilation_level)
+        assert (llm.engine.core.runner.graph_runner is None) == (compilation_level == 2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, [next(iter(e.values())).logprob for e in o.outputs[0].logprobs])
+                        for o in outs])
+    for (tokens0, lp0), (tokens, lp) in zip(*results):
+        assert tokens == tokens0
+        assert max(abs(a - b) for a, b in zip(lp, lp0)) < 1e-3
+
+
+def test_kv_sizing_leaves_room_for_cuda_graphs(tmp_path, seed):
+    """With graphs, the KV cache is sized after the measured graph pool: the engine's total use
+    stays under gpu_memory_utilization."""
+    path = make_checkpoint(tmp_path / "llama", "llama", seed=seed, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    utilization = 0.3
+    llm = LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True,
+              gpu_memory_utilization=utilization, max_num_seqs=64)
+    assert llm.engine.core.runner.graph_runner is not None
+    free, total = torch.cuda.mem_get_info()
+    assert torch.cuda.memory_reserved() <= utilization * total * 1.01
+

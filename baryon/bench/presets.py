@@ -3,6 +3,10 @@
 `resolve_model("qwen3-8b")` writes the preset's config.json into a cache folder and returns it, so
 `LLM(folder, load_format="dummy", skip_tokenizer_init=True)` builds the real architecture with
 random weights and no download. Any other value is returned unchanged (a path or repo id).
+
+The folder also gets a synthetic tokenizer covering the whole vocabulary (token i is the word
+`t<i>`), so a server can run a preset with dummy weights offline and still tokenize, detokenize
+and stream text: `baryon serve $(python -m baryon.bench.presets qwen3-0.6b) --load-format dummy`.
 """
 
 from __future__ import annotations
@@ -35,4 +39,25 @@ def resolve_model(model: str) -> str:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(PRESETS[model], f, indent=1)
+    if not os.path.exists(os.path.join(folder, "tokenizer.json")):
+        _write_synthetic_tokenizer(folder, PRESETS[model])
     return folder
+
+
+def _write_synthetic_tokenizer(folder: str, config: dict) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0",
+                                   bos_token=f"t{config['bos_token_id']}", eos_token=f"t{config['eos_token_id']}")
+    fast.save_pretrained(folder)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(resolve_model(sys.argv[1]))

@@ -42,7 +42,7 @@ _REGISTRY: dict[str, list[str]] = {
     "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:TorchRMSNorm"],
     "silu_and_mul": ["baryon.kernels.activation:TritonSiluAndMul", "baryon.kernels.activation:TorchSiluAndMul"],
     "qkv_prologue": ["baryon.kernels.qkv_prologue:TritonQKVPrologue", "baryon.kernels.qkv_prologue:TorchQKVPrologue"],
-    "sampling": ["baryon.kernels.sampling:TorchSampling"],
+    "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling:TorchSampling"],
 }
 _logged: set[tuple[str, str]] = set()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baryon.kernels.activation import TorchSiluAndMul
 from baryon.kernels.selector import select
 
 
@@ -15,4 +16,6 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, 2 * d] -> [num_tokens, d]."""
-        return self.kernel.forward(x)
+        # Under torch.compile the plain torch ops, which inductor fuses with their neighbours.
+        kernel = TorchSiluAndMul if torch.compiler.is_compiling() else self.kernel
+        return kernel.forward(x)

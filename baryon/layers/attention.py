@@ -1,9 +1,14 @@
 """The attention layer: stores this step's keys/values in the paged cache and attends over it.
 
 `forward_qkv` is the path the models take: from the fused QKV projection's output it runs the
-QKV prologue (QK norm, rotary, KV-cache write; one kernel on GPU) and then attention."""
+QKV prologue (QK norm, rotary, KV-cache write; one kernel on GPU) and then attention. Under
+torch.compile (compilation levels 1-3) that pair is the opaque custom op `baryon::attention`,
+so dynamo neither traces into the kernels nor sees the per-step metadata and the KV cache."""
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -12,6 +17,11 @@ from baryon.kernels.selector import select
 from baryon.layers.forward_context import current_attn_metadata
 from baryon.layers.norm import RMSNorm
 from baryon.layers.rotary import RotaryEmbedding
+
+
+# Layer id -> layer, for the custom op (which takes tensors and plain values, not modules).
+_layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+_next_layer_id = itertools.count()
 
 
 class Attention(nn.Module):
@@ -28,18 +38,27 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once the
         # cache is allocated (a plain attribute, not part of the state dict).
         self.kv_cache: torch.Tensor | None = None
+        self.layer_id = next(_next_layer_id)
+        _layers[self.layer_id] = self
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                     q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
         """qkv: [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] (rewritten in place);
         positions: [num_tokens]; q_norm/k_norm: per-head RMSNorm of queries/keys before rotary
         (Qwen3) or None. Returns [num_tokens, num_heads * head_dim]."""
+        norm_args = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        if torch.compiler.is_compiling():
+            return torch.ops.baryon.attention(qkv, positions, rotary.cos_sin_cache, *norm_args, self.layer_id)
+        return self._prologue_and_attend(qkv, positions, rotary.cos_sin_cache, *norm_args)
+
+    def _prologue_and_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                             q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                             eps: float) -> torch.Tensor:
         metadata = current_attn_metadata()
         num_tokens = qkv.shape[0]
-        query = self.prologue.forward(
-            qkv, positions, rotary.cos_sin_cache, q_norm.weight if q_norm is not None else None,
-            k_norm.weight if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0,
-            self.kv_cache, metadata.slot_mapping, self.num_heads, self.num_kv_heads, self.head_dim)
+        query = self.prologue.forward(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+                                      self.kv_cache, metadata.slot_mapping,
+                                      self.num_heads, self.num_kv_heads, self.head_dim)
         output = self.backend.forward(query.view(num_tokens, self.num_heads, self.head_dim), None, None,
                                       self.kv_cache, metadata)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
@@ -54,3 +73,17 @@ class Attention(nn.Module):
             value.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.kv_cache, current_attn_metadata())
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+@torch.library.custom_op("baryon::attention", mutates_args=("qkv",))
+def _attention_op(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                  q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+                  layer_id: int) -> torch.Tensor:
+    return _layers[layer_id]._prologue_and_attend(qkv, positions, cos_sin_cache, q_norm_weight,
+                                                  k_norm_weight, eps)
+
+
+@_attention_op.register_fake
+def _(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps, layer_id):
+    layer = _layers[layer_id]
+    return qkv.new_empty(qkv.shape[0], layer.num_heads * layer.head_dim)

@@ -44,6 +44,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits. Tied models share the embedding's weight."""
 
+    def logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
+        """Single-GPU LM head into a preallocated buffer (CUDA graphs): hidden_states
+        [n, hidden] -> out [n, vocab_size] in the model dtype."""
+        assert self.tp_size == 1, "logits_into serves one GPU; tensor parallelism gathers in compute_logits"
+        torch.mm(hidden_states, self.weight.t(), out=out)
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->
         [num_sampled, vocab_size] float32 logits."""

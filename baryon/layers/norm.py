@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baryon.kernels.norm import TorchRMSNorm
 from baryon.kernels.selector import select
 from baryon.layers.linear import copy_checked
 
@@ -21,5 +22,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [..., hidden]. Without residual returns rms_norm(x); with it returns
         (rms_norm(x + residual), x + residual), the new residual stream."""
-        out, residual_out = self.kernel.forward(x, self.weight, self.eps, residual)
+        # Under torch.compile the plain torch ops, which inductor fuses with their neighbours.
+        kernel = TorchRMSNorm if torch.compiler.is_compiling() else self.kernel
+        out, residual_out = kernel.forward(x, self.weight, self.eps, residual)
         return out if residual is None else (out, residual_out)

@@ -1,22 +1,24 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode-only steps: the forward pass and the LM head of every row.
 
 One graph per batch-size bucket (1, 2, 4, 8, then every 16 up to max_num_seqs, or the configured
 list), captured largest first into one shared memory pool, over static input buffers. A decode
 step of n requests copies its inputs into the buffers, pads to the next captured size (padding
 rows: token 0, slot -1 so nothing is stored, sequence length 0 so nothing is attended) and replays.
+Every graph writes its logits into one shared static buffer, so the pool holds no per-graph output.
 """
 
 from __future__ import annotations
 
 import bisect
 import gc
+from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.layers.forward_context import forward_context
 from baryon.logger import get_logger
+from baryon.runner.compilation import ModelForward
 
 logger = get_logger(__name__)
 
@@ -27,9 +29,11 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, model: nn.Module, capture_sizes: list[int], max_blocks_per_seq: int,
-                 device: torch.device) -> None:
-        self.model = model
+    def __init__(self, forward: ModelForward, logits_into: Callable[[torch.Tensor, torch.Tensor], None],
+                 vocab_size: int, logits_dtype: torch.dtype, capture_sizes: list[int],
+                 max_blocks_per_seq: int, device: torch.device) -> None:
+        self.forward = forward  # the model's forward, compiled or not
+        self.logits_into = logits_into  # (hidden [n, hidden], out [n, vocab]): the LM head
         self.sizes = sorted(set(capture_sizes))
         largest = self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -38,7 +42,8 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits = torch.empty(largest, vocab_size, dtype=logits_dtype, device=device)  # [largest, vocab]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of num_seqs decodes runs at (None: too large for graphs)."""
@@ -60,24 +65,27 @@ class CUDAGraphRunner:
         gc.disable()  # a collection during capture could free tensors the graph uses
         try:
             for size in reversed(self.sizes):
-                metadata = self._metadata(size)
-                with forward_context(metadata):
-                    self.model(self.input_ids[:size], self.positions[:size])  # warm-up (autotune, allocations)
+                with forward_context(self._metadata(size)):
+                    self._step(size)  # warm-up (autotune, allocations)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool):
-                        hidden = self.model(self.input_ids[:size], self.positions[:size])
+                        self._step(size)
                 pool = graph.pool()
-                self.graphs[size] = (graph, hidden)
+                self.graphs[size] = graph
         finally:
             gc.enable()
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
+    def _step(self, size: int) -> None:
+        self.logits_into(self.forward(self.input_ids[:size], self.positions[:size]), self.logits[:size])
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Replay the decode step of metadata.num_seqs sequences; returns hidden [num_seqs, hidden]."""
+        """Replay the decode step of metadata.num_seqs sequences; returns logits [num_seqs, vocab]
+        float32."""
         n = metadata.num_seqs
         size = self.padded_size(n)
-        graph, hidden = self.graphs[size]
+        graph = self.graphs[size]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
@@ -88,4 +96,4 @@ class CUDAGraphRunner:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()
         graph.replay()
-        return hidden[:n]
+        return self.logits[:n].float()

@@ -2,7 +2,8 @@
 
 In order: an explicit `num_kv_blocks`; an explicit `kv_cache_memory_gib`; on CPU 4 GiB; on GPU
 what `gpu_memory_utilization` of the device leaves after the weights, the peak activations of a
-profiled forward pass at `max_num_batched_tokens`, and memory outside torch. A cache that cannot
+profiled forward pass at `max_num_batched_tokens`, the CUDA-graph memory pool (measured by
+capturing the largest decode graph once on throwaway blocks) and memory outside torch. A cache that cannot
 hold one request of `max_model_len` tokens is an error that says what would fit.
 """
 
@@ -62,17 +63,37 @@ def _blocks_from_gpu_memory(config: EngineConfig, runner: ModelRunner, per_block
     free, total = torch.cuda.mem_get_info(device)
     torch_peak = torch.cuda.max_memory_allocated(device)
     non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    budget = total * config.cache.gpu_memory_utilization - torch_peak - non_torch
-    logger.info("GPU memory: total %.1f GiB, peak in torch %.2f GiB (weights + activations), "
-                "outside torch %.2f GiB -> %.2f GiB for the KV cache", total / GiB, torch_peak / GiB,
-                non_torch / GiB, max(budget, 0) / GiB)
+    graph_pool = _cuda_graph_pool_bytes(runner)
+    budget = total * config.cache.gpu_memory_utilization - torch_peak - non_torch - graph_pool
+    logger.info("GPU memory: total %.1f GiB, peak in torch %.2f GiB (weights + activations), CUDA "
+                "graphs %.2f GiB, outside torch %.2f GiB -> %.2f GiB for the KV cache", total / GiB,
+                torch_peak / GiB, graph_pool / GiB, non_torch / GiB, max(budget, 0) / GiB)
     if budget <= 0:
-        needed = (torch_peak + non_torch + runner.max_blocks_per_seq * per_block) / total
+        needed = (torch_peak + non_torch + graph_pool + runner.max_blocks_per_seq * per_block) / total
         raise ValueError(
             f"the model does not fit in gpu_memory_utilization={config.cache.gpu_memory_utilization}: "
             f"weights and activations take {torch_peak / GiB:.2f} GiB of {total / GiB:.1f} GiB; "
             f"use gpu_memory_utilization >= {min(needed, 1.0):.2f} or a smaller max_num_batched_tokens.")
     return int(budget) // per_block
+
+
+def _cuda_graph_pool_bytes(runner: ModelRunner) -> int:
+    """Memory the decode CUDA graphs will keep: their static buffers (inputs, logits) and the
+    pool of the largest graph, which the smaller ones reuse."""
+    sizes = runner.cuda_graph_sizes()
+    if not sizes:
+        return 0
+    device = runner.device
+    runner.bind_kv_cache(runner.max_blocks_per_seq)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    probe = runner.capture_cuda_graphs(sizes[-1:])
+    torch.cuda.empty_cache()
+    pool = torch.cuda.memory_reserved(device) - before
+    del probe
+    runner.bind_kv_cache(None)
+    torch.cuda.empty_cache()
+    return max(pool, 0)
 
 
 def _profile_forward(config: EngineConfig, runner: ModelRunner) -> None:

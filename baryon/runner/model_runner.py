@@ -20,6 +20,7 @@ from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler
 from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
+from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
 from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.sampling_inputs import build_sampling_batch
@@ -59,6 +60,8 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.model = load_model(config.model, self.device, config.seed)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.forward = compile_forward(self.model, config.compilation.level)
+        logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
@@ -67,18 +70,27 @@ class ModelRunner:
         self.bind_kv_cache(self.num_blocks)
         self.graph_runner = self._capture_cuda_graphs()
 
-    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
-        if self.device.type != "cuda" or self.config.compilation.enforce_eager:
-            return None
+    def cuda_graph_sizes(self) -> list[int]:
+        """The decode batch sizes to capture (empty: no CUDA graphs)."""
+        compilation = self.config.compilation
+        if not uses_cuda_graphs(compilation.level, self.device, compilation.enforce_eager):
+            return []
         unsafe = sorted({a.backend.name for a in self.attention_layers if not a.backend.cuda_graph_safe})
         if unsafe:
             logger.info("CUDA graphs off: attention backend %s cannot be captured", unsafe)
-            return None
-        sizes = self.config.compilation.cuda_graph_sizes or default_capture_sizes(
-            self.config.scheduler.max_num_seqs)
-        runner = CUDAGraphRunner(self.model, sizes, self.max_blocks_per_seq, self.device)
+            return []
+        return sorted(set(compilation.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)))
+
+    def capture_cuda_graphs(self, sizes: list[int]) -> CUDAGraphRunner:
+        """Capture decode graphs over the KV cache bound now."""
+        runner = CUDAGraphRunner(self.forward, self.model.lm_head.logits_into, self.vocab_size,
+                                 self.config.model.dtype, sizes, self.max_blocks_per_seq, self.device)
         runner.capture()
         return runner
+
+    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
+        sizes = self.cuda_graph_sizes()
+        return self.capture_cuda_graphs(sizes) if sizes else None
 
     def kv_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()
@@ -102,18 +114,19 @@ class ModelRunner:
         known on the host) reads it from that launch's device tensor, so the next step can be
         prepared while the previous one runs."""
         batch = self._prepare(scheduled)
-        if self._can_replay(batch):
-            hidden = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)
-        else:
-            with forward_context(batch.metadata):
-                hidden = self.model(batch.input_ids, batch.positions)  # [num_tokens, hidden]
         rows = list(batch.sample_rows)
         for _, start, count in batch.prompt_logprob_spans:
             rows.extend(range(start, start + count))
         step = LaunchedStep([r.request_id for r in batch.sampling_requests])
+        if self._can_replay(batch):
+            # The graph computes logits of every row; a decode step usually samples every row.
+            all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)
+            logits = all_logits if len(rows) == batch.metadata.num_seqs else all_logits[self._index(rows)]
+        else:
+            with forward_context(batch.metadata):
+                hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
+            logits = self.model.compute_logits(hidden[self._index(rows)]) if rows else None  # [rows, vocab]
         if rows:
-            index = to_device(torch.from_numpy(np.asarray(rows, dtype=np.int64)), self.device)
-            logits = self.model.compute_logits(hidden[index])  # [rows, vocab] float32
             num_sampled = len(batch.sampling_requests)
             if num_sampled:
                 self._sample(logits[:num_sampled], batch, step)
@@ -121,6 +134,9 @@ class ModelRunner:
         step.finish_launch(self.device)
         self.last_launch = step
         return step
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return to_device(torch.from_numpy(np.asarray(rows, dtype=np.int64)), self.device)
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelRunnerOutput:
         """launch() and wait for its result."""
