@@ -29,7 +29,9 @@ class ChatSession:
 
     def __init__(self, llm: Any, params: SamplingParams, system: str | None = None) -> None:
         tokenizer = llm.get_tokenizer()
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this engine was built with skip_tokenizer_init")
+        if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"the model {llm.config.model.model!r} has no chat template, so it cannot "
                              f"chat; use `baryon generate` for plain completion")
         if params.n != 1:

@@ -35,18 +35,20 @@ def _flag_type(field: dataclasses.Field) -> Any:
     return args[0]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """One flag per EngineArgs field; `defaults` replaces some fields' defaults for this command."""
     group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineArgs):
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(field)
         help_text = field.metadata["help"]
+        default = (defaults or {}).get(field.name, field.default)
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif typing.get_origin(kind) is list:
-            group.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=field.default, help=help_text)
+            group.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=default, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=field.default, help=f"{help_text} (default: {field.default})")
+            group.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       f"--temperature {CHAT_TEMPERATURE} --top-p {CHAT_TOP_P} "
                                       f"--max-tokens {CHAT_MAX_TOKENS}.")
     chat.add_argument("--system", default=None, help="System prompt (default: the chat template's own, if any)")
-    add_engine_args(chat)
+    # One conversation runs at a time: the KV cache is sized for one sequence, not the CPU default's 4 GiB.
+    add_engine_args(chat, defaults={"max_num_seqs": 1})
     add_sampling_args(chat, streamed=True)
     chat.set_defaults(func=cmd_chat, max_tokens=CHAT_MAX_TOKENS, temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
     from baryon.server.args import add_serve_args  # argparse only: no server imports here

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from baryon.default_model import default_model_path
+from baryon.default_model import DEFAULT_MODEL_NAME, default_model_path
 from baryon.hub import is_gguf, resolve_model_path
 
 _DTYPES = {
@@ -64,7 +64,7 @@ class EngineArgs:
 
 @dataclass
 class ModelConfig:
-    model: str  # as the user gave it (the default model's path when none was given)
+    model: str  # as the user gave it (DEFAULT_MODEL_NAME when none was given)
     model_path: str  # local folder holding config.json and the weights, or a .gguf file
     tokenizer_path: str | None  # None when skip_tokenizer_init
     hf_config: Any  # transformers.PretrainedConfig
@@ -119,8 +119,10 @@ class EngineConfig:
     def from_args(cls, args: EngineArgs) -> EngineConfig:
         _check_user_values(args)
         device = _resolve_device(args.device)
-        model_name = args.model if args.model is not None else default_model_path()
-        model_path = resolve_model_path(model_name, args.revision, args.download_dir)
+        if args.model is None:
+            model_name, model_path = DEFAULT_MODEL_NAME, default_model_path()
+        else:
+            model_name, model_path = args.model, resolve_model_path(args.model, args.revision, args.download_dir)
         _check_load_format(model_path, args.load_format)
         hf_config = _load_hf_config(model_path, args.trust_remote_code)
         tokenizer_path = None

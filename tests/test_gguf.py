@@ -49,7 +49,7 @@ def smol_path() -> str:
 
 @pytest.fixture(scope="module")
 def smol_llm(smol_path) -> LLM:
-    return LLM(smol_path, device="cpu", dtype="float32", max_model_len=512)
+    return LLM(smol_path, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_default_model_greedy_parity_with_transformers(smol_llm, hf_smol, seed):
                                               f"!= transformers {tokenizer.decode(expected)!r}")
         got = [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids)]
         worst = max(abs(a - b) for a, b in zip(got, expected_logprobs))
-        assert worst < 1e-3, f"{prompt!r}: chosen-token logprobs differ from transformers by {worst:.2e}"
+        assert worst < 1e-4, f"{prompt!r}: chosen-token logprobs differ from transformers by {worst:.2e}"
 
 
 def test_default_model_config_matches_transformers(smol_llm, hf_smol):
