@@ -110,3 +110,14 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+
+
+@pytest.fixture(scope="session")
+def smol_path() -> str:
+    """The built-in default model's GGUF file (SmolLM2-135M-Instruct; CI installs it)."""
+    from baryon.default_model import INSTALL_COMMAND, default_model_path
+
+    try:
+        return default_model_path()
+    except ValueError:
+        pytest.skip(f"the default model is not installed ({INSTALL_COMMAND})")

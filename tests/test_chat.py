@@ -15,7 +15,6 @@ import pytest
 
 from baryon import LLM, SamplingParams
 from baryon.chat import ChatSession, run_chat
-from baryon.default_model import INSTALL_COMMAND, default_model_path
 from conftest import TEST_SEED
 
 MAX_TOKENS = 10
@@ -26,14 +25,6 @@ QUESTIONS = [
     "Give me a word that rhymes with cat.", "What is the boiling point of water?", "Name a planet.",
 ]
 SYSTEMS = [None, "You are a pirate. Answer in pirate speak.", "Answer in one word."]
-
-
-@pytest.fixture(scope="module")
-def smol_path() -> str:
-    try:
-        return default_model_path()
-    except ValueError:
-        pytest.skip(f"the default model is not installed ({INSTALL_COMMAND})")
 
 
 @pytest.fixture(scope="module")

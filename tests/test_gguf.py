@@ -23,7 +23,6 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from baryon import LLM, SamplingParams
-from baryon.default_model import INSTALL_COMMAND, default_model_path
 from baryon.loader.gguf import SUPPORTED_TYPES, gguf_config
 from conftest import hf_greedy, make_checkpoint, random_prompts
 
@@ -38,14 +37,6 @@ PROMPTS = [
 
 
 # -- the default model against transformers --------------------------------------------------
-
-@pytest.fixture(scope="module")
-def smol_path() -> str:
-    try:
-        return default_model_path()
-    except ValueError:
-        pytest.skip(f"the default model is not installed ({INSTALL_COMMAND})")
-
 
 @pytest.fixture(scope="module")
 def smol_llm(smol_path) -> LLM:
