@@ -67,6 +67,17 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
+def stream_chunk(request_id: str, object_name: str, created: int, model: str, include_usage: bool,
+                 choices: list[dict], **extra: Any) -> bytes:
+    """One SSE chunk of a streamed completion; with include_usage every chunk but the last
+    carries "usage": null, as OpenAI's do."""
+    payload = {"id": request_id, "object": object_name, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        payload["usage"] = None
+    payload.update(extra)
+    return sse(payload)
+
+
 def json_response(payload: dict[str, Any]) -> Response:
     return Response(_json.encode(payload), media_type="application/json")
 

@@ -20,8 +20,8 @@ from baryon.server.errors import bad_request
 from baryon.server.logprobs import chat_logprobs
 from baryon.server.protocol import ChatCompletionRequest
 from baryon.server.sampling import build_sampling_params
-from baryon.server.serving import (ChoiceCursor, ServerContext, generate_merged, json_response, new_id, now, sse,
-                                   stop_string_holdback, streaming_response, unless_disconnected, usage)
+from baryon.server.serving import (ChoiceCursor, ServerContext, generate_merged, json_response, new_id, now,
+                                   stop_string_holdback, stream_chunk, streaming_response, unless_disconnected, usage)
 
 
 @dataclass
@@ -91,12 +91,7 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
     completion_tokens = 0
 
     def chunk(choices: list[dict], **extra: Any) -> bytes:
-        payload = {"id": plan.request_id, "object": "chat.completion.chunk", "created": created,
-                   "model": ctx.model_name, "choices": choices}
-        if plan.include_usage:
-            payload["usage"] = None
-        payload.update(extra)
-        return sse(payload)
+        return stream_chunk(plan.request_id, "chat.completion.chunk", created, ctx.model_name, plan.include_usage, choices, **extra)
 
     async for _, output in outputs:
         for sample in output.outputs:

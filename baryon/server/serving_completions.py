@@ -22,8 +22,8 @@ from baryon.server.inputs import Prompt
 from baryon.server.logprobs import CompletionLogprobs
 from baryon.server.protocol import CompletionRequest
 from baryon.server.sampling import build_sampling_params
-from baryon.server.serving import (ChoiceCursor, ServerContext, generate_merged, json_response, new_id, now, sse,
-                                   stop_string_holdback, streaming_response, unless_disconnected, usage)
+from baryon.server.serving import (ChoiceCursor, ServerContext, generate_merged, json_response, new_id, now,
+                                   stop_string_holdback, stream_chunk, streaming_response, unless_disconnected, usage)
 
 # OpenAI's default for /v1/completions.
 DEFAULT_MAX_TOKENS = 16
@@ -117,12 +117,7 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
     completion_tokens = 0
 
     def chunk(choices: list[dict], **extra: Any) -> bytes:
-        payload = {"id": plan.request_id, "object": "text_completion", "created": created,
-                   "model": ctx.model_name, "choices": choices}
-        if plan.include_usage:
-            payload["usage"] = None
-        payload.update(extra)
-        return sse(payload)
+        return stream_chunk(plan.request_id, "text_completion", created, ctx.model_name, plan.include_usage, choices, **extra)
 
     async for index, output in outputs:
         for sample in output.outputs:
