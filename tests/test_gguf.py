@@ -23,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from baryon import LLM, SamplingParams
-from baryon.loader.gguf import SUPPORTED_TYPES, gguf_config
+from baryon.kernels.cpu import load_error
+from baryon.loader.gguf import PACKABLE_BITS, SUPPORTED_TYPES, gguf_config
 from conftest import hf_greedy, make_checkpoint, random_prompts
 
 NUM_NEW = 32
@@ -228,6 +229,10 @@ def random_llama_tensors(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 
 
+def cpu_kernels_available() -> bool:
+    return load_error() is None
+
+
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
 def test_every_supported_type_loads_as_gguf_dequantizes_it(tmp_path, seed, qtype):
     rng = np.random.default_rng(seed)
@@ -236,12 +241,20 @@ def test_every_supported_type_loads_as_gguf_dequantizes_it(tmp_path, seed, qtype
     model = LLM(str(tmp_path / "q.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
                 kv_cache_memory_gib=0.01).engine.core.runner.model
     layer = model.model.layers[0]
-    q, k, v = layer.self_attn.qkv_proj.weight.detach().split([256, 128, 128])
-    gate, up = layer.mlp.gate_up_proj.weight.detach().split([256, 256])
-    loaded = {"token_embd.weight": model.model.embed_tokens.weight, "output.weight": model.lm_head.weight,
+    # Packable types stay packed on CPU (uint8 rows, see test_block_quant.py); read them back as floats.
+    packed = qtype in PACKABLE_BITS and cpu_kernels_available()
+    assert (layer.mlp.down_proj.weight.dtype == torch.uint8) == packed
+    assert (model.lm_head.weight.dtype == torch.uint8) == packed
+
+    def dense(module):
+        return module.method.dequantize_rows(module.weight.detach())
+
+    q, k, v = dense(layer.self_attn.qkv_proj).split([256, 128, 128])
+    gate, up = dense(layer.mlp.gate_up_proj).split([256, 256])
+    loaded = {"token_embd.weight": dense(model.model.embed_tokens), "output.weight": dense(model.lm_head),
               "blk.0.attn_q.weight": llama_cpp_permute(q.numpy(), 4), "blk.0.attn_k.weight": llama_cpp_permute(k.numpy(), 2),
-              "blk.0.attn_v.weight": v, "blk.0.attn_output.weight": layer.self_attn.o_proj.weight,
-              "blk.0.ffn_gate.weight": gate, "blk.0.ffn_up.weight": up, "blk.0.ffn_down.weight": layer.mlp.down_proj.weight,
+              "blk.0.attn_v.weight": v, "blk.0.attn_output.weight": dense(layer.self_attn.o_proj),
+              "blk.0.ffn_gate.weight": gate, "blk.0.ffn_up.weight": up, "blk.0.ffn_down.weight": dense(layer.mlp.down_proj),
               "blk.0.attn_norm.weight": layer.input_layernorm.weight, "output_norm.weight": model.model.norm.weight}
     for name, tensor in loaded.items():
         got = torch.as_tensor(tensor.detach() if isinstance(tensor, torch.Tensor) else tensor)

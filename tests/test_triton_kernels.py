@@ -69,7 +69,7 @@ def test_selector_keeps_torch_on_cpu_unless_forced(monkeypatch):
     from baryon.kernels.triton_utils import INTERPRETED
 
     cpu = torch.device("cpu")
-    assert selector.select("attention", cpu, head_dim=64).name == "torch"
+    assert selector.select("attention", cpu, head_dim=64).name in ("cpu", "torch")  # never Triton unforced
     if not INTERPRETED:
         pytest.skip("forcing Triton on CPU needs the interpreter (TRITON_INTERPRET=1 before import)")
     monkeypatch.setenv("BARYON_KERNEL_ATTENTION", "triton")

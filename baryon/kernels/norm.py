@@ -28,6 +28,27 @@ class TorchRMSNorm(Kernel):
         return rms_norm_reference(x, weight, eps), residual
 
 
+class CpuRMSNorm(Kernel):
+    """The C++ kernel (kernels/cpu/rms_norm.cpp): residual add and norm in one pass per token;
+    float32 rows only (other inputs take the torch reference)."""
+
+    name = "cpu"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        from baryon.kernels.cpu import unsupported_reason
+
+        return unsupported_reason(device)
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or weight.dtype != torch.float32:
+            return TorchRMSNorm.forward(x, weight, eps, residual)
+        out, residual_out = torch.ops.baryon_cpu.rms_norm(x, weight, eps, residual)
+        return out, (residual_out if residual is not None else None)
+
+
 if triton is not None:
 
     @triton.jit

@@ -52,6 +52,31 @@ class TorchQKVPrologue(Kernel):
         return out
 
 
+class CpuQKVPrologue(Kernel):
+    """The C++ kernel (kernels/cpu/paged_attention.cpp): one pass per token, float32 only."""
+
+    name = "cpu"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        from baryon.kernels.cpu import unsupported_reason
+
+        return unsupported_reason(device)
+
+    @classmethod
+    def cannot_implement_reason(cls, *, dtype: torch.dtype = torch.float32, **_: Any) -> str | None:
+        return None if dtype == torch.float32 else f"{dtype} (the C++ CPU prologue is float32)"
+
+    @staticmethod
+    def forward(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
+                kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        torch.ops.baryon_cpu.qkv_prologue(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
+                                          kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+        return qkv[:, :num_heads * head_dim]
+
+
 if triton is not None:
 
     @triton.jit

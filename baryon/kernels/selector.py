@@ -38,10 +38,15 @@ class Kernel:
 # family -> "module:Class" in priority order (imported only when considered).
 _REGISTRY: dict[str, list[str]] = {
     "attention": ["baryon.kernels.attention.triton_paged:TritonPagedAttention",
+                  "baryon.kernels.attention.cpu_paged:CpuPagedAttention",
                   "baryon.kernels.attention.torch_paged:TorchPagedAttention"],
-    "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:TorchRMSNorm"],
+    "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:CpuRMSNorm",
+                 "baryon.kernels.norm:TorchRMSNorm"],
     "silu_and_mul": ["baryon.kernels.activation:TritonSiluAndMul", "baryon.kernels.activation:TorchSiluAndMul"],
-    "qkv_prologue": ["baryon.kernels.qkv_prologue:TritonQKVPrologue", "baryon.kernels.qkv_prologue:TorchQKVPrologue"],
+    "qkv_prologue": ["baryon.kernels.qkv_prologue:TritonQKVPrologue", "baryon.kernels.qkv_prologue:CpuQKVPrologue",
+                     "baryon.kernels.qkv_prologue:TorchQKVPrologue"],
+    "block_quant_linear": ["baryon.kernels.block_quant:CpuBlockQuantLinear",
+                           "baryon.kernels.block_quant:TorchBlockQuantLinear"],
     "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling:TorchSampling"],
 }
 _logged: set[tuple[str, str]] = set()

@@ -34,7 +34,8 @@ class Attention(nn.Module):
                          num_heads=num_heads, num_kv_heads=num_kv_heads,
                          dtype=torch.get_default_dtype(), sliding_window=sliding_window)
         self.backend = backend(num_heads, head_dim, num_kv_heads, scale, sliding_window)
-        self.prologue = select("qkv_prologue", torch.get_default_device(), head_dim=head_dim)
+        self.prologue = select("qkv_prologue", torch.get_default_device(), head_dim=head_dim,
+                               dtype=torch.get_default_dtype())
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once the
         # cache is allocated (a plain attribute, not part of the state dict).
         self.kv_cache: torch.Tensor | None = None

@@ -8,10 +8,12 @@ from torch import nn
 
 from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_world_size
 from baryon.layers.linear import copy_checked
+from baryon.quantization.base import DENSE, LinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary rows (padded to equal size)."""
+    """Each rank holds a contiguous slice of the vocabulary rows (padded to equal size), stored as
+    `self.method` says (dense floats unless a quantization scheme swaps it)."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -23,6 +25,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.expected_shards = frozenset([None])
+        self.method: LinearMethod = DENSE
+
+    def use_method(self, method: LinearMethod, shared_weight: nn.Parameter | None = None) -> None:
+        """Store the rows as `method` does (before the weights load); a tied LM head passes the
+        embedding's already converted parameter as `shared_weight`."""
+        self.weight = shared_weight if shared_weight is not None else method.create_weights(self, self.weight)
+        self.method = method
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size:
@@ -33,6 +42,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> [num_tokens, hidden]."""
+        if self.method is not DENSE:  # one rank (create_weights refuses more)
+            return self.method.dequantize_rows(self.weight.index_select(0, input_ids))
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -53,5 +64,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->
         [num_sampled, vocab_size] float32 logits."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = self.method.apply(self.weight, hidden_states, None)
         return tp_all_gather(logits, dim=-1)[:, : self.vocab_size].float()

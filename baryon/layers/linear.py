@@ -10,10 +10,10 @@ input features and sum the partial results over the ranks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baryon.distributed.parallel_state import divide, tp_all_reduce, tp_rank, tp_world_size
+from baryon.quantization.base import DENSE, LinearMethod
 
 
 def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -31,7 +31,8 @@ def _make_param(shape: tuple[int, ...], loader, expected_shards: frozenset) -> n
 
 
 class LinearBase(nn.Module):
-    """y = x @ weight.T + bias with weight [output_size, input_size] (this rank's part)."""
+    """y = x @ weight.T + bias with weight [output_size, input_size] (this rank's part), stored
+    and multiplied as `self.method` says (dense floats unless a quantization scheme swaps it)."""
 
     shard_ids: frozenset = frozenset([None])
 
@@ -41,12 +42,18 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.weight = _make_param((output_size, input_size), self.weight_loader, self.shard_ids)
         self.bias = _make_param((output_size,), self.weight_loader, self.shard_ids) if bias else None
+        self.method: LinearMethod = DENSE
+
+    def use_method(self, method: LinearMethod) -> None:
+        """Store and multiply the weight as `method` does; called before the weights load."""
+        self.weight = method.create_weights(self, self.weight)
+        self.method = method
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self.weight, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -133,7 +140,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, before the sum.
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(F.linear(x, self.weight, bias))
+        return tp_all_reduce(self.method.apply(self.weight, x, bias))
 
 
 def _narrow_rows(loaded: torch.Tensor, start: int, size: int, full: int) -> torch.Tensor:

@@ -38,6 +38,8 @@ _PERMUTED_QK = ("llama",)
 # ggml tensor types baryon reads (dequantized with gguf.quants), by name.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Types that can also stay packed (baryon.kernels.block_quant's layout), with their code width.
+PACKABLE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
 
 # GGUF tensor name -> Hugging Face checkpoint name; `{bid}` is the layer index.
 _GLOBAL_NAMES = {
@@ -235,10 +237,60 @@ def _permuted_heads(arch: str, hf_config: Any) -> dict[str, int]:
     return {"attn_q": hf_config.num_attention_heads, "attn_k": kv_heads}
 
 
-def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield (checkpoint name, float32 tensor on CPU, path) for every tensor of the file, one at a
-    time: each is dequantized when its turn comes, so only one dequantized tensor lives beside
-    the model (the file itself is memory-mapped)."""
+def packable_bits(path: str) -> dict[str, int | None]:
+    """Checkpoint name -> code width (4 or 8) of every matrix the file stores in a packable type,
+    None for the other tensors."""
+    return {checkpoint_name(t.name): PACKABLE_BITS.get(t.tensor_type.name) if len(t.shape) > 1 else None
+            for t in open_gguf(path).tensors}
+
+
+def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of every block, as float32: [..., type_size] -> [...]."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _block_codes(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF blocks [rows, blocks, type_size] -> codes [rows, K], scale and min [rows, K / 32], with
+    weight = scale * code + min for each 32 elements (the values gguf.quants.dequantize gives)."""
+    rows = blocks.shape[0]
+    if type_name in ("Q4_0", "Q4_1"):  # d (, m), 16 bytes: element j low nibble, j + 16 high
+        scale = _fp16(blocks, 0)
+        minimum = -8 * scale if type_name == "Q4_0" else _fp16(blocks, 2)
+        qs = blocks[..., 2 if type_name == "Q4_0" else 4:]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    elif type_name == "Q8_0":  # d, 32 int8
+        scale = _fp16(blocks, 0)
+        minimum = np.zeros_like(scale)
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    elif type_name == "Q4_K":  # 256-element super-blocks: d, dmin, 8 six-bit (scale, min), 128 bytes
+        sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        scale = (_fp16(blocks, 0)[..., None] * sc.reshape(*blocks.shape[:2], 8).astype(np.float32))
+        minimum = -(_fp16(blocks, 2)[..., None] * m.reshape(*blocks.shape[:2], 8).astype(np.float32))
+        qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)  # sub-block 2c: low nibbles, 2c + 1: high
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-2)
+    else:
+        raise GGUFError(f"ggml type {type_name} cannot stay packed; packable: {sorted(PACKABLE_BITS)}")
+    return codes.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
+
+
+def pack_gguf_tensor(tensor: Any) -> torch.Tensor:
+    """A Q4_0 / Q4_1 / Q4_K / Q8_0 matrix [out, in] -> baryon's packed rows, uint8
+    [out, row_bytes(in, bits)], holding exactly the values gguf.quants.dequantize gives."""
+    from baryon.kernels.block_quant import pack_rows
+
+    type_name = tensor.tensor_type.name
+    block_size, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    rows = int(tensor.shape[1])  # ggml shape [in, out]
+    blocks = np.asarray(tensor.data).reshape(rows, -1, type_size)
+    codes, scale, minimum = _block_codes(type_name, blocks)
+    return pack_rows(codes, scale, minimum, PACKABLE_BITS[type_name])
+
+
+def iterate_gguf_weights(path: str, hf_config: Any,
+                         packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield (checkpoint name, tensor on CPU, path) for every tensor of the file, one at a time:
+    float32 (dequantized when its turn comes, so only one dequantized tensor lives beside the
+    model; the file itself is memory-mapped), or packed rows for the names in `packed`."""
     reader = open_gguf(path)
     permuted = _permuted_heads(_Metadata(reader, path).arch, hf_config)
     for tensor in reader.tensors:
@@ -247,12 +299,17 @@ def iterate_gguf_weights(path: str, hf_config: Any) -> Iterator[tuple[str, torch
             raise GGUFError(f"tensor {tensor.name!r} in {path} has no counterpart in a "
                             f"{hf_config.architectures[0]} checkpoint")
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32 [out(, in)]
+            if name in packed:
+                weight = pack_gguf_tensor(tensor)  # uint8 [out, row_bytes]
+            else:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # float32 [out(, in)]
+                # An F32 tensor comes back as a read-only view of the file's mapping: torch wants a copy.
+                weight = torch.from_numpy(array if array.flags.writeable else array.copy())
+        except GGUFError:
+            raise
         except Exception as e:
             raise GGUFError(f"cannot dequantize tensor {tensor.name!r} ({tensor.tensor_type.name}) "
                             f"in {path}: {type(e).__name__}: {e}") from e
-        # An F32 tensor comes back as a read-only view of the file's mapping: torch wants a copy.
-        weight = torch.from_numpy(array if array.flags.writeable else array.copy())
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         if kind in permuted:
             weight = unpermute_qk(weight, permuted[kind])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,19 +39,64 @@ def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.M
     if config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, checkpoint_weights(config), config.hf_config)
+        packed = keep_gguf_packed(model, config, device) if is_gguf(config.model_path) else frozenset()
+        load_weights(model, checkpoint_weights(config, packed), config.hf_config)
     return model.eval()
 
 
-def checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor, str]]:
+def checkpoint_weights(config: ModelConfig,
+                       packed: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor, str]]:
     """The checkpoint's tensors under their Hugging Face names, one at a time: from a GGUF file
-    (dequantized) or from a folder's safetensors / .bin files."""
+    (dequantized, or packed for the names in `packed`) or from a folder's safetensors / .bin files."""
     if is_gguf(config.model_path):
         from baryon.loader.gguf import iterate_gguf_weights
 
-        return iterate_gguf_weights(config.model_path, config.hf_config)
+        return iterate_gguf_weights(config.model_path, config.hf_config, packed)
     files, index = weight_files(config.model_path, config.load_format)
     return iterate_weights(files, index)
+
+
+def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device) -> frozenset[str]:
+    """Switch the layers whose GGUF matrices are Q4_0 / Q4_1 / Q4_K / Q8_0 to packed weights
+    (BlockQuantLinearMethod) and return the checkpoint names to load packed. Only where a packed
+    kernel runs: on CPU in float32 with the C++ kernels built (or the torch reference forced with
+    BARYON_KERNEL_BLOCK_QUANT_LINEAR=torch); elsewhere everything is dequantized at load."""
+    from baryon.kernels.selector import select
+    from baryon.layers.embedding import VocabParallelEmbedding
+    from baryon.layers.linear import LinearBase
+    from baryon.loader.gguf import packable_bits
+    from baryon.quantization.block_quant import BlockQuantLinearMethod
+
+    if device.type != "cpu" or config.dtype != torch.float32:
+        return frozenset()
+    kernel = select("block_quant_linear", device, in_features=32, bits=4, dtype=config.dtype)
+    if kernel.name == "torch" and "BARYON_KERNEL_BLOCK_QUANT_LINEAR" not in os.environ:
+        logger.info("GGUF weights are dequantized at load: no packed CPU kernel here")
+        return frozenset()
+    sources: dict[str, dict[str, int | None]] = defaultdict(dict)  # parameter -> {checkpoint name: bits}
+    for name, bits in packable_bits(config.model_path).items():
+        sources[_target_of(name, getattr(model, "packed_modules_mapping", {}))[0]][name] = bits
+    modules, packed = dict(model.named_modules()), set()
+    for param_name, bits_by_name in sources.items():
+        module_name, _, leaf = param_name.rpartition(".")
+        module, widths = modules.get(module_name), set(bits_by_name.values())
+        if leaf != "weight" or len(widths) != 1 or None in widths:
+            continue  # not a matrix, or parts stored in different types: dequantized
+        if isinstance(module, LinearBase):
+            in_features = module.input_size
+        elif isinstance(module, VocabParallelEmbedding) and module.tp_size == 1:
+            in_features = module.weight.shape[1]
+        else:
+            continue
+        tied_head = getattr(model, "lm_head", None)
+        shares_weight = tied_head is not None and tied_head is not module and tied_head.weight is module.weight
+        method = BlockQuantLinearMethod(widths.pop(), in_features, device, config.dtype)
+        module.use_method(method)
+        if shares_weight:
+            tied_head.use_method(method, shared_weight=module.weight)
+        packed.update(bits_by_name)
+    logger.info("GGUF: %d matrices kept packed (%s kernel)", len(packed), kernel.name)
+    return frozenset(packed)
 
 
 def _target_of(name: str, packed_modules_mapping: dict) -> tuple[str, object]:

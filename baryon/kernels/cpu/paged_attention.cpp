@@ -1,0 +1,141 @@
+// The CPU paths around attention, float32, for a paged KV cache
+// kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim]:
+//
+// qkv_prologue: per-head RMSNorm of queries and keys (optional), NeoX rotary embedding of the
+//   first rotary_dim features of each head, and the write of keys and values into the cache.
+//   qkv [T, (H + 2 * Hkv) * D] (its query part rewritten in place), positions [T] int64,
+//   cos_sin_cache [max_position, rotary_dim] (cos half | sin half), slot_mapping [T] int64
+//   (-1: not stored). Matches baryon.kernels.qkv_prologue.TorchQKVPrologue.
+//
+// paged_attention: every query token (decodes and prefill chunks alike) attends causally over
+//   its sequence's cached tokens up to its own position (the last `window` of them when
+//   window > 0), GQA by head groups. query [T, H, D] (rows may be strided), block_tables
+//   [S, max_blocks] int32, seq_lens [S] int32 (tokens after this step), query_start_loc [S + 1]
+//   int32 (sequence s owns query rows starting at query_start_loc[s]) -> out [T, H, D].
+//   Matches TorchPagedAttention.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace baryon_cpu;
+
+void norm_head(float* head, const float* weight, int64_t D, float eps) {
+  const float inv = 1.f / std::sqrt(dot(head, head, D) / D + eps);
+  for (int64_t i = 0; i < D; ++i) head[i] = weight[i] * (head[i] * inv);
+}
+
+void rotate_head(float* head, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = head[i], x2 = head[i + half];
+    head[i] = x1 * cos[i] - x2 * sin[i];
+    head[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                  const std::optional<at::Tensor>& q_norm_weight, const std::optional<at::Tensor>& k_norm_weight,
+                  double eps, const at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t H, int64_t Hkv,
+                  int64_t D) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) == (H + 2 * Hkv) * D,
+              "qkv_prologue: qkv must be float32 [T, ", (H + 2 * Hkv) * D, "], got ", qkv.sizes());
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
+                  kv_cache.size(3) == Hkv && kv_cache.size(4) == D,
+              "qkv_prologue: kv_cache must be contiguous float32 [2, blocks, block_size, ", Hkv, ", ", D, "]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
+              "qkv_prologue: positions and slot_mapping must be int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "qkv_prologue: cos_sin_cache must be contiguous float32");
+  const bool has_norm = q_norm_weight.has_value() && q_norm_weight->defined();
+  const int64_t T = qkv.size(0), rotary = cos_sin_cache.size(1), half = rotary / 2;
+  const int64_t cache_half = kv_cache.numel() / 2;  // keys, then values
+  float* cache = kv_cache.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* row = qkv.data_ptr<float>() + t * qkv.stride(0);
+      const float* cs = cos_sin_cache.data_ptr<float>() + positions.data_ptr<int64_t>()[t] * rotary;
+      for (int64_t h = 0; h < H + Hkv; ++h) {  // queries, then keys
+        float* head = row + h * D;
+        if (has_norm) norm_head(head, (h < H ? *q_norm_weight : *k_norm_weight).data_ptr<float>(), D, eps);
+        rotate_head(head, cs, cs + half, half);
+      }
+      const int64_t slot = slot_mapping.data_ptr<int64_t>()[t];
+      if (slot < 0) continue;
+      std::memcpy(cache + slot * Hkv * D, row + H * D, Hkv * D * sizeof(float));
+      std::memcpy(cache + cache_half + slot * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                           int64_t window) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3 && query.stride(2) == 1 &&
+                  query.stride(1) == query.size(2),
+              "paged_attention: query must be float32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "paged_attention: kv_cache must be contiguous float32 [2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "paged_attention: block_tables, seq_lens and query_start_loc must be int32");
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2), S = seq_lens.size(0);
+  const int64_t block_size = kv_cache.size(2), Hkv = kv_cache.size(3), group = H / Hkv;
+  const int64_t cache_half = kv_cache.numel() / 2, max_blocks = block_tables.size(1);
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  std::vector<int64_t> seq_of_token(T);  // the sequence each query token belongs to
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = starts[s]; t < starts[s + 1]; ++t) seq_of_token[t] = s;
+  at::Tensor out = at::empty({T, H, D}, query.options());
+  const float* keys = kv_cache.data_ptr<float>();
+  const float* values = keys + cache_half;
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t t = job / Hkv, kvh = job % Hkv, s = seq_of_token[t];
+      const int64_t q_len = starts[s + 1] - starts[s];
+      const int64_t pos = seq_lens.data_ptr<int32_t>()[s] - q_len + (t - starts[s]);  // this token's position
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos - first + 1;
+      const int32_t* table = block_tables.data_ptr<int32_t>() + s * max_blocks;
+      auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size; };
+      probs.resize(n);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q = query.data_ptr<float>() + t * query.stride(0) + (kvh * group + g) * D;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          probs[j] = dot(q, keys + (slot_of(first + j) * Hkv + kvh) * D, D) * static_cast<float>(scale);
+          top = std::max(top, probs[j]);
+        }
+        float total = 0.f;
+        for (int64_t j = 0; j < n; ++j) total += (probs[j] = std::exp(probs[j] - top));
+        float* o = out.data_ptr<float>() + (t * H + kvh * group + g) * D;
+        std::fill(o, o + D, 0.f);
+        for (int64_t j = 0; j < n; ++j) axpy(probs[j] / total, values + (slot_of(first + j) * Hkv + kvh) * D, o, D);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baryon_cpu, m) {
+  m.def("qkv_prologue(Tensor(a!) qkv, Tensor positions, Tensor cos_sin_cache, Tensor? q_norm_weight, "
+        "Tensor? k_norm_weight, float eps, Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, "
+        "int num_kv_heads, int head_dim) -> ()");
+  m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(baryon_cpu, CPU, m) {
+  m.impl("qkv_prologue", &qkv_prologue);
+  m.impl("paged_attention", &paged_attention);
+}

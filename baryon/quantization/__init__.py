@@ -1,0 +1,1 @@
+"""How a layer's weights are stored and multiplied: a `LinearMethod` per layer (dense by default)."""

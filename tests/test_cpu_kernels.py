@@ -1,0 +1,159 @@
+"""baryon's C++ CPU kernels (kernels/cpu/*.cpp) against their torch references on fresh random
+inputs: the block-quantized linear (and baryon's packed layout from GGUF blocks), RMSNorm, the QKV
+prologue and paged attention."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+
+from baryon.kernels import selector
+from baryon.kernels.block_quant import (CpuBlockQuantLinear, TorchBlockQuantLinear, dequantize_rows, pack_rows,
+                                        row_bytes)
+from baryon.kernels.cpu import load_error
+from baryon.loader.gguf import PACKABLE_BITS, _block_codes
+from test_gguf import quantized
+from test_kernels import SHAPES, _case, dense_attention
+
+pytestmark = pytest.mark.skipif(load_error() is not None, reason=f"C++ CPU kernels unavailable: {load_error()}")
+CPU = torch.device("cpu")
+
+
+def random_packed(rng: np.random.Generator, rows: int, in_features: int, bits: int) -> torch.Tensor:
+    codes = (rng.integers(0, 16, (rows, in_features)) if bits == 4
+             else rng.integers(-128, 128, (rows, in_features)))
+    scale = rng.uniform(1e-3, 2e-2, (rows, in_features // 32)).astype(np.float32)
+    minimum = rng.uniform(-0.2, 0.2, (rows, in_features // 32)).astype(np.float32)
+    return pack_rows(codes, scale, minimum, bits)
+
+
+def test_packed_layout_round_trips(seed):
+    rng = np.random.default_rng(seed)
+    for bits in (4, 8):
+        codes = rng.integers(0, 16, (5, 64)) if bits == 4 else rng.integers(-128, 128, (5, 64))
+        scale, minimum = rng.random((5, 2), dtype=np.float32), rng.standard_normal((5, 2)).astype(np.float32)
+        packed = pack_rows(codes, scale, minimum, bits)
+        assert packed.dtype == torch.uint8 and packed.shape == (5, row_bytes(64, bits))
+        expected = codes.reshape(5, 2, 32) * scale[..., None] + minimum[..., None]
+        torch.testing.assert_close(dequantize_rows(packed, 64, bits), torch.from_numpy(expected.reshape(5, 64)).float())
+
+
+@pytest.mark.parametrize("type_name", sorted(PACKABLE_BITS))
+def test_gguf_blocks_pack_to_exactly_what_gguf_dequantizes(seed, type_name):
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    weight = rng.standard_normal((6, 512)).astype(np.float32)
+    raw = quantized(weight, qtype, rng)  # uint8 [6, bytes per row] (random blocks for Q4_K)
+    expected = gguf.quants.dequantize(raw, qtype)
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    codes, scale, minimum = _block_codes(type_name, raw.reshape(6, -1, type_size))
+    packed = pack_rows(codes, scale, minimum, PACKABLE_BITS[type_name])
+    got = dequantize_rows(packed, 512, PACKABLE_BITS[type_name]).numpy()
+    # Same float32 values, up to the one rounding the reference's separate multiply and add may differ by.
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("in_features", [32, 96, 800])  # 800: more than one 768-wide chunk of K
+@pytest.mark.parametrize("rows_of_x", [1, 3, 8, 17, 50])  # 50: the dequantize-then-BLAS path
+def test_block_quant_linear_matches_reference(seed, bits, in_features, rows_of_x):
+    rng = np.random.default_rng(seed)
+    out_features = int(rng.integers(1, 40))
+    packed = random_packed(rng, out_features, in_features, bits)
+    x = torch.from_numpy(rng.standard_normal((rows_of_x, in_features)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32)) if seed % 2 else None
+    got = CpuBlockQuantLinear.forward(x, packed, bits, in_features, bias)
+    expected = x.double() @ dequantize_rows(packed, in_features, bits).double().T
+    if bias is not None:
+        expected += bias.double()
+    assert got.shape == (rows_of_x, out_features)
+    torch.testing.assert_close(got, expected.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(TorchBlockQuantLinear.forward(x, packed, bits, in_features, bias), got,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_block_quant_linear_rejects_bad_shapes():
+    packed = torch.zeros(4, row_bytes(64, 4), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        CpuBlockQuantLinear.forward(torch.zeros(2, 32), packed, 4, 64)
+    with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
+        CpuBlockQuantLinear.forward(torch.zeros(2, 64), packed[:, :-1], 4, 64)
+    assert "multiple of 32" in CpuBlockQuantLinear.cannot_implement_reason(in_features=48, bits=4, dtype=torch.float32)
+    assert TorchBlockQuantLinear.cannot_implement_reason(in_features=64, bits=8, dtype=torch.float32) is None
+
+
+def test_cpu_kernels_are_chosen_on_cpu_and_torch_can_be_forced(monkeypatch):
+    assert selector.select("block_quant_linear", CPU, in_features=64, bits=4, dtype=torch.float32).name == "cpu"
+    for family in ("attention", "rms_norm", "qkv_prologue"):
+        assert selector.select(family, CPU, head_dim=64).name == "cpu"
+    monkeypatch.setenv("BARYON_KERNEL_RMS_NORM", "torch")
+    assert selector.select("rms_norm", CPU).name == "torch"
+
+
+@pytest.mark.parametrize("hidden", [48, 576, 1000])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_matches_torch(seed, hidden, with_residual):
+    from baryon.kernels.norm import CpuRMSNorm, TorchRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(9, hidden + 7, generator=gen)[:, :hidden]  # strided rows, as a slice of a wider buffer
+    weight = torch.randn(hidden, generator=gen)
+    residual = torch.randn(9, hidden, generator=gen) if with_residual else None
+    out, res = CpuRMSNorm.forward(x, weight, 1e-6, residual)
+    ref_out, ref_res = TorchRMSNorm.forward(x, weight, 1e-6, residual)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    if with_residual:
+        torch.testing.assert_close(res, ref_res)
+    else:
+        assert res is None
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim,qk_norm", [
+    (4, 2, 64, 64, True), (8, 1, 64, 32, False), (3, 3, 8, 8, False), (9, 3, 64, 64, False)])
+def test_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rotary_dim, qk_norm):
+    from baryon.kernels.qkv_prologue import CpuQKVPrologue, TorchQKVPrologue
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens, num_blocks, block_size = 11, 4, 4
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    positions = torch.randint(0, 60, (tokens,), generator=gen)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    freqs = torch.outer(torch.arange(64).float(), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    weights = [torch.randn(head_dim, generator=gen) if qk_norm else None for _ in range(2)]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[torch.randperm(tokens, generator=gen)[:2]] = -1  # padding rows are not stored
+    results = []
+    for kernel in (TorchQKVPrologue, CpuQKVPrologue):
+        cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
+        q = kernel.forward(qkv.clone(), positions, cos_sin, weights[0], weights[1], 1e-6, cache, slots,
+                           heads, kv_heads, head_dim)
+        results.append((q.clone(), cache))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
+    assert int((results[1][1].flatten(1, 2).abs().sum((0, 2, 3)) > 0).sum()) == int((slots >= 0).sum())
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", SHAPES)
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window, kind):
+    from baryon.kernels.attention.cpu_paged import CpuPagedAttention
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "decode":
+        seqs = [(int(torch.randint(0, 40, (1,), generator=gen)), 1) for _ in range(5)]
+    else:  # prefills with and without a cached prefix, decodes, a length-1 prompt
+        seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (3, 1), (20, 13)]
+    cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
+    scale = 1 / math.sqrt(head_dim)
+    out = CpuPagedAttention(heads, head_dim, kv_heads, scale, window).forward(q, k, v, cache, metadata)
+    start = 0
+    for (_, new), fk, fv in zip(seqs, full_k, full_v):
+        expected = dense_attention(q[start:start + new], fk, fv, scale, window)
+        torch.testing.assert_close(out[start:start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
