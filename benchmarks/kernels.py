@@ -74,6 +74,28 @@ def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> Non
         record(name, f"min_p=0.5 {shape}", lambda: impl.apply_min_p(probs, per_row))
 
 
+def block_quant_kernels(record, device: torch.device) -> None:
+    """The packed 4-bit linear (SmolLM2-135M's gate_up and LM-head shapes) against F.linear on the
+    same weights dequantized to float32 (what a dense model multiplies). CPU only."""
+    import numpy as np
+
+    from baryon.kernels.block_quant import dequantize_rows, pack_rows
+
+    rng = np.random.default_rng(0)
+    for bits, out_features, in_features in [(4, 3072, 576), (8, 49152, 576)]:
+        low, high = (0, 16) if bits == 4 else (-128, 128)
+        packed = pack_rows(rng.integers(low, high, (out_features, in_features)),
+                           rng.random((out_features, in_features // 32), dtype=np.float32) * 0.01,
+                           rng.random((out_features, in_features // 32), dtype=np.float32) * -0.05, bits)
+        dense = dequantize_rows(packed, in_features, bits)
+        kernel = selector.select("block_quant_linear", device, in_features=in_features, bits=bits, dtype=torch.float32)
+        for rows in (1, 16, 128):
+            x = torch.randn(rows, in_features)
+            shape = f"x={rows}x{in_features} w={out_features}x{in_features} q{bits}"
+            record(f"block_quant_linear.{kernel.name}", shape, lambda: kernel.forward(x, packed, bits, in_features))
+            record("linear.dense_float32", shape, lambda: torch.nn.functional.linear(x, dense))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -134,6 +156,8 @@ def main() -> None:
             record(f"qkv_prologue.{impl.name}", f"tokens={tokens} heads={heads}/{kv_heads} d={head_dim} qk_norm",
                    lambda: impl.forward(qkv, positions, cos_sin, norm_weight, norm_weight, 1e-6, cache, slots,
                                         heads, kv_heads, head_dim))
+    if device.type == "cpu":
+        block_quant_kernels(record, device)
     rows = 64 // scale
     sampling_kernels(record, device, rows, vocab)
 

@@ -66,10 +66,11 @@ def test_eos_from_generation_config(llm, tiny_llama, tmp_path, seed):
     prompt = random_prompts(1, 128, 5, 10, seed)[0]
     free_run = _greedy(llm, prompt, max_tokens=12).token_ids
     eos = free_run[6]
+    other = next(t for t in range(127, -1, -1) if t not in free_run)  # a second EOS id never generated
     folder = shutil.copytree(tiny_llama, tmp_path / "eos")
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 127]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, other]}))
     eos_llm = LLM(str(folder), skip_tokenizer_init=True, device="cpu", block_size=4, max_model_len=64)
-    assert {eos, 127} <= eos_llm.engine.eos_token_ids
+    assert {eos, other} <= eos_llm.engine.eos_token_ids
     params = SamplingParams(temperature=0, max_tokens=12)
     out = eos_llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == free_run[: free_run.index(eos) + 1]

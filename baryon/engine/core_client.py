@@ -217,8 +217,10 @@ class AsyncEngineClient:
     def _send(self, message: AddRequests | AbortRequests) -> None:
         try:
             self.engine.send(message)
-        except zmq.ZMQError as e:  # zmq.Again: no engine connected
-            self._fail_all(f"the engine process is not reachable ({e})")
+        except zmq.ZMQError as e:  # zmq.Again: no engine connected (often: it just died)
+            code = self.engine.exit_code()
+            self._fail_all(f"the engine process exited unexpectedly (exit code {code})" if code is not None
+                           else f"the engine process is not reachable ({e})")
             raise EngineDeadError(self.dead_reason) from None
 
     # -- engine messages ----------------------------------------------------------------------
