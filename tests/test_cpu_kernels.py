@@ -1,10 +1,8 @@
 """baryon's C++ CPU kernels (kernels/cpu/*.cpp) against their torch references on fresh random
-inputs: the block-quantized linear (and baryon's packed layout from GGUF blocks), RMSNorm, the QKV
-prologue and paged attention."""
+inputs: the block-quantized linear (and baryon's packed layout from GGUF blocks), RMSNorm and the QKV
+prologue. Paged attention is tested beside the torch backend in tests/test_kernels.py."""
 
 from __future__ import annotations
-
-import math
 
 import gguf
 import gguf.quants
@@ -18,7 +16,6 @@ from baryon.kernels.block_quant import (CpuBlockQuantLinear, TorchBlockQuantLine
 from baryon.kernels.cpu import load_error
 from baryon.loader.gguf import PACKABLE_BITS, _block_codes
 from test_gguf import quantized
-from test_kernels import SHAPES, _case, dense_attention
 
 pytestmark = pytest.mark.skipif(load_error() is not None, reason=f"C++ CPU kernels unavailable: {load_error()}")
 CPU = torch.device("cpu")
@@ -137,23 +134,3 @@ def test_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rotary_dim,
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
     assert int((results[1][1].flatten(1, 2).abs().sum((0, 2, 3)) > 0).sum()) == int((slots >= 0).sum())
-
-
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", SHAPES)
-@pytest.mark.parametrize("kind", ["mixed", "decode"])
-def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window, kind):
-    from baryon.kernels.attention.cpu_paged import CpuPagedAttention
-
-    gen = torch.Generator().manual_seed(seed)
-    if kind == "decode":
-        seqs = [(int(torch.randint(0, 40, (1,), generator=gen)), 1) for _ in range(5)]
-    else:  # prefills with and without a cached prefix, decodes, a length-1 prompt
-        seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (3, 1), (20, 13)]
-    cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
-    scale = 1 / math.sqrt(head_dim)
-    out = CpuPagedAttention(heads, head_dim, kv_heads, scale, window).forward(q, k, v, cache, metadata)
-    start = 0
-    for (_, new), fk, fv in zip(seqs, full_k, full_v):
-        expected = dense_attention(q[start:start + new], fk, fv, scale, window)
-        torch.testing.assert_close(out[start:start + new], expected, atol=1e-5, rtol=1e-5)
-        start += new

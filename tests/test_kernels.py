@@ -76,7 +76,13 @@ SHAPES = [  # (heads, kv_heads, head_dim, block_size, window)
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,window", SHAPES)
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
-def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window, kind):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])  # cpu: the C++ kernel (kernels/cpu/paged_attention.cpp)
+def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_size, window, kind, backend):
+    from baryon.kernels.attention.cpu_paged import CpuPagedAttention
+
+    reason = CpuPagedAttention.unsupported_reason(torch.device("cpu")) if backend == "cpu" else None
+    if reason is not None:
+        pytest.skip(reason)
     gen = torch.Generator().manual_seed(seed)
     if kind == "decode":
         seqs = [(int(torch.randint(0, 30, (1,), generator=gen)), 1) for _ in range(5)]
@@ -84,7 +90,7 @@ def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_si
         seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (3, 1), (20, 13)]
     cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
     scale = 1 / math.sqrt(head_dim)
-    attn = TorchPagedAttention(heads, head_dim, kv_heads, scale, window)
+    attn = (TorchPagedAttention if backend == "torch" else CpuPagedAttention)(heads, head_dim, kv_heads, scale, window)
     out = attn.forward(q, k, v, cache, metadata)
     start = 0
     for (cached, new), fk, fv in zip(seqs, full_k, full_v):

@@ -16,6 +16,7 @@ The tokenizer and chat template also live in the metadata; `baryon.tokenizer` bu
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -82,8 +83,14 @@ class _Reader(gguf.GGUFReader):
 
 def open_gguf(path: str) -> gguf.GGUFReader:
     """A reader of `path` (complete: the reader maps every tensor's bytes) whose tensors are all of
-    a supported type."""
-    size = os.path.getsize(path)
+    a supported type. Loading asks for the config, the packing plan and the tensors: parsing the
+    metadata (the vocabulary) takes seconds, so the reader of an unchanged file is reused."""
+    stat = os.stat(path)
+    return _open_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
     try:
         reader = _Reader(path)
     except Exception as e:  # a cut or damaged file fails in many ways (a short tensor cannot be reshaped, ...)

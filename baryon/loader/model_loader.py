@@ -77,6 +77,7 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
     for name, bits in packable_bits(config.model_path).items():
         sources[_target_of(name, getattr(model, "packed_modules_mapping", {}))[0]][name] = bits
     modules, packed = dict(model.named_modules()), set()
+    head = getattr(model, "lm_head", None)
     for param_name, bits_by_name in sources.items():
         module_name, _, leaf = param_name.rpartition(".")
         module, widths = modules.get(module_name), set(bits_by_name.values())
@@ -88,12 +89,11 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
             in_features = module.weight.shape[1]
         else:
             continue
-        tied_head = getattr(model, "lm_head", None)
-        shares_weight = tied_head is not None and tied_head is not module and tied_head.weight is module.weight
+        tied_head = head is not None and head is not module and head.weight is module.weight
         method = BlockQuantLinearMethod(widths.pop(), in_features, device, config.dtype)
         module.use_method(method)
-        if shares_weight:
-            tied_head.use_method(method, shared_weight=module.weight)
+        if tied_head:
+            head.use_method(method, shared_weight=module.weight)
         packed.update(bits_by_name)
     logger.info("GGUF: %d matrices kept packed (%s kernel)", len(packed), kernel.name)
     return frozenset(packed)
