@@ -51,15 +51,38 @@ def hf_classes(arch: str):
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
     }[arch]
+
+
+ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
+                 "Glm4MoeForCausalLM": "glm4_moe"}
+# Tiny mixtures of experts: few experts of a small intermediate size.
+MOE_BASE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+                     first_k_dense_replace=1),
+}
 
 
 def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a randomly initialised transformers model of `arch` to `path` (float32 safetensors)."""
     config_cls, model_cls = hf_classes(arch)
-    config = config_cls(**{**BASE_CONFIG, **overrides})
+    config = config_cls(**{**BASE_CONFIG, **MOE_BASE.get(arch, {}), **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    with torch.no_grad():  # DeepSeek-V3 / GLM correction biases start at zero: give them values
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
@@ -87,8 +110,7 @@ def hf_classes_from_path(path: Path):
     import json
 
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
-    return hf_classes({"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                       "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}[arch])
+    return hf_classes(ARCH_OF_CLASS[arch])
 
 
 @pytest.fixture(scope="session")

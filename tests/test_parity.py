@@ -35,6 +35,21 @@ CASES = [
     ("mistral-window8", "mistral", dict(sliding_window=8)),
     ("mistral-gqa4-headdim8", "mistral", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                                                sliding_window=None)),
+    # Mixtures of experts (tests/conftest.py MOE_BASE: 4-8 experts of intermediate size 32-48).
+    ("qwen3moe-renormalised", "qwen3_moe", dict(norm_topk_prob=True)),
+    ("qwen3moe-sparse-step2-dense-first", "qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2,
+                                                            mlp_only_layers=[3], num_experts_per_tok=3)),
+    ("qwen3moe-topk-all-experts", "qwen3_moe", dict(num_experts=4, num_experts_per_tok=4, head_dim=32)),
+    ("qwen2moe-shared-expert", "qwen2_moe", dict()),
+    ("qwen2moe-renormalised-tied-step2", "qwen2_moe", dict(norm_topk_prob=True, tie_word_embeddings=True,
+                                                           num_hidden_layers=3, decoder_sparse_step=2)),
+    ("mixtral-top2", "mixtral", dict()),
+    ("mixtral-top3-window8", "mixtral", dict(num_local_experts=8, num_experts_per_tok=3, sliding_window=8)),
+    ("glm4moe-grouped-dense-first", "glm4_moe", dict(routed_scaling_factor=2.5, partial_rotary_factor=0.5,
+                                                     n_shared_experts=2)),
+    ("glm4moe-qknorm-bias-4groups", "glm4_moe", dict(use_qk_norm=True, attention_bias=True, n_group=4,
+                                                     topk_group=2, num_experts_per_tok=3, norm_topk_prob=False,
+                                                     first_k_dense_replace=0, num_hidden_layers=3)),
 ]
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+_EP_GROUP: dist.ProcessGroup | None = None
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None) -> None:
@@ -19,12 +20,27 @@ def init_tensor_parallel(group: dist.ProcessGroup | None) -> None:
     _TP_GROUP = group
 
 
+def init_expert_parallel(group: dist.ProcessGroup | None) -> None:
+    """Install the expert-parallel process group (None: every rank holds every expert)."""
+    global _EP_GROUP
+    _EP_GROUP = group
+
+
 def tp_world_size() -> int:
     return 1 if _TP_GROUP is None else dist.get_world_size(_TP_GROUP)
 
 
 def tp_rank() -> int:
     return 0 if _TP_GROUP is None else dist.get_rank(_TP_GROUP)
+
+
+def ep_world_size() -> int:
+    """Ranks the experts of each MoE layer are divided among (1: every rank holds every expert)."""
+    return 1 if _EP_GROUP is None else dist.get_world_size(_EP_GROUP)
+
+
+def ep_rank() -> int:
+    return 0 if _EP_GROUP is None else dist.get_rank(_EP_GROUP)
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

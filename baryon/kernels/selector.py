@@ -48,6 +48,10 @@ _REGISTRY: dict[str, list[str]] = {
     "block_quant_linear": ["baryon.kernels.block_quant:CpuBlockQuantLinear",
                            "baryon.kernels.block_quant:TorchBlockQuantLinear"],
     "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling:TorchSampling"],
+    "moe_routing": ["baryon.kernels.moe.routing:TritonRouting", "baryon.kernels.moe.routing:TorchRouting"],
+    "fused_moe": ["baryon.kernels.moe.experts_triton:TritonFusedExperts",
+                  "baryon.kernels.moe.experts_grouped_mm:GroupedMMFusedExperts",
+                  "baryon.kernels.moe.experts_torch:TorchFusedExperts"],
 }
 _logged: set[tuple[str, str]] = set()
 

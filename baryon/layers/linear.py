@@ -124,10 +124,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed over the ranks."""
+    """Input features split across ranks; partial outputs are summed over the ranks (or left to
+    the caller to sum with other partial results, when reduce_results is False)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool, reduce_results: bool = True) -> None:
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
+        self.reduce_results = reduce_results
         super().__init__(divide(input_size, self.tp_size, "input_size"), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -140,7 +142,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, on rank 0, before the sum.
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(self.method.apply(self.weight, x, bias))
+        partial = self.method.apply(self.weight, x, bias)
+        return tp_all_reduce(partial) if self.reduce_results else partial
 
 
 def _narrow_rows(loaded: torch.Tensor, start: int, size: int, full: int) -> torch.Tensor:

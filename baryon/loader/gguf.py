@@ -29,10 +29,13 @@ from gguf import Keys
 
 # GGUF `general.architecture` -> (transformers model_type, config.json architecture).
 ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
+    "llama": ("llama", "LlamaForCausalLM"),  # with experts (expert_count > 0): Mixtral
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # Architectures whose query/key rows llama.cpp's converter permutes (rotary pairs interleaved).
 _PERMUTED_QK = ("llama",)
 
@@ -60,7 +63,22 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture of experts: the router, the experts stacked [experts, out, in] (split per expert,
+    # `{e}`, when read), and Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Mixtral's checkpoint names for the same tensors.
+_MIXTRAL_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_gate_inp": "block_sparse_moe.gate",
+                        "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                        "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                        "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"}
 
 
 class GGUFError(ValueError):
@@ -138,7 +156,7 @@ def gguf_config(path: str) -> Any:
                         f"factors), which baryon does not support yet")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"GGUF file {path} has no token_embd.weight tensor")
-    model_type, architecture = ARCHITECTURES[meta.arch]
+    model_type, architecture = MIXTRAL if _is_mixtral(meta) else ARCHITECTURES[meta.arch]
     hidden, heads = meta.require(Keys.LLM.EMBEDDING_LENGTH), meta.require(Keys.Attention.HEAD_COUNT)
     kv_heads = meta.get(Keys.Attention.HEAD_COUNT_KV, heads)
     if not isinstance(kv_heads, int):
@@ -152,7 +170,7 @@ def gguf_config(path: str) -> Any:
         architectures=[architecture],
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml shape [hidden, vocab]
         hidden_size=hidden,
-        intermediate_size=meta.require(Keys.LLM.FEED_FORWARD_LENGTH),
+        intermediate_size=meta.get(Keys.LLM.FEED_FORWARD_LENGTH) or meta.get(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
         num_hidden_layers=meta.require(Keys.LLM.BLOCK_COUNT),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -166,12 +184,36 @@ def gguf_config(path: str) -> Any:
         pad_token_id=meta.get(Keys.Tokenizer.PAD_ID),
         dtype=_file_dtype(reader.tensors),
     )
-    if meta.arch == "llama":
+    if meta.arch == "llama" and not _is_mixtral(meta):
         fields.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
+    fields.update(_moe_fields(meta, architecture))
     rope_scaling = _rope_scaling(meta)
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _is_mixtral(meta: _Metadata) -> bool:
+    return meta.arch == "llama" and (meta.get(Keys.LLM.EXPERT_COUNT) or 0) > 0
+
+
+def _moe_fields(meta: _Metadata, architecture: str) -> dict[str, Any]:
+    """Config fields of the mixture of experts, as llama.cpp's converter stores them (norm_topk_prob
+    is usually not stored: llama.cpp renormalises Qwen3-MoE's and Mixtral's top-k weights, not
+    Qwen2-MoE's)."""
+    if architecture == "MixtralForCausalLM":
+        return dict(num_local_experts=meta.require(Keys.LLM.EXPERT_COUNT),
+                    num_experts_per_tok=meta.require(Keys.LLM.EXPERT_USED_COUNT))
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    fields = dict(num_experts=meta.require(Keys.LLM.EXPERT_COUNT),
+                  num_experts_per_tok=meta.require(Keys.LLM.EXPERT_USED_COUNT),
+                  moe_intermediate_size=meta.require(Keys.LLM.EXPERT_FEED_FORWARD_LENGTH),
+                  norm_topk_prob=bool(meta.get(Keys.LLM.EXPERT_WEIGHTS_NORM, architecture == "Qwen3MoeForCausalLM")),
+                  decoder_sparse_step=1, mlp_only_layers=[])
+    if architecture == "Qwen2MoeForCausalLM":
+        fields["shared_expert_intermediate_size"] = meta.require(Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+    return fields
 
 
 def _eos_token_ids(meta: _Metadata) -> int | list[int] | None:
@@ -214,16 +256,18 @@ def _file_dtype(tensors: list) -> torch.dtype:
     return torch.bfloat16
 
 
-def checkpoint_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+def checkpoint_name(gguf_name: str, mixtral: bool = False) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown. A
+    stacked expert tensor gives a name with `{e}` where the expert id goes."""
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
+    block_names = _MIXTRAL_BLOCK_NAMES if mixtral else _BLOCK_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
     return None
 
 
@@ -247,8 +291,10 @@ def _permuted_heads(arch: str, hf_config: Any) -> dict[str, int]:
 def packable_bits(path: str) -> dict[str, int | None]:
     """Checkpoint name -> code width (4 or 8) of every matrix the file stores in a packable type,
     None for the other tensors."""
-    return {checkpoint_name(t.name): PACKABLE_BITS.get(t.tensor_type.name) if len(t.shape) > 1 else None
-            for t in open_gguf(path).tensors}
+    reader = open_gguf(path)
+    mixtral = _is_mixtral(_Metadata(reader, path))
+    return {checkpoint_name(t.name, mixtral): PACKABLE_BITS.get(t.tensor_type.name) if len(t.shape) == 2 else None
+            for t in reader.tensors}
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -299,9 +345,11 @@ def iterate_gguf_weights(path: str, hf_config: Any,
     float32 (dequantized when its turn comes, so only one dequantized tensor lives beside the
     model; the file itself is memory-mapped), or packed rows for the names in `packed`."""
     reader = open_gguf(path)
-    permuted = _permuted_heads(_Metadata(reader, path).arch, hf_config)
+    meta = _Metadata(reader, path)
+    permuted = _permuted_heads(meta.arch, hf_config)
+    mixtral = _is_mixtral(meta)
     for tensor in reader.tensors:
-        name = checkpoint_name(tensor.name)
+        name = checkpoint_name(tensor.name, mixtral)
         if name is None:
             raise GGUFError(f"tensor {tensor.name!r} in {path} has no counterpart in a "
                             f"{hf_config.architectures[0]} checkpoint")
@@ -320,4 +368,8 @@ def iterate_gguf_weights(path: str, hf_config: Any,
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         if kind in permuted:
             weight = unpermute_qk(weight, permuted[kind])
-        yield name, weight, path
+        if "{e}" in name:  # experts stacked [experts, out, in]: one tensor per expert
+            for expert, matrix in enumerate(weight):
+                yield name.format(e=expert), matrix, path
+        else:
+            yield name, weight, path

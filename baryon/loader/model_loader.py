@@ -12,6 +12,7 @@ from torch import nn
 
 from baryon.config import ModelConfig
 from baryon.hub import is_gguf
+from baryon.loader.names import CheckpointNames
 from baryon.loader.weights import WeightLoadError, iterate_weights, weight_files
 from baryon.logger import get_logger
 from baryon.models.registry import resolve_model_class
@@ -74,8 +75,11 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
         logger.info("GGUF weights are dequantized at load: no packed CPU kernel here")
         return frozenset()
     sources: dict[str, dict[str, int | None]] = defaultdict(dict)  # parameter -> {checkpoint name: bits}
+    names = CheckpointNames(model, config.hf_config)
     for name, bits in packable_bits(config.model_path).items():
-        sources[_target_of(name, getattr(model, "packed_modules_mapping", {}))[0]][name] = bits
+        target = names.target(name)
+        if target is not None and target.expert_id is None:
+            sources[target.param][name] = bits
     modules, packed = dict(model.named_modules()), set()
     head = getattr(model, "lm_head", None)
     for param_name, bits_by_name in sources.items():
@@ -99,45 +103,54 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
     return frozenset(packed)
 
 
-def _target_of(name: str, packed_modules_mapping: dict) -> tuple[str, object]:
-    """Checkpoint tensor name -> (parameter name, shard id); q_proj -> (qkv_proj, 'q') etc."""
-    for packed, parts in packed_modules_mapping.items():
-        for part, shard_id in parts:
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{packed}."), shard_id
-    return name, None
-
-
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, str]], hf_config) -> None:
     """Stream `weights` into the model's parameters through their weight_loaders; any missing,
     unexpected or mis-shaped tensor is a WeightLoadError naming the tensor and file."""
     params = dict(model.named_parameters())
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    packed = getattr(model, "packed_modules_mapping", {})
+    names = CheckpointNames(model, hf_config)
     loaded: dict[str, set] = defaultdict(set)
+    skipped = 0
     for name, tensor, file in weights:
         if name.endswith(_DERIVED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target, shard_id = _target_of(name, packed)
-        param = params.get(target)
+        target = names.target(name)
+        if target is None:
+            skipped += 1
+            continue
+        param = params.get(target.param)
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {type(model).__name__} "
-                                  f"has no parameter {target!r}")
-        if shard_id in loaded[target]:
+                                  f"has no parameter {target.param!r}")
+        if target.loaded_key in loaded[target.param]:
             raise WeightLoadError(f"tensor {name!r} in {file} is loaded twice")
         try:
             with torch.no_grad():
-                param.weight_loader(param, tensor, shard_id)
+                if target.expert_id is None:
+                    param.weight_loader(param, tensor, target.shard_id)
+                else:
+                    param.weight_loader(param, tensor, target.shard_id, target.expert_id)
         except ValueError as e:
             raise WeightLoadError(f"tensor {name!r} in {file}: {e}") from e
-        loaded[target].add(shard_id)
-    missing = [f"{name} (missing shards {sorted(map(str, p.expected_shards - loaded[name]))})"
-               if len(p.expected_shards) > 1 and loaded[name] else name
-               for name, p in params.items() if loaded[name] != set(p.expected_shards)]
+        loaded[target.param].add(target.loaded_key)
+    if skipped:
+        logger.info("skipped %d tensors of the layers past num_hidden_layers (multi-token prediction)", skipped)
+    missing = [_missing_description(name, p, loaded[name], names) for name, p in params.items()
+               if not p.expected_shards <= loaded[name]]
     if missing:
         raise WeightLoadError(f"the checkpoint has no tensor for {len(missing)} parameter(s) of "
                               f"{type(model).__name__}: {', '.join(missing[:10])}"
                               + (" ..." if len(missing) > 10 else ""))
+
+
+def _missing_description(name: str, param: nn.Parameter, loaded: set, names: CheckpointNames) -> str:
+    absent = param.expected_shards - loaded
+    if all(isinstance(shard, tuple) for shard in absent):  # stacked experts: name the checkpoint tensors
+        tensors = sorted(names.expert_tensor_name(name, shard, expert) for shard, expert in absent)
+        return f"{name} ({', '.join(tensors[:4])}{' ...' if len(tensors) > 4 else ''})"
+    if len(param.expected_shards) > 1 and loaded:
+        return f"{name} (missing shards {sorted(map(str, absent))})"
+    return name
 
 
 @torch.no_grad()

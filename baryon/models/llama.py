@@ -6,15 +6,16 @@ fused (`packed_modules_mapping` tells the loader how checkpoint tensors map onto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from baryon.layers.activation import SiluAndMul
 from baryon.layers.attention import Attention
 from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from baryon.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
+from baryon.layers.mlp import GatedMLP
 from baryon.layers.norm import RMSNorm
 from baryon.layers.rotary import get_rope
 
@@ -60,25 +61,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn.forward_qkv(qkv, positions, self.rotary_emb))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool) -> None:
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported; only 'silu'.")
-        size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, attention: dict[str, bool], mlp_bias: bool) -> None:
+    def __init__(self, config: Any, layer_idx: int, attention: dict[str, bool], mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, **attention)
-        self.mlp = LlamaMLP(config, mlp_bias)
+        self.mlp = mlp  # a GatedMLP, or an MoE block in sparse layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -94,11 +81,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention: dict[str, bool], mlp_bias: bool) -> None:
+    def __init__(self, config: Any, attention: dict[str, bool], build_mlp: Callable[[Any, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention, mlp_bias) for i in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, i, attention, build_mlp(config, i)) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -118,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_options(config), self.mlp_bias(config))
+        self.model = LlamaModel(config, self.attention_options(config), self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -131,6 +118,12 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def mlp_bias(config: Any) -> bool:
         return bool(getattr(config, "mlp_bias", False))
+
+    @classmethod
+    def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
+        """The feed-forward part of decoder layer `layer_idx` (MoE models override this)."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias=cls.mlp_bias(config),
+                        hidden_act=getattr(config, "hidden_act", "silu"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""

@@ -11,6 +11,10 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "baryon.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "baryon.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "baryon.models.qwen3:Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM": "baryon.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "baryon.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "baryon.models.mixtral:MixtralForCausalLM",
+    "Glm4MoeForCausalLM": "baryon.models.glm4_moe:Glm4MoeForCausalLM",
 }
 
 

@@ -1,0 +1,223 @@
+"""The expert computation as two Triton grouped GEMMs.
+
+    gate/up:  inter[p] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T)   for pair p = (t, k), e = its expert
+    down:     y[p]     = weight[p] * inter[p] @ w2[e].T
+    output:   out[t]   = sum over k of y[t * top_k + k]
+
+Each program computes a tile of rows that all belong to one expert, so an expert's weights are
+read once per tile of its tokens. The rows of a tile come one of two ways:
+
+- scan (decode and small batches): one program per (expert, column tile) finds its expert's
+  pairs itself by scanning the step's expert ids, so no sorting pass and no index buffers are
+  needed; experts that received nothing return at once. The grid depends only on the expert
+  count and the shapes, so these steps replay inside CUDA graphs.
+- sorted (large batches): `align.align_pairs` sorts the pairs by expert and pads each expert's
+  run to the tile height; one program per (row tile, column tile).
+
+The gate/up GEMM keeps two accumulators (gate and up columns of the same tile) and applies
+SiLU-and-mul in its epilogue, so the [pairs, 2 * I] product never reaches memory; the down GEMM
+multiplies each row by its routing weight in its epilogue. Tile sizes come from
+`tile_configs` (tuned per shape and batch bucket on the GPU, kept in `configs/`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baryon.kernels.moe.align import align_pairs
+from baryon.kernels.moe.tile_configs import TileConfig, tile_configs
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
+
+# Without a tuned table, steps with at most this many (token, expert) pairs use the scan kernels.
+SCAN_MAX_PAIRS = 2048
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_tile(x, stride_xm, a_rows, row_mask, w_expert, stride_wn, stride_wk, offs_n, n_mask, K,
+                     up_offset, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        """[BLOCK_M, BLOCK_N] float32: rows a_rows of x times columns offs_n of the expert's weight
+        (w_expert[n, k]); with GATED, silu(that) * (the same with the columns up_offset further)."""
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+            else:
+                k_mask = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            if GATED:
+                if EVEN_K:
+                    w_up = tl.load(w_ptrs + up_offset, mask=n_mask[None, :], other=0.0)
+                else:
+                    w_up = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if IEEE:
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(a, w_up, acc_up)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        return acc
+
+    @triton.jit
+    def _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT: tl.constexpr):
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_weights + pairs, mask=row_mask, other=0.0)[:, None]
+        tl.store(out + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+                 acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The pairs routed to `expert` with ranks first_row .. first_row + BLOCK_M - 1 (in pair
+        order; 0 past the last) and the expert's pair count."""
+        rows = first_row + tl.arange(0, BLOCK_M)
+        pairs = tl.zeros([BLOCK_M], tl.int32)
+        seen = 0
+        for start in range(0, num_pairs, SCAN):
+            offs = start + tl.arange(0, SCAN)
+            match = tl.load(topk_ids + offs, mask=offs < num_pairs, other=-1) == expert
+            rank = tl.cumsum(match.to(tl.int32), axis=0) + seen - 1
+            hit = (rank[None, :] == rows[:, None]) & match[None, :]  # [BLOCK_M, SCAN]
+            pairs += tl.sum(tl.where(hit, offs[None, :], 0), axis=1)
+            seen += tl.sum(match.to(tl.int32), axis=0)
+        return pairs, seen
+
+    @triton.jit
+    def _moe_scan_kernel(x, w, out, topk_ids, topk_weights, num_pairs, N, K, expert_start,
+                         stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                         ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SCAN: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
+        """Program (local expert, column tile): every pair routed to that expert. Row of x for pair
+        p: p // ROWS_PER_X (the token for gate/up, the pair itself for down)."""
+        local_expert = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        expert = local_expert + expert_start
+        pairs, count = _expert_pairs(topk_ids, num_pairs, expert, 0, SCAN, BLOCK_M)
+        if count == 0:
+            return
+        w_expert = w + local_expert.to(tl.int64) * stride_we
+        up_offset = N.to(tl.int64) * stride_wn
+        rows = tl.arange(0, BLOCK_M)
+        first_row = 0
+        if INTERPRETED:  # the interpreter cannot loop to a loaded bound: the same loop as a while
+            while first_row < count:
+                if first_row > 0:
+                    pairs, count = _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN, BLOCK_M)
+                row_mask = first_row + rows < count
+                acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk,
+                                   offs_n, n_mask, K, up_offset, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
+                first_row += BLOCK_M
+        else:
+            for first_row in range(0, count, BLOCK_M):
+                if first_row > 0:
+                    pairs, count = _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN, BLOCK_M)
+                row_mask = first_row + rows < count
+                acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk,
+                                   offs_n, n_mask, K, up_offset, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
+
+    @triton.jit
+    def _moe_sorted_kernel(x, w, out, sorted_pairs, block_experts, num_padded, topk_weights, num_pairs,
+                           N, K, num_blocks_m, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                           ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        """Program (row tile, column tile) over the sorted, padded pairs; GROUP_M row tiles share
+        their column tiles in launch order (the standard tile swizzle)."""
+        pid = tl.program_id(0)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        group = pid // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_rows
+        pid_n = (pid % (GROUP_M * num_pid_n)) // group_rows
+        if pid_m * BLOCK_M >= tl.load(num_padded):
+            return
+        pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        row_mask = pairs < num_pairs
+        local_expert = tl.load(block_experts + pid_m).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w + local_expert * stride_we,
+                           stride_wn, stride_wk, offs_n, n_mask, K, N.to(tl.int64) * stride_wn, GATED,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+        _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_per_x: int, gated: bool,
+            topk_weights: torch.Tensor | None, cfg: TileConfig, layout) -> None:
+    """One grouped GEMM: out[p, :n] for every pair p, from rows of x and the expert weights w
+    [experts, (2 if gated else 1) * n, K]."""
+    num_local, K = w.shape[0], w.shape[2]
+    common = dict(ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+                  IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    weights = topk_weights if topk_weights is not None else out
+    strides = (x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0))
+    if layout[0] == "scan":
+        _, topk_ids, expert_start = layout
+        grid = (num_local, triton.cdiv(n, cfg.block_n))
+        _moe_scan_kernel[grid](x, w, out, topk_ids, weights, topk_ids.numel(), n, K, expert_start, *strides,
+                               SCAN=cfg.scan, INTERPRETED=INTERPRETED, **common)
+    else:
+        _, sorted_pairs, block_experts, num_padded, num_pairs = layout
+        blocks_m = block_experts.shape[0]
+        grid = (blocks_m * triton.cdiv(n, cfg.block_n),)
+        _moe_sorted_kernel[grid](x, w, out, sorted_pairs, block_experts, num_padded, weights, num_pairs,
+                                 n, K, blocks_m, *strides, GROUP_M=cfg.group_m, **common)
+
+
+class TritonFusedExperts(TritonKernel):
+    family = "fused_moe"
+
+    @classmethod
+    def cannot_implement_reason(cls, dtype: torch.dtype = torch.bfloat16, **config) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {dtype}"
+        return None
+
+    @staticmethod
+    def forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
+        """x: [num_tokens, hidden]; w13: [local experts, 2 * inter, hidden]; w2: [local experts,
+        hidden, inter]; topk_weights / topk_ids: [num_tokens, top_k] (float32 / int32 global ids);
+        num_experts: the global expert count. Returns [num_tokens, hidden]."""
+        num_tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        num_local, inter = w13.shape[0], w2.shape[2]
+        num_pairs = num_tokens * top_k
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        topk_ids = topk_ids.contiguous()
+        topk_weights = topk_weights.contiguous()
+        tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, x.dtype, x.device, SCAN_MAX_PAIRS)
+        inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+        # Pairs routed to another rank's experts are never written: they must read as zeros.
+        partial = num_experts is not None and num_experts != num_local
+        y = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
+        up_cfg, down_cfg = tiles.up, tiles.down
+        if tiles.mode == "scan":
+            up_layout = down_layout = ("scan", topk_ids, expert_start)
+        else:
+            up_layout = ("sorted", *align_pairs(topk_ids, num_local, expert_start, up_cfg.block_m), num_pairs)
+            down_layout = up_layout if down_cfg.block_m == up_cfg.block_m else \
+                ("sorted", *align_pairs(topk_ids, num_local, expert_start, down_cfg.block_m), num_pairs)
+        _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout)
+        _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout)
+        return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,91 @@
+"""Tile sizes of the Triton expert GEMMs, per shape and batch size.
+
+Tuned tables live in `configs/<GPU name>.json` (written by `benchmarks/tune_moe.py`, which times
+every candidate on the GPU): for each shape `E=<local experts>,H=<hidden>,I=<inter>,<dtype>`, a
+map from a batch size (tokens in the step) to the best tiles of the gate/up and the down GEMM at
+that size. A step uses the entry of the nearest batch size at or above its own (the largest
+otherwise). Shapes or GPUs without a table get the heuristic below.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    scan: int = 256  # scan kernels: expert ids read per step of the pair scan
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},H={hidden},I={inter},{str(dtype).removeprefix('torch.')}"
+
+
+def config_file(device_name: str) -> str:
+    return os.path.join(CONFIG_DIR, device_name.replace(" ", "_") + ".json")
+
+
+@dataclass(frozen=True)
+class MoETiles:
+    """How one step's expert GEMMs run: `mode` "scan" or "sorted" (see experts_triton) and the
+    tiles of the gate/up and the down GEMM."""
+
+    mode: str
+    up: TileConfig
+    down: TileConfig
+
+
+@functools.lru_cache(maxsize=None)
+def _table(device_name: str, key: str) -> dict[int, MoETiles]:
+    path = config_file(device_name)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        entries = json.load(f).get(key, {})
+    return {int(tokens): MoETiles(entry["mode"], TileConfig(**entry["up"]), TileConfig(**entry["down"]))
+            for tokens, entry in entries.items()}
+
+
+def default_tiles(num_experts: int, num_pairs: int, scan_max_pairs: int) -> MoETiles:
+    """Without a tuned table: the scan kernels with short tiles up to scan_max_pairs pairs, then
+    sorted tiles that grow taller as experts get more rows."""
+    if num_pairs <= scan_max_pairs:
+        tile = TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return MoETiles("scan", tile, tile)
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert >= 256:
+        tile = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    elif rows_per_expert >= 48:
+        tile = TileConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
+    else:
+        tile = TileConfig(block_m=32, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=3)
+    return MoETiles("sorted", tile, tile)
+
+
+def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
+                 device: torch.device, scan_max_pairs: int) -> MoETiles:
+    """The tiles of a step of num_tokens tokens: the tuned entry of the nearest batch size at or
+    above it (the largest otherwise), or the default."""
+    if device.type == "cuda":
+        table = _table(torch.cuda.get_device_name(device), shape_key(num_experts, hidden, inter, dtype))
+        if table:
+            sizes = sorted(table)
+            at_or_above = [size for size in sizes if size >= num_tokens]
+            return table[at_or_above[0] if at_or_above else sizes[-1]]
+    return default_tiles(num_experts, num_tokens * top_k, scan_max_pairs)

@@ -1,0 +1,76 @@
+"""FusedMoE: every expert of one MoE layer, stacked, multiplied by one fused kernel.
+
+Checkpoints publish experts one matrix at a time (`experts.{e}.gate_proj.weight`, Mixtral's
+`experts.{e}.w1.weight`, ...); the loader maps each onto the stacked parameters and calls
+`weight_loader(param, tensor, shard_id, expert_id)` with shard_id "w1" (gate), "w3" (up) or "w2"
+(down) and the global expert id. Each rank of an expert-parallel group owns a contiguous slice
+of the experts (the global -> local map is `expert_id - expert_start`); tensors of experts a rank
+does not own are skipped at load. Tensor parallelism splits each expert's intermediate size
+(gate/up rows, down columns); the partial sums are reduced by the MoE block, once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baryon.distributed.parallel_state import divide, ep_rank, ep_world_size, tp_rank, tp_world_size
+from baryon.quantization.moe_method import MoEMethod, UnquantizedMoEMethod
+
+W13_SHARDS = ("w1", "w3")  # gate rows, then up rows of w13
+EXPERT_SHARDS = ("w1", "w2", "w3")
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 method: MoEMethod | None = None, ep_size: int | None = None, ep_rank_: int | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.intermediate_size = intermediate_size
+        self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
+        self.intermediate_size_per_rank = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        ep_size = ep_world_size() if ep_size is None else ep_size
+        rank = ep_rank() if ep_rank_ is None else ep_rank_
+        self.num_local_experts = divide(num_experts, ep_size, "the expert count (expert parallelism)")
+        self.expert_start = rank * self.num_local_experts  # global id of local expert 0
+        self.method = method or UnquantizedMoEMethod(torch.get_default_device(), torch.get_default_dtype(),
+                                                     hidden_size, self.intermediate_size_per_rank)
+        local = range(self.expert_start, self.expert_start + self.num_local_experts)
+        for name, param in self.method.create_weights(self).items():
+            shards = W13_SHARDS if name.startswith("w13_") else ("w2",)
+            param.weight_loader = self.weight_loader
+            param.expected_shards = frozenset((shard, e) for shard in shards for e in local)
+            self.register_parameter(name, param)
+
+    def owns(self, expert_id: int) -> bool:
+        return self.expert_start <= expert_id < self.expert_start + self.num_local_experts
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
+        """Copy one expert's gate ("w1"), up ("w3") or down ("w2") tensor into the stacked
+        parameter (this rank's rows or columns of it); other ranks' experts are skipped."""
+        if shard_id not in EXPERT_SHARDS:
+            raise ValueError(f"shard id {shard_id!r} is not one of {list(EXPERT_SHARDS)}")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert {expert_id} does not exist: the config has {self.num_experts} experts "
+                             f"(ids 0..{self.num_experts - 1})")
+        if not self.owns(expert_id):
+            return
+        target = param.data[expert_id - self.expert_start]
+        if shard_id in W13_SHARDS:  # rows: this rank's part of the gate or the up projection
+            half = target.shape[0] // 2
+            target = target.narrow(0, 0 if shard_id == "w1" else half, half)
+            if self.tp_size > 1 and loaded.dim() >= 1 and loaded.shape[0] == half * self.tp_size:
+                loaded = loaded.narrow(0, self.tp_rank * half, half)
+        else:  # down: this rank's columns
+            inter = target.shape[-1]
+            if self.tp_size > 1 and loaded.dim() == 2 and loaded.shape[1] == inter * self.tp_size:
+                loaded = loaded.narrow(1, self.tp_rank * inter, inter)
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {tuple(target.shape)} "
+                             f"(expert {expert_id}, {shard_id})")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, hidden]; topk_weights / topk_ids: [num_tokens, top_k] from the router.
+        Returns this rank's partial sum [num_tokens, hidden] (the block reduces over ranks)."""
+        return self.method.apply(self, x, topk_weights, topk_ids)

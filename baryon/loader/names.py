@@ -1,0 +1,76 @@
+"""Checkpoint tensor names -> the model's parameters.
+
+A model class may declare:
+
+- `packed_modules_mapping`: checkpoint modules fused into one parameter (q/k/v -> qkv_proj with
+  shard ids "q", "k", "v"; gate/up -> gate_up_proj with shard ids 0, 1);
+- `weights_mapping`: substrings renamed before anything else (Mixtral's `.block_sparse_moe.`
+  -> `.mlp.`);
+- `expert_projections`: the per-expert module names of its MoE layers and the FusedMoE shard
+  each fills (`{"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}`): a tensor
+  `<prefix>.experts.<e>.<projection>.<suffix>` loads into `<prefix>.experts.w13_<suffix>`
+  (w1, w3) or `<prefix>.experts.w2_<suffix>` as expert e;
+- `extra_layers_config_key`: a config field counting layers stored past `num_hidden_layers`
+  (GLM's multi-token-prediction layers, `num_nextn_predict_layers`) that are skipped at load.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<projection>[^.]+)\.(?P<suffix>.+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Target:
+    param: str  # parameter name in the model
+    shard_id: Any = None  # which part of a fused parameter (None: all of it)
+    expert_id: int | None = None  # expert parameters: the global expert id
+
+    @property
+    def loaded_key(self) -> Any:
+        """What `expected_shards` of the parameter lists for this tensor."""
+        return self.shard_id if self.expert_id is None else (self.shard_id, self.expert_id)
+
+
+class CheckpointNames:
+    def __init__(self, model: nn.Module, hf_config: Any) -> None:
+        self.packed = getattr(model, "packed_modules_mapping", {})
+        self.renames = getattr(model, "weights_mapping", {})
+        self.projections = getattr(model, "expert_projections", {})
+        key = getattr(model, "extra_layers_config_key", None)
+        first = getattr(hf_config, "num_hidden_layers", 0)
+        self.skipped_layers = range(first, first + (int(getattr(hf_config, key, 0) or 0) if key else 0))
+
+    def target(self, name: str) -> Target | None:
+        """Where checkpoint tensor `name` loads; None for a tensor that is skipped."""
+        for old, new in self.renames.items():
+            name = name.replace(old, new)
+        layer = _LAYER.match(name)
+        if layer and int(layer.group(1)) in self.skipped_layers:
+            return None
+        expert = _EXPERT.match(name)
+        if expert and expert["projection"] in self.projections:
+            shard = self.projections[expert["projection"]]
+            stacked = "w2" if shard == "w2" else "w13"
+            return Target(f"{expert['prefix']}.{stacked}_{expert['suffix']}", shard, int(expert["expert"]))
+        for packed, parts in self.packed.items():
+            for part, shard_id in parts:
+                if f".{part}." in name:
+                    return Target(name.replace(f".{part}.", f".{packed}."), shard_id)
+        return Target(name)
+
+    def expert_tensor_name(self, param: str, shard_id: str, expert_id: int) -> str:
+        """The checkpoint name of one expert's tensor of a stacked parameter (for errors)."""
+        prefix, _, leaf = param.rpartition(".")
+        suffix = leaf.split("_", 1)[1]
+        projection = next(p for p, s in self.projections.items() if s == shard_id)
+        name = f"{prefix}.{expert_id}.{projection}.{suffix}"
+        for old, new in self.renames.items():
+            name = name.replace(new, old)
+        return name

@@ -1,0 +1,41 @@
+"""How a FusedMoE layer's expert weights are stored and multiplied: a `MoEMethod`, the expert
+counterpart of `LinearMethod` (unquantized by default; quantization schemes add their own)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baryon.kernels.selector import select
+
+
+class MoEMethod:
+    """Creates the layer's expert parameters and runs the experts on routed tokens."""
+
+    def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
+        """Parameter name -> parameter (without loaders; the layer attaches its own)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden], routing [num_tokens, top_k] -> [num_tokens, hidden]."""
+        raise NotImplementedError
+
+
+class UnquantizedMoEMethod(MoEMethod):
+    """Float expert weights: w13 [local experts, 2 * inter, hidden] (gate rows, then up rows) and
+    w2 [local experts, hidden, inter], multiplied by the `fused_moe` kernel the selector picks."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> None:
+        self.kernel = select("fused_moe", device, dtype=dtype, hidden=hidden_size, inter=intermediate_size,
+                             device_type=device.type)
+
+    def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
+        experts, hidden, inter = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_rank
+        return {"w13_weight": nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False),
+                "w2_weight": nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)}
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.kernel.forward(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                                   layer.expert_start, layer.num_experts)
