@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds.
 """
@@ -96,12 +96,49 @@ def block_quant_kernels(record, device: torch.device) -> None:
             record("linear.dense_float32", shape, lambda: torch.nn.functional.linear(x, dense))
 
 
+def moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """Qwen3-30B-A3B's MoE layer (128 experts, top-8, hidden 2048, expert intermediate 768):
+    routing, and each expert-GEMM implementation that runs here, at decode batches (1-64 tokens)
+    and a prefill chunk (8192 tokens). Routing is uniform over the experts, as with random weights."""
+    from baryon.kernels.moe.routing import RoutingConfig
+
+    experts, top_k, hidden, inter = (16, 4, 256, 128) if small else (128, 8, 2048, 768)
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).to(device, dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(device, dtype)
+    routing = RoutingConfig(experts, top_k, renormalize=True)
+    for impl in selector.candidates("moe_routing"):
+        if impl.unsupported_reason(device) is None:
+            for tokens in (1, 64, 8192 // (16 if small else 1)):
+                logits = torch.randn(tokens, experts, generator=gen).to(device)
+                record(f"moe_routing.{impl.name}", f"tokens={tokens} E={experts} top{top_k}",
+                       lambda: impl.forward(logits, routing))
+    for impl in selector.candidates("fused_moe"):
+        if impl.unsupported_reason(device) is not None or impl.cannot_implement_reason(
+                dtype=dtype, hidden=hidden, inter=inter, device_type=device.type) is not None:
+            continue
+        sizes = (1, 4, 16, 64, 8192 // (16 if small else 1))
+        if impl.name == "torch" and device.type == "cuda":
+            sizes = (1, 64)  # the per-expert loop: a reference, not a contender
+        for tokens in sizes:
+            x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+            ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k].to(device, torch.int32)
+            weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
+            weight_bytes = ids.unique().numel() * 3 * hidden * inter * w13.element_size()
+            us = record(f"fused_moe.{impl.name}", f"tokens={tokens} E={experts} top{top_k} H={hidden} I={inter}",
+                        lambda: impl.forward(x, w13, w2, weights, ids))
+            results_extra = {"expert_weight_GB_per_s": round(weight_bytes / us / 1e3, 1),
+                             "TFLOP_per_s": round(6 * tokens * top_k * hidden * inter / us / 1e6, 1)}
+            print(json.dumps(results_extra), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only", choices=["moe"], help="just these kernel families")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -114,7 +151,11 @@ def main() -> None:
         results.append({"kernel": kernel, "shape": shape, "device": str(device), "dtype": str(dtype).split(".")[1],
                         "median_us": round(us, 1)})
         print(json.dumps(results[-1]), flush=True)
+        return us
 
+    if args.only == "moe":
+        moe_kernels(record, device, dtype, args.small)
+        return
     attention = selector.select("attention", device)
     for name, num_seqs, q_len, seq_len in [("decode", 64 // scale, 1, 1024 // scale),
                                            ("prefill", 4 // min(scale, 4) or 1, 512 // scale, 512 // scale)]:
@@ -160,6 +201,7 @@ def main() -> None:
         block_quant_kernels(record, device)
     rows = 64 // scale
     sampling_kernels(record, device, rows, vocab)
+    moe_kernels(record, device, dtype, args.small)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Batch invariance: a request's greedy tokens do not depend on what it is batched with or on how
-the scheduler cuts the work (chunked prefill, prefix caching, preemption under a tiny cache)."""
+the scheduler cuts the work (chunked prefill, prefix caching, preemption under a tiny cache), for a
+dense model and a mixture of experts."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ NUM_REQUESTS = 16
 MAX_TOKENS = 20
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("invariance"), "qwen3", seed=7)
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def checkpoint(tmp_path_factory, request):
+    """A dense model and a mixture of experts (8 experts, top-2, renormalised): routing, like
+    everything else, must not depend on what a request is batched with."""
+    overrides = {"norm_topk_prob": True} if request.param == "qwen3_moe" else {}
+    return make_checkpoint(tmp_path_factory.mktemp("invariance"), request.param, seed=7, **overrides)
 
 
 @pytest.fixture

@@ -23,13 +23,17 @@ def test_stories_golden_text_on_gpu(stories_path):
     assert llm.engine.core.block_manager.num_blocks > 1000  # sized from free GPU memory
 
 
-def test_bf16_greedy_parity_with_transformers(tmp_path, seed):
+GPU_MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_bf16_greedy_parity_with_transformers(tmp_path, seed, arch):
     """bf16 greedy decoding against transformers' bf16 forward over the same tokens (teacher
     forcing: each of baryon's 64 tokens is compared with transformers' argmax given the same
     history, so one bf16 near-tie does not make every later token incomparable)."""
-    path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=seed, hidden_size=256, intermediate_size=512,
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=4,
-                           initializer_range=0.02)
+                           initializer_range=0.02, **(GPU_MOE if arch == "qwen3_moe" else {}))
     prompts = random_prompts(4, 128, 8, 40, seed)
     llm = LLM(str(path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_gib=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -48,10 +52,13 @@ def test_bf16_greedy_parity_with_transformers(tmp_path, seed):
     assert matched / total >= 0.95, f"only {matched}/{total} greedy tokens agree with transformers in bf16"
 
 
-def test_cuda_graphs_match_eager(tmp_path, seed):
-    """Decode steps replayed from CUDA graphs give the eager path's tokens (Triton attention)."""
-    path = make_checkpoint(tmp_path / "llama", "llama", seed=seed, hidden_size=256, intermediate_size=512,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_cuda_graphs_match_eager(tmp_path, seed, arch):
+    """Decode steps replayed from CUDA graphs give the eager path's tokens (Triton attention; for
+    the MoE model, the Triton routing and expert kernels inside the graphs too)."""
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           **(GPU_MOE if arch == "qwen3_moe" else {}))
     prompts = random_prompts(11, 128, 3, 60, seed)  # 11 requests: padded to the 16 graph
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = []
@@ -61,6 +68,8 @@ def test_cuda_graphs_match_eager(tmp_path, seed):
         runner = llm.engine.core.runner
         assert (runner.graph_runner is None) == eager
         assert {a.backend.name for a in runner.attention_layers} == {"triton"}
+        if arch == "qwen3_moe":
+            assert runner.model.model.layers[0].mlp.experts.method.kernel.name == "triton"
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
     assert results[0] == results[1]

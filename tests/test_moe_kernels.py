@@ -152,8 +152,9 @@ def test_triton_experts_match_reference(seed, monkeypatch, layout, name, tokens,
 
 @pytest.mark.parametrize("name,tokens,experts,top_k,hidden,inter,skewed", EXPERT_CASES, ids=[c[0] for c in EXPERT_CASES])
 def test_grouped_mm_experts_match_reference(seed, name, tokens, experts, top_k, hidden, inter, skewed):
-    if GroupedMMFusedExperts.unsupported_reason(torch.device(DEVICE)):
-        pytest.skip(GroupedMMFusedExperts.unsupported_reason(torch.device(DEVICE)))
+    if not hasattr(torch, "_grouped_mm") or (DEVICE == "cuda" and GroupedMMFusedExperts.unsupported_reason(
+            torch.device(DEVICE))):
+        pytest.skip("no torch._grouped_mm here")  # on CPU torch has one too: the same code path is tested
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     x, w13, w2, weights, ids = _routing_case(gen, tokens, experts, top_k, hidden, inter, dtype, skewed)

@@ -29,6 +29,13 @@ PRESETS: dict[str, dict] = {
     # Qwen/Qwen3-8B
     "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    # Qwen/Qwen3-30B-A3B: 48 layers, each a mixture of 128 experts (top-8, renormalised)
+    "qwen3-30b-a3b": dict(_QWEN3_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, tie_word_embeddings=False, max_window_layers=48,
+                          decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=768,
+                          norm_topk_prob=True, num_experts=128, num_experts_per_tok=8,
+                          output_router_logits=False, router_aux_loss_coef=0.001),
 }
 
 

@@ -27,7 +27,9 @@ class GroupedMMFusedExperts(Kernel):
     def unsupported_reason(cls, device: torch.device) -> str | None:
         if not hasattr(torch, "_grouped_mm"):
             return "this torch has no torch._grouped_mm"
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        if device.type != "cuda":
+            return "needs a CUDA device (CPU runs the exact per-expert loop)"
+        if torch.cuda.get_device_capability(device) < (9, 0):
             return "torch._grouped_mm needs compute capability 9.0 (Hopper) or newer"
         return None
 

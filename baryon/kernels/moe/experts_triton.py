@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from baryon.kernels.moe.align import align_pairs
+from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
 from baryon.kernels.moe.tile_configs import TileConfig, tile_configs
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
 
@@ -207,6 +208,8 @@ class TritonFusedExperts(TritonKernel):
         topk_ids = topk_ids.contiguous()
         topk_weights = topk_weights.contiguous()
         tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, x.dtype, x.device, SCAN_MAX_PAIRS)
+        if tiles.mode == "grouped_mm":  # measured faster at this size (tile_configs)
+            return GroupedMMFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
         inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
         # Pairs routed to another rank's experts are never written: they must read as zeros.
         partial = num_experts is not None and num_experts != num_local

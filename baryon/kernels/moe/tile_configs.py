@@ -2,8 +2,8 @@
 
 Tuned tables live in `configs/<GPU name>.json` (written by `benchmarks/tune_moe.py`, which times
 every candidate on the GPU): for each shape `E=<local experts>,H=<hidden>,I=<inter>,<dtype>`, a
-map from a batch size (tokens in the step) to the best tiles of the gate/up and the down GEMM at
-that size. A step uses the entry of the nearest batch size at or above its own (the largest
+map from a batch size (tokens in the step) to what measured fastest at that size: a Triton layout
+with the tiles of its gate/up and down GEMMs, or torch's grouped GEMM. A step uses the entry of the nearest batch size at or above its own (the largest
 otherwise). Shapes or GPUs without a table get the heuristic below.
 """
 
@@ -43,12 +43,24 @@ def config_file(device_name: str) -> str:
 
 @dataclass(frozen=True)
 class MoETiles:
-    """How one step's expert GEMMs run: `mode` "scan" or "sorted" (see experts_triton) and the
-    tiles of the gate/up and the down GEMM."""
+    """How one step's expert GEMMs run: `mode` "scan" or "sorted" (the Triton layouts, see
+    experts_triton) with the tiles of the gate/up and the down GEMM, or "grouped_mm" (torch's
+    grouped GEMM measured faster at this size; no tiles)."""
 
     mode: str
-    up: TileConfig
-    down: TileConfig
+    up: TileConfig | None = None
+    down: TileConfig | None = None
+
+    def to_json(self) -> dict:
+        if self.mode == "grouped_mm":
+            return {"mode": self.mode}
+        return {"mode": self.mode, "up": self.up.to_json(), "down": self.down.to_json()}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> MoETiles:
+        if entry["mode"] == "grouped_mm":
+            return cls("grouped_mm")
+        return cls(entry["mode"], TileConfig(**entry["up"]), TileConfig(**entry["down"]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +70,7 @@ def _table(device_name: str, key: str) -> dict[int, MoETiles]:
         return {}
     with open(path) as f:
         entries = json.load(f).get(key, {})
-    return {int(tokens): MoETiles(entry["mode"], TileConfig(**entry["up"]), TileConfig(**entry["down"]))
-            for tokens, entry in entries.items()}
+    return {int(tokens): MoETiles.from_json(entry) for tokens, entry in entries.items()}
 
 
 def default_tiles(num_experts: int, num_pairs: int, scan_max_pairs: int) -> MoETiles:

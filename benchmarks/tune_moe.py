@@ -1,0 +1,170 @@
+"""Tune the MoE expert GEMMs for one shape on this GPU: for each batch size, time the Triton scan
+layout and the sorted layout with every candidate tile (gate/up and down GEMMs separately, plus
+the sorting pass and the sum over k), and torch's grouped GEMM; write what measured fastest to the
+table `baryon/kernels/moe/tile_configs.py` reads. Routing is uniform over the experts (what
+random weights give). Candidates compile in parallel worker processes first (Triton's disk
+cache), then are timed one by one in this process.
+
+    python benchmarks/tune_moe.py --experts 128 --hidden 2048 --inter 768 --top-k 8 [--out FILE]
+
+Prints one JSON line per batch size (each mode's best time) and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+
+import torch
+
+from baryon.kernels.moe import experts_triton
+from baryon.kernels.moe.align import align_pairs
+from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
+from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, config_file, shape_key
+
+BATCHES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192]
+SCAN_MAX_TOKENS = 256
+SORTED_MIN_TOKENS = 16
+SCAN_TILES = [TileConfig(16, n, k, 1, 4, stages) for n in (32, 64, 128) for k in (64, 128, 256) for stages in (3, 4)]
+SORTED_TILES = [TileConfig(*t) for t in [
+    (16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (32, 64, 128, 8, 4, 3), (32, 128, 64, 8, 4, 4),
+    (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3), (64, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3),
+    (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)]]
+
+
+def _problem(args, tokens: int, device: torch.device):
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, args.experts, generator=gen).argsort(dim=1)[:, :args.top_k].to(device, torch.int32)
+    weights = torch.full((tokens, args.top_k), 1.0 / args.top_k, device=device)
+    x = torch.randn(tokens, args.hidden, generator=gen).to(device, torch.bfloat16)
+    inter = torch.randn(tokens * args.top_k, args.inter, generator=gen).to(device, torch.bfloat16)
+    return x, inter, weights, ids
+
+
+def _weights(args, device):
+    gen = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(args.experts, 2 * args.inter, args.hidden, generator=gen) * 0.02).to(device, torch.bfloat16)
+    w2 = (torch.randn(args.experts, args.hidden, args.inter, generator=gen) * 0.02).to(device, torch.bfloat16)
+    return w13, w2
+
+
+def _gemms(args, w13, w2, tokens, problem, mode, cfg, layouts):
+    """(gate/up launch, down launch) closures for one tile config."""
+    x, inter, weights, ids = problem
+    num_pairs = ids.numel()
+    up_out = torch.empty(num_pairs, args.inter, dtype=torch.bfloat16, device=x.device)
+    down_out = torch.empty(num_pairs, args.hidden, dtype=torch.bfloat16, device=x.device)
+    layout = ("scan", ids, 0) if mode == "scan" else ("sorted", *layouts[cfg.block_m], num_pairs)
+    up = lambda: experts_triton._launch(x, w13, up_out, args.inter, args.top_k, True, None, cfg, layout)  # noqa: E731
+    down = lambda: experts_triton._launch(inter, w2, down_out, args.hidden, 1, False, weights, cfg, layout)  # noqa: E731
+    return up, down
+
+
+def _candidates(tokens: int) -> list[tuple[str, TileConfig]]:
+    out = [("scan", t) for t in SCAN_TILES] if tokens <= SCAN_MAX_TOKENS else []
+    return out + ([("sorted", t) for t in SORTED_TILES] if tokens >= SORTED_MIN_TOKENS else [])
+
+
+def _layouts(args, ids, device):
+    return {bm: align_pairs(ids, args.experts, 0, bm) for bm in {t.block_m for t in SORTED_TILES}}
+
+
+def _compile_worker(args, worker: int, workers: int) -> None:
+    """Run every candidate this worker owns once at every batch size (fills Triton's cache)."""
+    device = torch.device("cuda")
+    w13, w2 = _weights(args, device)
+    jobs = [(tokens, mode, cfg) for tokens in BATCHES for mode, cfg in _candidates(tokens)]
+    for tokens, mode, cfg in jobs[worker::workers]:
+        problem = _problem(args, tokens, device)
+        try:
+            for fn in _gemms(args, w13, w2, tokens, problem, mode, cfg, _layouts(args, problem[3], device)):
+                fn()
+        except Exception:  # a tile that does not fit (shared memory, registers) is left out below too
+            pass
+    torch.cuda.synchronize()
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3  # us
+
+
+def tune(args) -> dict:
+    device = torch.device("cuda")
+    start = time.time()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_compile_worker, args=(args, i, args.workers)) for i in range(args.workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    print(json.dumps({"compiled_in_s": round(time.time() - start, 1)}), flush=True)
+    w13, w2 = _weights(args, device)
+    table, rows = {}, []
+    for tokens in BATCHES:
+        problem = _problem(args, tokens, device)
+        layouts = _layouts(args, problem[3], device)
+        num_pairs = problem[3].numel()
+        y = torch.empty(num_pairs, args.hidden, dtype=torch.bfloat16, device=device)
+        sum_us = _bench(lambda: y.view(tokens, args.top_k, args.hidden).sum(dim=1))
+        align_us = {bm: _bench(lambda bm=bm: align_pairs(problem[3], args.experts, 0, bm)) for bm in layouts}
+        best = {}  # mode -> (us, up cfg, down cfg)
+        timed: dict[str, dict] = {"scan": {"up": [], "down": []}, "sorted": {"up": [], "down": []}}
+        for mode, cfg in _candidates(tokens):
+            try:
+                up, down = _gemms(args, w13, w2, tokens, problem, mode, cfg, layouts)
+                timed[mode]["up"].append((_bench(up), cfg))
+                timed[mode]["down"].append((_bench(down), cfg))
+            except Exception:
+                continue
+        for mode, parts in timed.items():
+            if not parts["up"]:
+                continue
+            for up_us, up_cfg in parts["up"]:
+                for down_us, down_cfg in parts["down"]:
+                    total = up_us + down_us + sum_us
+                    if mode == "sorted":
+                        total += align_us[up_cfg.block_m] + (align_us[down_cfg.block_m]
+                                                             if down_cfg.block_m != up_cfg.block_m else 0)
+                    if mode not in best or total < best[mode][0]:
+                        best[mode] = (total, up_cfg, down_cfg)
+        x, _, weights, ids = problem
+        best["grouped_mm"] = (_bench(lambda: GroupedMMFusedExperts.forward(x, w13, w2, weights, ids)), None, None)
+        mode = min(best, key=lambda m: best[m][0])
+        table[str(tokens)] = MoETiles(mode, best[mode][1], best[mode][2]).to_json()
+        row = {"tokens": tokens, **{f"{m}_us": round(v[0], 1) for m, v in best.items()}, "chosen": mode,
+               "chosen_up": table[str(tokens)].get("up"), "chosen_down": table[str(tokens)].get("down")}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'tokens':>6} {'scan us':>9} {'sorted us':>10} {'grouped_mm':>11}  chosen")
+    for r in rows:
+        cells = [f"{r.get(k, float('nan')):>{w}.1f}" for k, w in (("scan_us", 9), ("sorted_us", 10), ("grouped_mm_us", 11))]
+        print(f"{r['tokens']:>6} {' '.join(cells)}  {r['chosen']}")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=768)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--out", default=None, help="table file to update (default: the one for this GPU)")
+    args = parser.parse_args()
+    table = tune(args)
+    out = args.out or config_file(torch.cuda.get_device_name())
+    existing = json.load(open(out)) if os.path.isfile(out) else {}
+    existing[shape_key(args.experts, args.hidden, args.inter, torch.bfloat16)] = table
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(existing, f, indent=1, sort_keys=True)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
