@@ -20,19 +20,25 @@ import time
 
 import torch
 
+from baryon.kernels.activation import TritonSiluAndMul
 from baryon.kernels.moe import experts_triton
-from baryon.kernels.moe.align import align_pairs
+from baryon.kernels.moe.align import align_pairs_triton
 from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
 from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, config_file, shape_key
 
 BATCHES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192]
+PAIRS_MAX_TOKENS = 8
 SCAN_MAX_TOKENS = 256
 SORTED_MIN_TOKENS = 16
-SCAN_TILES = [TileConfig(16, n, k, 1, 4, stages) for n in (32, 64, 128) for k in (64, 128, 256) for stages in (3, 4)]
+PAIRS_TILES = [TileConfig(1, n, k, 1, warps, 3) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for warps in (4, 8)]
+SCAN_TILES = [TileConfig(16, n, k, 1, 4, stages) for n in (16, 32, 64) for k in (128, 256, 512) for stages in (2, 3)]
 SORTED_TILES = [TileConfig(*t) for t in [
     (16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3), (32, 64, 128, 8, 4, 3), (32, 128, 64, 8, 4, 4),
     (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3), (64, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3),
-    (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)]]
+    (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)]] + [
+    # gate/up without the fused activation: one accumulator, wider tiles, SiLU-and-mul after
+    TileConfig(*t, fuse_act=False) for t in [(64, 128, 64, 8, 4, 4), (64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4),
+                                              (128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4)]]
 
 
 def _problem(args, tokens: int, device: torch.device):
@@ -57,19 +63,27 @@ def _gemms(args, w13, w2, tokens, problem, mode, cfg, layouts):
     num_pairs = ids.numel()
     up_out = torch.empty(num_pairs, args.inter, dtype=torch.bfloat16, device=x.device)
     down_out = torch.empty(num_pairs, args.hidden, dtype=torch.bfloat16, device=x.device)
-    layout = ("scan", ids, 0) if mode == "scan" else ("sorted", *layouts[cfg.block_m], num_pairs)
-    up = lambda: experts_triton._launch(x, w13, up_out, args.inter, args.top_k, True, None, cfg, layout)  # noqa: E731
+    layout = (mode, ids, 0) if mode != "sorted" else ("sorted", *layouts[cfg.block_m], num_pairs)
+    if cfg.fuse_act:
+        up = lambda: experts_triton._launch(x, w13, up_out, args.inter, args.top_k, True, None, cfg, layout)  # noqa: E731
+    else:
+        gate_up = torch.empty(num_pairs, 2 * args.inter, dtype=torch.bfloat16, device=x.device)
+
+        def up():
+            experts_triton._launch(x, w13, gate_up, 2 * args.inter, args.top_k, False, None, cfg, layout)
+            TritonSiluAndMul.forward(gate_up)
     down = lambda: experts_triton._launch(inter, w2, down_out, args.hidden, 1, False, weights, cfg, layout)  # noqa: E731
     return up, down
 
 
 def _candidates(tokens: int) -> list[tuple[str, TileConfig]]:
-    out = [("scan", t) for t in SCAN_TILES] if tokens <= SCAN_MAX_TOKENS else []
+    out = [("pairs", t) for t in PAIRS_TILES] if tokens <= PAIRS_MAX_TOKENS else []
+    out += [("scan", t) for t in SCAN_TILES if t.fuse_act] if tokens <= SCAN_MAX_TOKENS else []
     return out + ([("sorted", t) for t in SORTED_TILES] if tokens >= SORTED_MIN_TOKENS else [])
 
 
 def _layouts(args, ids, device):
-    return {bm: align_pairs(ids, args.experts, 0, bm) for bm in {t.block_m for t in SORTED_TILES}}
+    return {bm: align_pairs_triton(ids, args.experts, 0, bm) for bm in {t.block_m for t in SORTED_TILES}}
 
 
 def _compile_worker(args, worker: int, workers: int) -> None:
@@ -111,9 +125,10 @@ def tune(args) -> dict:
         num_pairs = problem[3].numel()
         y = torch.empty(num_pairs, args.hidden, dtype=torch.bfloat16, device=device)
         sum_us = _bench(lambda: y.view(tokens, args.top_k, args.hidden).sum(dim=1))
-        align_us = {bm: _bench(lambda bm=bm: align_pairs(problem[3], args.experts, 0, bm)) for bm in layouts}
+        align_us = {bm: _bench(lambda bm=bm: align_pairs_triton(problem[3], args.experts, 0, bm)) for bm in layouts}
         best = {}  # mode -> (us, up cfg, down cfg)
-        timed: dict[str, dict] = {"scan": {"up": [], "down": []}, "sorted": {"up": [], "down": []}}
+        parts_us = {}  # mode -> the best total's parts
+        timed: dict[str, dict] = {mode: {"up": [], "down": []} for mode in ("pairs", "scan", "sorted")}
         for mode, cfg in _candidates(tokens):
             try:
                 up, down = _gemms(args, w13, w2, tokens, problem, mode, cfg, layouts)
@@ -126,23 +141,29 @@ def tune(args) -> dict:
                 continue
             for up_us, up_cfg in parts["up"]:
                 for down_us, down_cfg in parts["down"]:
+                    if not down_cfg.fuse_act:  # the flag only means something for gate/up
+                        continue
                     total = up_us + down_us + sum_us
                     if mode == "sorted":
                         total += align_us[up_cfg.block_m] + (align_us[down_cfg.block_m]
                                                              if down_cfg.block_m != up_cfg.block_m else 0)
                     if mode not in best or total < best[mode][0]:
                         best[mode] = (total, up_cfg, down_cfg)
+                        parts_us[mode] = {"up": round(up_us, 1), "down": round(down_us, 1), "sum": round(sum_us, 1),
+                                          "align": round(total - up_us - down_us - sum_us, 1)}
         x, _, weights, ids = problem
         best["grouped_mm"] = (_bench(lambda: GroupedMMFusedExperts.forward(x, w13, w2, weights, ids)), None, None)
         mode = min(best, key=lambda m: best[m][0])
         table[str(tokens)] = MoETiles(mode, best[mode][1], best[mode][2]).to_json()
         row = {"tokens": tokens, **{f"{m}_us": round(v[0], 1) for m, v in best.items()}, "chosen": mode,
+               "parts_us": parts_us,
                "chosen_up": table[str(tokens)].get("up"), "chosen_down": table[str(tokens)].get("down")}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'tokens':>6} {'scan us':>9} {'sorted us':>10} {'grouped_mm':>11}  chosen")
+    print(f"\n{'tokens':>6} {'pairs us':>9} {'scan us':>9} {'sorted us':>10} {'grouped_mm':>11}  chosen")
     for r in rows:
-        cells = [f"{r.get(k, float('nan')):>{w}.1f}" for k, w in (("scan_us", 9), ("sorted_us", 10), ("grouped_mm_us", 11))]
+        cells = [f"{r.get(k, float('nan')):>{w}.1f}"
+                 for k, w in (("pairs_us", 9), ("scan_us", 9), ("sorted_us", 10), ("grouped_mm_us", 11))]
         print(f"{r['tokens']:>6} {' '.join(cells)}  {r['chosen']}")
     return table
 

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.moe import experts_triton
-from baryon.kernels.moe.align import align_pairs, padded_capacity
+from baryon.kernels.moe.align import align_pairs, align_pairs_triton, padded_capacity
 from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
 from baryon.kernels.moe.experts_torch import fused_experts_reference
 from baryon.kernels.moe.routing import RoutingConfig, TritonRouting, route_reference
+from baryon.kernels.moe.tile_configs import MoETiles, TileConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(experts_triton.triton is None, reason="triton is not installed")
@@ -111,6 +112,18 @@ def test_align_pairs_groups_pairs_by_expert(seed, tokens, top_k, experts, block_
     assert int(num_padded) == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
+@needs_triton
+@pytest.mark.parametrize("tokens,top_k,experts,block_m,start,local", [
+    (1, 2, 8, 16, 0, 8), (300, 8, 64, 4, 0, 64), (20, 2, 8, 16, 4, 4), (7, 4, 4, 1, 0, 4), (500, 6, 160, 64, 80, 80)])
+def test_triton_align_equals_reference(seed, tokens, top_k, experts, block_m, start, local):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    expected = align_pairs(ids, local, start, block_m)
+    got = align_pairs_triton(ids.to(DEVICE), local, start, block_m)
+    for name, a, b in zip(("sorted_pairs", "block_experts", "num_padded"), expected, got):
+        assert torch.equal(a, b.cpu()), name
+
+
 def _routing_case(gen, tokens, experts, top_k, hidden, inter, dtype=torch.float32, skewed=False):
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
@@ -132,11 +145,19 @@ EXPERT_CASES = [  # (id, tokens, experts, top_k, hidden, inter, skewed)
 ]
 
 
+LAYOUTS = {  # (mode, gate/up tile, down tile): every layout, the fused and the separate activation
+    "pairs": ("pairs", TileConfig(1, 32, 32), TileConfig(1, 16, 64)),
+    "scan": ("scan", TileConfig(16, 32, 32, scan=16), TileConfig(16, 16, 64, scan=32)),
+    "sorted": ("sorted", TileConfig(16, 32, 64), TileConfig(32, 16, 32)),
+    "sorted-separate-act": ("sorted", TileConfig(16, 16, 32, fuse_act=False), TileConfig(16, 32, 64)),
+}
+
+
 @needs_triton
-@pytest.mark.parametrize("layout", ["scan", "sorted"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name,tokens,experts,top_k,hidden,inter,skewed", EXPERT_CASES, ids=[c[0] for c in EXPERT_CASES])
 def test_triton_experts_match_reference(seed, monkeypatch, layout, name, tokens, experts, top_k, hidden, inter, skewed):
-    monkeypatch.setattr(experts_triton, "SCAN_MAX_PAIRS", 10**9 if layout == "scan" else 0)
+    monkeypatch.setattr(experts_triton, "tile_configs", lambda *args: MoETiles(*LAYOUTS[layout]))
     gen = torch.Generator().manual_seed(seed)
     x, w13, w2, weights, ids = _routing_case(gen, tokens, experts, top_k, hidden, inter, skewed=skewed)
     expected = fused_experts_reference(x, w13, w2, weights, ids)

@@ -290,11 +290,11 @@ def _permuted_heads(arch: str, hf_config: Any) -> dict[str, int]:
 
 def packable_bits(path: str) -> dict[str, int | None]:
     """Checkpoint name -> code width (4 or 8) of every matrix the file stores in a packable type,
-    None for the other tensors."""
+    None for the other tensors (stacked expert tensors are left out: they are dequantized)."""
     reader = open_gguf(path)
     mixtral = _is_mixtral(_Metadata(reader, path))
     return {checkpoint_name(t.name, mixtral): PACKABLE_BITS.get(t.tensor_type.name) if len(t.shape) == 2 else None
-            for t in reader.tensors}
+            for t in reader.tensors if len(t.shape) <= 2}  # stacked experts are dequantized
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:

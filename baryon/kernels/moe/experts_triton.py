@@ -5,14 +5,16 @@
     output:   out[t]   = sum over k of y[t * top_k + k]
 
 Each program computes a tile of rows that all belong to one expert, so an expert's weights are
-read once per tile of its tokens. The rows of a tile come one of two ways:
+read once per tile of its tokens. The rows of a tile come one of three ways:
 
+- pairs (a decode step of a few tokens): one program per (pair, column tile), a GEMV on the CUDA
+  cores; every program has work, but an expert picked by two tokens is read twice;
 - scan (decode and small batches): one program per (expert, column tile) finds its expert's
   pairs itself by scanning the step's expert ids, so no sorting pass and no index buffers are
   needed; experts that received nothing return at once. The grid depends only on the expert
   count and the shapes, so these steps replay inside CUDA graphs.
-- sorted (large batches): `align.align_pairs` sorts the pairs by expert and pads each expert's
-  run to the tile height; one program per (row tile, column tile).
+- sorted (large batches): `align.align_pairs_triton` sorts the pairs by expert and pads each
+  expert's run to the tile height; one program per (row tile, column tile).
 
 The gate/up GEMM keeps two accumulators (gate and up columns of the same tile) and applies
 SiLU-and-mul in its epilogue, so the [pairs, 2 * I] product never reaches memory; the down GEMM
@@ -24,13 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from baryon.kernels.moe.align import align_pairs
+from baryon.kernels.activation import TritonSiluAndMul
+from baryon.kernels.moe.align import align_pairs_triton
 from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
 from baryon.kernels.moe.tile_configs import TileConfig, tile_configs
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
-
-# Without a tuned table, steps with at most this many (token, expert) pairs use the scan kernels.
-SCAN_MAX_PAIRS = 2048
 
 if triton is not None:
 
@@ -78,6 +78,49 @@ if triton is not None:
             acc = acc * tl.load(topk_weights + pairs, mask=row_mask, other=0.0)[:, None]
         tl.store(out + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                  acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _moe_pairs_kernel(x, w, out, topk_ids, topk_weights, N, K, expert_start, num_local,
+                          stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                          ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        """Program (pair, column tile): one row times its expert's weight columns, as a GEMV on
+        the CUDA cores (a decode step of a few tokens: every program has work)."""
+        pair = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        local_expert = tl.load(topk_ids + pair) - expert_start
+        if (local_expert < 0) | (local_expert >= num_local):
+            return
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x + (pair // ROWS_PER_X).to(tl.int64) * stride_xm + offs_k
+        w_ptrs = (w + local_expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+                  + offs_k[None, :] * stride_wk)  # [BN, BK]
+        up_offset = N.to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            if EVEN_K:
+                a = tl.load(a_ptrs).to(tl.float32)
+                wt = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                wt = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+            if GATED:
+                if EVEN_K:
+                    wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None], other=0.0)
+                else:
+                    wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_weights + pair)
+        tl.store(out + pair.to(tl.int64) * stride_om + offs_n, acc.to(out.dtype.element_ty), mask=n_mask)
 
     @triton.jit
     def _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -171,7 +214,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_pe
                   IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     weights = topk_weights if topk_weights is not None else out
     strides = (x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0))
-    if layout[0] == "scan":
+    if layout[0] == "pairs":
+        _, topk_ids, expert_start = layout
+        grid = (topk_ids.numel(), triton.cdiv(n, cfg.block_n))
+        _moe_pairs_kernel[grid](x, w, out, topk_ids, weights, n, K, expert_start, num_local, *strides,
+                                ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
+                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    elif layout[0] == "scan":
         _, topk_ids, expert_start = layout
         grid = (num_local, triton.cdiv(n, cfg.block_n))
         _moe_scan_kernel[grid](x, w, out, topk_ids, weights, topk_ids.numel(), n, K, expert_start, *strides,
@@ -207,7 +257,7 @@ class TritonFusedExperts(TritonKernel):
             x = x.contiguous()
         topk_ids = topk_ids.contiguous()
         topk_weights = topk_weights.contiguous()
-        tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, x.dtype, x.device, SCAN_MAX_PAIRS)
+        tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, x.dtype, x.device)
         if tiles.mode == "grouped_mm":  # measured faster at this size (tile_configs)
             return GroupedMMFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
         inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -215,12 +265,17 @@ class TritonFusedExperts(TritonKernel):
         partial = num_experts is not None and num_experts != num_local
         y = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
         up_cfg, down_cfg = tiles.up, tiles.down
-        if tiles.mode == "scan":
-            up_layout = down_layout = ("scan", topk_ids, expert_start)
+        if tiles.mode in ("pairs", "scan"):
+            up_layout = down_layout = (tiles.mode, topk_ids, expert_start)
         else:
-            up_layout = ("sorted", *align_pairs(topk_ids, num_local, expert_start, up_cfg.block_m), num_pairs)
+            up_layout = ("sorted", *align_pairs_triton(topk_ids, num_local, expert_start, up_cfg.block_m), num_pairs)
             down_layout = up_layout if down_cfg.block_m == up_cfg.block_m else \
-                ("sorted", *align_pairs(topk_ids, num_local, expert_start, down_cfg.block_m), num_pairs)
-        _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout)
+                ("sorted", *align_pairs_triton(topk_ids, num_local, expert_start, down_cfg.block_m), num_pairs)
+        if up_cfg.fuse_act:
+            _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout)
+        else:  # gate/up product [pairs, 2 * inter] to memory, then SiLU-and-mul
+            gate_up = (torch.zeros if partial else torch.empty)(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
+            _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout)
+            inter_out = TritonSiluAndMul.forward(gate_up)
         _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout)
         return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -27,7 +27,8 @@ class TileConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    scan: int = 256  # scan kernels: expert ids read per step of the pair scan
+    scan: int = 256  # scan layout: expert ids read per step of the pair scan
+    fuse_act: bool = True  # gate/up GEMM: SiLU-and-mul in its epilogue (else a separate kernel)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -43,7 +44,7 @@ def config_file(device_name: str) -> str:
 
 @dataclass(frozen=True)
 class MoETiles:
-    """How one step's expert GEMMs run: `mode` "scan" or "sorted" (the Triton layouts, see
+    """How one step's expert GEMMs run: `mode` "pairs", "scan" or "sorted" (the Triton layouts, see
     experts_triton) with the tiles of the gate/up and the down GEMM, or "grouped_mm" (torch's
     grouped GEMM measured faster at this size; no tiles)."""
 
@@ -73,10 +74,19 @@ def _table(device_name: str, key: str) -> dict[int, MoETiles]:
     return {int(tokens): MoETiles.from_json(entry) for tokens, entry in entries.items()}
 
 
-def default_tiles(num_experts: int, num_pairs: int, scan_max_pairs: int) -> MoETiles:
-    """Without a tuned table: the scan kernels with short tiles up to scan_max_pairs pairs, then
-    sorted tiles that grow taller as experts get more rows."""
-    if num_pairs <= scan_max_pairs:
+# Without a tuned table: the pairs layout up to this many (token, expert) pairs, then the scan
+# layout up to SCAN_MAX_PAIRS, then the sorted layout.
+PAIRS_MAX_PAIRS = 16
+SCAN_MAX_PAIRS = 2048
+
+
+def default_tiles(num_experts: int, num_pairs: int) -> MoETiles:
+    """Without a tuned table: GEMVs for a few pairs, the scan kernels with short tiles up to
+    SCAN_MAX_PAIRS, then sorted tiles that grow taller as experts get more rows."""
+    if num_pairs <= PAIRS_MAX_PAIRS:
+        tile = TileConfig(block_m=1, block_n=32, block_k=256, num_warps=4, num_stages=3)
+        return MoETiles("pairs", tile, tile)
+    if num_pairs <= SCAN_MAX_PAIRS:
         tile = TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
         return MoETiles("scan", tile, tile)
     rows_per_expert = num_pairs / max(num_experts, 1)
@@ -90,7 +100,7 @@ def default_tiles(num_experts: int, num_pairs: int, scan_max_pairs: int) -> MoET
 
 
 def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
-                 device: torch.device, scan_max_pairs: int) -> MoETiles:
+                 device: torch.device) -> MoETiles:
     """The tiles of a step of num_tokens tokens: the tuned entry of the nearest batch size at or
     above it (the largest otherwise), or the default."""
     if device.type == "cuda":
@@ -99,4 +109,4 @@ def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top
             sizes = sorted(table)
             at_or_above = [size for size in sizes if size >= num_tokens]
             return table[at_or_above[0] if at_or_above else sizes[-1]]
-    return default_tiles(num_experts, num_tokens * top_k, scan_max_pairs)
+    return default_tiles(num_experts, num_tokens * top_k)
