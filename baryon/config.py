@@ -57,6 +57,8 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "GPU: run every step eagerly (no CUDA graphs)")
     cuda_graph_sizes: list[int] | None = _arg(
         None, "GPU: decode batch sizes to capture (default: 1, 2, 4, 8, then every 16 up to max_num_seqs)")
+    piecewise_cuda_graphs: bool = _arg(
+        True, "GPU: steps with prefill chunks of up to 2048 tokens replay CUDA graphs cut at each attention layer")
     compilation_level: int | None = _arg(
         None, "0 eager, 1 dynamo (eager backend), 2 inductor, 3 inductor + CUDA graphs "
               "(default: the fastest measured for the platform, see README)")
@@ -96,6 +98,7 @@ class CacheConfig:
 class CompilationConfig:
     enforce_eager: bool
     cuda_graph_sizes: list[int] | None
+    piecewise_cuda_graphs: bool
     level: int  # 0 eager, 1 dynamo + eager backend, 2 inductor, 3 inductor + CUDA graphs
 
 
@@ -146,6 +149,7 @@ class EngineConfig:
             max_model_len=max_model_len,
         )
         compilation = CompilationConfig(enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                                        piecewise_cuda_graphs=args.piecewise_cuda_graphs,
                                         level=_resolve_compilation_level(args.compilation_level, device))
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
                    seed=args.seed)

@@ -11,7 +11,7 @@ from baryon.bench.presets import PRESETS, resolve_model
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    from baryon.cli import add_engine_args
+    from baryon.engine_flags import add_engine_args
 
     add_engine_args(parser)
     parser.set_defaults(model="qwen3-0.6b", max_model_len=4096)
@@ -20,7 +20,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     """The engine and its construction time in seconds. Presets get dummy weights and no tokenizer."""
-    from baryon.cli import engine_kwargs
+    from baryon.engine_flags import engine_kwargs
     from baryon.llm import LLM
 
     kwargs = engine_kwargs(args)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -22,6 +24,22 @@ from baryon.layers.rotary import RotaryEmbedding
 # Layer id -> layer, for the custom op (which takes tensors and plain values, not modules).
 _layers: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
 _next_layer_id = itertools.count()
+
+# Called instead of the QKV prologue + attention while set: the piecewise CUDA-graph capture
+# (runner/piecewise_graph.py) cuts the forward pass there. (layer, qkv, positions,
+# cos_sin_cache, q_norm_weight, k_norm_weight, eps) -> the attention output to continue with.
+AttentionInterceptor = Callable[..., torch.Tensor]
+_interceptor: AttentionInterceptor | None = None
+
+
+@contextmanager
+def intercept_attention(interceptor: AttentionInterceptor) -> Iterator[None]:
+    global _interceptor
+    previous, _interceptor = _interceptor, interceptor
+    try:
+        yield
+    finally:
+        _interceptor = previous
 
 
 class Attention(nn.Module):
@@ -48,21 +66,25 @@ class Attention(nn.Module):
         positions: [num_tokens]; q_norm/k_norm: per-head RMSNorm of queries/keys before rotary
         (Qwen3) or None. Returns [num_tokens, num_heads * head_dim]."""
         norm_args = (None, None, 0.0) if q_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
+        if _interceptor is not None:
+            return _interceptor(self, qkv, positions, rotary.cos_sin_cache, *norm_args)
         if torch.compiler.is_compiling():
             return torch.ops.baryon.attention(qkv, positions, rotary.cos_sin_cache, *norm_args, self.layer_id)
         return self._prologue_and_attend(qkv, positions, rotary.cos_sin_cache, *norm_args)
 
     def _prologue_and_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                              q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
-                             eps: float) -> torch.Tensor:
+                             eps: float, output: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns [num_tokens, num_heads * head_dim], written into `output` when given."""
         metadata = current_attn_metadata()
         num_tokens = qkv.shape[0]
         query = self.prologue.forward(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
                                       self.kv_cache, metadata.slot_mapping,
                                       self.num_heads, self.num_kv_heads, self.head_dim)
-        output = self.backend.forward(query.view(num_tokens, self.num_heads, self.head_dim), None, None,
-                                      self.kv_cache, metadata)
-        return output.reshape(num_tokens, self.num_heads * self.head_dim)
+        shape = (num_tokens, self.num_heads, self.head_dim)
+        result = self.backend.forward(query.view(shape), None, None, self.kv_cache, metadata,
+                                      None if output is None else output.view(shape))
+        return result.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query: [num_tokens, num_heads * head_dim]; key/value: [num_tokens, num_kv_heads *

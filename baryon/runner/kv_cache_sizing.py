@@ -9,7 +9,7 @@ hold one request of `max_model_len` tokens is an error that says what would fit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -18,16 +18,28 @@ from baryon.logger import get_logger
 from baryon.request import Request
 from baryon.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from baryon.runner.model_runner import ModelRunner
-
 logger = get_logger(__name__)
 
 GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
 
 
-def choose_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:
+class SizedRunner(Protocol):
+    """What the sizing needs of the model runner (runner/model_runner.py)."""
+
+    device: torch.device
+    block_size: int
+    max_blocks_per_seq: int
+
+    def kv_bytes_per_block(self) -> int: ...
+    def bind_kv_cache(self, num_blocks: int | None) -> None: ...
+    def cuda_graph_sizes(self) -> list[int]: ...
+    def piecewise_graph_sizes(self) -> list[int]: ...
+    def capture_cuda_graphs(self, decode_sizes: list[int], piecewise_sizes: list[int]) -> Any: ...
+    def execute(self, scheduled: list[tuple[Request, int]]) -> Any: ...
+
+
+def choose_num_blocks(config: EngineConfig, runner: SizedRunner) -> int:
     cache, max_model_len = config.cache, config.model.max_model_len
     per_block = runner.kv_bytes_per_block()
     blocks_per_seq = runner.max_blocks_per_seq
@@ -54,7 +66,7 @@ def choose_num_blocks(config: EngineConfig, runner: ModelRunner) -> int:
     return num_blocks
 
 
-def _blocks_from_gpu_memory(config: EngineConfig, runner: ModelRunner, per_block: int) -> int:
+def _blocks_from_gpu_memory(config: EngineConfig, runner: SizedRunner, per_block: int) -> int:
     device = config.device
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -77,17 +89,17 @@ def _blocks_from_gpu_memory(config: EngineConfig, runner: ModelRunner, per_block
     return int(budget) // per_block
 
 
-def _cuda_graph_pool_bytes(runner: ModelRunner) -> int:
-    """Memory the decode CUDA graphs will keep: their static buffers (inputs, logits) and the
-    pool of the largest graph, which the smaller ones reuse."""
-    sizes = runner.cuda_graph_sizes()
-    if not sizes:
+def _cuda_graph_pool_bytes(runner: SizedRunner) -> int:
+    """Memory the CUDA graphs will keep: their static buffers (inputs, logits) and the pools of
+    the largest decode graph and the largest piecewise graphs, which the smaller ones reuse."""
+    sizes, piecewise = runner.cuda_graph_sizes(), runner.piecewise_graph_sizes()
+    if not sizes and not piecewise:
         return 0
     device = runner.device
     runner.bind_kv_cache(runner.max_blocks_per_seq)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    probe = runner.capture_cuda_graphs(sizes[-1:])
+    probe = runner.capture_cuda_graphs(sizes[-1:], piecewise[-1:])
     torch.cuda.empty_cache()
     pool = torch.cuda.memory_reserved(device) - before
     del probe
@@ -96,7 +108,7 @@ def _cuda_graph_pool_bytes(runner: ModelRunner) -> int:
     return max(pool, 0)
 
 
-def _profile_forward(config: EngineConfig, runner: ModelRunner) -> None:
+def _profile_forward(config: EngineConfig, runner: SizedRunner) -> None:
     """Run the largest step the scheduler can produce once, on throwaway cache blocks."""
     max_model_len, budget = config.model.max_model_len, config.scheduler.max_num_batched_tokens
     lengths = []

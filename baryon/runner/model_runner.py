@@ -23,6 +23,7 @@ from baryon.logger import get_logger
 from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
 from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
+from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
 from baryon.runner.sampling_inputs import build_sampling_batch
 from baryon.transfer import to_device
 
@@ -65,10 +66,12 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
+        self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
         self.num_blocks = choose_num_blocks(config, self)
         self.bind_kv_cache(self.num_blocks)
-        self.graph_runner = self._capture_cuda_graphs()
+        self.graph_runner, self.piecewise_runner = self.capture_cuda_graphs(
+            self.cuda_graph_sizes(), self.piecewise_graph_sizes())
 
     def cuda_graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture (empty: no CUDA graphs)."""
@@ -81,16 +84,28 @@ class ModelRunner:
             return []
         return sorted(set(compilation.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)))
 
-    def capture_cuda_graphs(self, sizes: list[int]) -> CUDAGraphRunner:
-        """Capture decode graphs over the KV cache bound now."""
-        runner = CUDAGraphRunner(self.forward, self.model.lm_head.logits_into, self.vocab_size,
-                                 self.config.model.dtype, sizes, self.max_blocks_per_seq, self.device)
-        runner.capture()
-        return runner
+    def piecewise_graph_sizes(self) -> list[int]:
+        """The token-count buckets of steps with prefill chunks to capture (empty: they run eagerly).
+        Only at compilation level 0: compiled forwards call attention through the custom op."""
+        compilation = self.config.compilation
+        if (not compilation.piecewise_cuda_graphs or compilation.level != 0
+                or not uses_cuda_graphs(compilation.level, self.device, compilation.enforce_eager)):
+            return []
+        return default_piecewise_sizes(self.config.scheduler.max_num_batched_tokens)
 
-    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
-        sizes = self.cuda_graph_sizes()
-        return self.capture_cuda_graphs(sizes) if sizes else None
+    def capture_cuda_graphs(self, decode_sizes: list[int],
+                            piecewise_sizes: list[int]) -> tuple[CUDAGraphRunner | None, PiecewiseGraphRunner | None]:
+        """Capture decode graphs and piecewise graphs of these sizes over the KV cache bound now."""
+        decode = piecewise = None
+        if decode_sizes:
+            decode = CUDAGraphRunner(self.forward, self.model.lm_head.logits_into, self.vocab_size,
+                                     self.config.model.dtype, decode_sizes, self.max_blocks_per_seq, self.device)
+            decode.capture()
+        if piecewise_sizes:
+            piecewise = PiecewiseGraphRunner(self.model, piecewise_sizes, self.config.model.max_model_len,
+                                             self.max_blocks_per_seq, self.device)
+            piecewise.capture()
+        return decode, piecewise
 
     def kv_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()
@@ -123,8 +138,11 @@ class ModelRunner:
             all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)
             logits = all_logits if len(rows) == batch.metadata.num_seqs else all_logits[self._index(rows)]
         else:
-            with forward_context(batch.metadata):
-                hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
+            if self.piecewise_runner is not None and self.piecewise_runner.padded_size(batch.metadata.num_tokens):
+                hidden = self.piecewise_runner.run(batch.input_ids, batch.positions, batch.metadata)
+            else:
+                with forward_context(batch.metadata):
+                    hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[self._index(rows)]) if rows else None  # [rows, vocab]
         if rows:
             num_sampled = len(batch.sampling_requests)

@@ -14,7 +14,7 @@ UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from baryon.cli import add_engine_args
+    from baryon.engine_flags import add_engine_args
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="Checkpoint folder or Hugging Face repo id (the same as --model)")

@@ -32,7 +32,7 @@ def resolve_model(args: argparse.Namespace) -> str | None:
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT; returns the exit code once the engine process is gone."""
-    from baryon.cli import engine_kwargs
+    from baryon.engine_flags import engine_kwargs
     from baryon.engine.core_client import EngineProcess
     from baryon.server.inputs import load_chat_template
 

@@ -34,8 +34,9 @@ class AttentionBackend(Kernel):
         self.sinks = sinks
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
         head_dim], stored into the cache first, or None when the caller already stored them.
-        Returns [num_tokens, num_heads, head_dim]."""
+        Returns [num_tokens, num_heads, head_dim], written into `output` when given (a static
+        buffer of the piecewise CUDA graphs)."""
         raise NotImplementedError

@@ -26,12 +26,12 @@ class CpuPagedAttention(TorchPagedAttention):
         return None if dtype == torch.float32 else f"{dtype} (the C++ CPU attention is float32)"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None) -> torch.Tensor:
         """query: [num_tokens, H, D] -> [num_tokens, H, D]."""
         if self.sinks is not None or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-            return super().forward(query, key, value, kv_cache, metadata)
+            return super().forward(query, key, value, kv_cache, metadata, output)
         if key is not None:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
-        return torch.ops.baryon_cpu.paged_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
-                                                    metadata.query_start_loc, self.scale,
-                                                    self.sliding_window or 0)
+        result = torch.ops.baryon_cpu.paged_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
+                                                      metadata.query_start_loc, self.scale, self.sliding_window or 0)
+        return result if output is None else output.copy_(result)

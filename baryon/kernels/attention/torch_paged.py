@@ -37,12 +37,14 @@ class TorchPagedAttention(AttentionBackend):
         return None  # any head size, GQA ratio, window, sinks, dtype
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None) -> torch.Tensor:
         if key is not None:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
         if metadata.max_query_len == 1 and metadata.num_tokens == metadata.num_seqs:
-            return self._decode(query, kv_cache, metadata)
-        output = torch.empty_like(query)
+            decoded = self._decode(query, kv_cache, metadata)
+            return decoded if output is None else output.copy_(decoded)
+        if output is None:
+            output = torch.empty_like(query)
         starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
         for i, seq_len in enumerate(seq_lens):

@@ -229,10 +229,11 @@ class TritonPagedAttention(AttentionBackend):
         return None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None) -> torch.Tensor:
         if key is not None:
             store_kv(key, value, kv_cache, metadata.slot_mapping)
-        output = torch.empty_like(query)
+        if output is None:
+            output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         if metadata.max_query_len == 1:
             block_q = 1

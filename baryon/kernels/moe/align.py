@@ -111,7 +111,7 @@ def align_pairs_triton(topk_ids: torch.Tensor, num_local_experts: int, expert_st
     """Exactly `align_pairs`, in three Triton kernels."""
     device = topk_ids.device
     num_pairs = topk_ids.numel()
-    chunk = 64
+    chunk = 128
     num_chunks = triton.cdiv(num_pairs, chunk)
     experts_pad = next_power_of_2(num_local_experts + 1)
     capacity = padded_capacity(num_pairs, num_local_experts, block_m)
@@ -125,7 +125,7 @@ def align_pairs_triton(topk_ids: torch.Tensor, num_local_experts: int, expert_st
                                  CHUNK=chunk, EXPERTS_PAD=experts_pad)
     _offsets_kernel[(1,)](counts, padded_start, block_experts, num_padded, num_chunks, num_local_experts,
                           num_blocks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
-                          ROWS=max(1, 4096 // experts_pad), BLOCKS=max(1, 4096 // experts_pad), num_warps=8)
+                          ROWS=max(1, 16384 // experts_pad), BLOCKS=max(1, 8192 // experts_pad), num_warps=16)
     _scatter_kernel[(num_chunks,)](topk_ids, counts, padded_start, sorted_pairs, num_pairs, expert_start,
-                                   num_local_experts, CHUNK=chunk, EXPERTS_PAD=experts_pad)
+                                   num_local_experts, CHUNK=chunk, EXPERTS_PAD=experts_pad, num_warps=8)
     return sorted_pairs, block_experts, num_padded
