@@ -124,7 +124,7 @@ def tune(args) -> dict:
         layouts = _layouts(args, problem[3], device)
         num_pairs = problem[3].numel()
         y = torch.empty(num_pairs, args.hidden, dtype=torch.bfloat16, device=device)
-        sum_us = _bench(lambda: y.view(tokens, args.top_k, args.hidden).sum(dim=1))
+        sum_us = _bench(lambda: experts_triton.sum_topk(y, tokens, args.top_k))
         align_us = {bm: _bench(lambda bm=bm: align_pairs_triton(problem[3], args.experts, 0, bm)) for bm in layouts}
         best = {}  # mode -> (us, up cfg, down cfg)
         parts_us = {}  # mode -> the best total's parts

@@ -31,11 +31,16 @@ from baryon.logger import get_logger
 logger = get_logger(__name__)
 
 
+PIECEWISE_MAX_TOKENS = 2048
+
+
 def default_piecewise_sizes(max_num_batched_tokens: int) -> list[int]:
     """Token-count buckets for steps with prefill chunks: fine steps while launch overhead is a
-    large share of a step, coarser up to 2048 tokens (larger steps are dominated by GPU work)."""
-    sizes = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
-    return [s for s in sizes if s <= max_num_batched_tokens]
+    large share of a step, coarser up to 2048 tokens (larger steps are dominated by GPU work);
+    a step budget below that is a bucket of its own (the size of every full prefill chunk)."""
+    sizes = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, PIECEWISE_MAX_TOKENS]
+    budget = [max_num_batched_tokens] if max_num_batched_tokens <= PIECEWISE_MAX_TOKENS else []
+    return [s for s in sizes if s < max_num_batched_tokens] + budget
 
 
 @dataclass

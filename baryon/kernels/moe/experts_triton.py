@@ -204,6 +204,30 @@ if triton is not None:
         _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _sum_topk_kernel(y, out, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        """out[t] = sum over k of y[t * TOP_K + k], in float32, k in order (deterministic)."""
+        token = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < hidden
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for k in tl.static_range(TOP_K):
+            acc += tl.load(y + (token * TOP_K + k) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + token * hidden + offs, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def sum_topk(y: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """y: [num_tokens * top_k, hidden] -> [num_tokens, hidden]."""
+    hidden = y.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    if num_tokens:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK_H=block)
+    return out
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_per_x: int, gated: bool,
             topk_weights: torch.Tensor | None, cfg: TileConfig, layout) -> None:
     """One grouped GEMM: out[p, :n] for every pair p, from rows of x and the expert weights w
@@ -278,4 +302,4 @@ class TritonFusedExperts(TritonKernel):
             _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout)
             inter_out = TritonSiluAndMul.forward(gate_up)
         _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout)
-        return y.view(num_tokens, top_k, hidden).sum(dim=1)
+        return sum_topk(y, num_tokens, top_k)
