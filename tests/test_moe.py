@@ -213,7 +213,7 @@ def test_expert_parallel_rank_keeps_its_slice(seed, ep_size, rank):
     gen = torch.Generator().manual_seed(seed)
     weights = random_experts(gen)
     with torch.device("cpu"):
-        layer = FusedMoE(NUM_EXPERTS, TOP_K, HIDDEN, INTER, ep_size=ep_size, ep_rank_=rank)
+        layer = FusedMoE(NUM_EXPERTS, TOP_K, HIDDEN, INTER, ep_size=ep_size, ep_rank=rank)
     assert layer.w13_weight.dtype == torch.float32
     local = NUM_EXPERTS // ep_size
     start = rank * local
@@ -254,7 +254,7 @@ def test_expert_parallel_rank_keeps_its_slice(seed, ep_size, rank):
 def test_expert_weight_loader_rejects_bad_shard_and_expert_ids(seed):
     weights = random_experts(torch.Generator().manual_seed(seed))
     with torch.device("cpu"):
-        layer = FusedMoE(NUM_EXPERTS, TOP_K, HIDDEN, INTER, ep_size=2, ep_rank_=1)
+        layer = FusedMoE(NUM_EXPERTS, TOP_K, HIDDEN, INTER, ep_size=2, ep_rank=1)
     expert = random.Random(seed).randrange(4, NUM_EXPERTS)
     with pytest.raises(ValueError, match="shard id 'w4'"):
         layer.weight_loader(layer.w13_weight, weights["w1"][expert], "w4", expert)

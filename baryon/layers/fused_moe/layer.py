@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import divide, ep_rank, ep_world_size, tp_rank, tp_world_size
+from baryon.distributed import parallel_state
+from baryon.distributed.parallel_state import divide, tp_rank, tp_world_size
 from baryon.quantization.moe_method import MoEMethod, UnquantizedMoEMethod
 
 W13_SHARDS = ("w1", "w3")  # gate rows, then up rows of w13
@@ -23,14 +24,16 @@ EXPERT_SHARDS = ("w1", "w2", "w3")
 
 class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 method: MoEMethod | None = None, ep_size: int | None = None, ep_rank_: int | None = None) -> None:
+                 method: MoEMethod | None = None, ep_size: int | None = None, ep_rank: int | None = None) -> None:
+        """ep_size / ep_rank: this rank's place among the ranks the experts are divided over
+        (default: the expert-parallel group's)."""
         super().__init__()
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.intermediate_size = intermediate_size
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
         self.intermediate_size_per_rank = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
-        ep_size = ep_world_size() if ep_size is None else ep_size
-        rank = ep_rank() if ep_rank_ is None else ep_rank_
+        ep_size = parallel_state.ep_world_size() if ep_size is None else ep_size
+        rank = parallel_state.ep_rank() if ep_rank is None else ep_rank
         self.num_local_experts = divide(num_experts, ep_size, "the expert count (expert parallelism)")
         self.expert_start = rank * self.num_local_experts  # global id of local expert 0
         self.method = method or UnquantizedMoEMethod(torch.get_default_device(), torch.get_default_dtype(),
