@@ -139,6 +139,21 @@ if triton is not None:
         return pairs, seen
 
     @triton.jit
+    def _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
+                       offs_n, n_mask, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
+                       ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
+                       EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+        """Rows first_row .. first_row + BLOCK_M - 1 of the expert's pairs (`pairs` holds the first
+        tile's, found with the count)."""
+        if first_row > 0:
+            pairs, count = _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN, BLOCK_M)
+        row_mask = first_row + tl.arange(0, BLOCK_M) < count
+        acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk, offs_n,
+                           n_mask, K, up_offset, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+        _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
+
+    @triton.jit
     def _moe_scan_kernel(x, w, out, topk_ids, topk_weights, num_pairs, N, K, expert_start,
                          stride_xm, stride_we, stride_wn, stride_wk, stride_om,
                          ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
@@ -156,25 +171,18 @@ if triton is not None:
             return
         w_expert = w + local_expert.to(tl.int64) * stride_we
         up_offset = N.to(tl.int64) * stride_wn
-        rows = tl.arange(0, BLOCK_M)
         first_row = 0
         if INTERPRETED:  # the interpreter cannot loop to a loaded bound: the same loop as a while
             while first_row < count:
-                if first_row > 0:
-                    pairs, count = _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN, BLOCK_M)
-                row_mask = first_row + rows < count
-                acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk,
-                                   offs_n, n_mask, K, up_offset, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
-                _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
+                _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
+                               offs_n, n_mask, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
+                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE)
                 first_row += BLOCK_M
         else:
             for first_row in range(0, count, BLOCK_M):
-                if first_row > 0:
-                    pairs, count = _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN, BLOCK_M)
-                row_mask = first_row + rows < count
-                acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk,
-                                   offs_n, n_mask, K, up_offset, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
-                _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
+                _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
+                               offs_n, n_mask, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
+                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE)
 
     @triton.jit
     def _moe_sorted_kernel(x, w, out, sorted_pairs, block_experts, num_padded, topk_weights, num_pairs,
