@@ -99,10 +99,12 @@ def default_tiles(num_experts: int, num_pairs: int) -> MoETiles:
     return MoETiles("sorted", tile, tile)
 
 
+@functools.lru_cache(maxsize=4096)
 def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
                  device: torch.device) -> MoETiles:
     """The tiles of a step of num_tokens tokens: the tuned entry of the nearest batch size at or
-    above it (the largest otherwise), or the default."""
+    above it (the largest otherwise), or the default. Cached: every MoE layer of every eager step
+    asks, with few distinct token counts."""
     if device.type == "cuda":
         table = _table(torch.cuda.get_device_name(device), shape_key(num_experts, hidden, inter, dtype))
         if table:
