@@ -52,6 +52,12 @@ class EngineArgs:
         None, "KV-cache size in GiB (default: 4 on CPU; on GPU what gpu_memory_utilization leaves)")
     num_kv_blocks: int | None = _arg(None, "Exact number of KV-cache blocks (overrides the sizing)")
     load_format: str = _arg("auto", "auto|safetensors|pt|dummy (dummy: random weights, for benchmarks)")
+    quantization: str | None = _arg(
+        None, "Weight format: none for what the checkpoint's quantization_config says; fp8, w8a8 or w4a16 to "
+              "quantize a float checkpoint at load (online; with load_format=dummy: random weights in that "
+              "layout); fp8, compressed-tensors, gptq or awq to insist on the checkpoint's own format")
+    kv_cache_dtype: str = _arg("auto", "auto|fp8 (auto: the model dtype; fp8: e4m3 with per-layer k/v scales "
+                                       "from the checkpoint, else 1.0)")
     skip_tokenizer_init: bool = _arg(False, "No tokenizer: prompts must be token ids; outputs carry ids only")
     max_logprobs: int = _arg(20, "Largest logprobs / prompt_logprobs a request may ask for")
     enforce_eager: bool = _arg(False, "GPU: run every step eagerly (no CUDA graphs)")
@@ -75,6 +81,7 @@ class ModelConfig:
     load_format: str
     trust_remote_code: bool
     max_logprobs: int
+    quantization: str | None  # the engine argument (the checkpoint's own config is read at load)
 
     @property
     def architecture(self) -> str:
@@ -92,6 +99,7 @@ class CacheConfig:
     gpu_memory_utilization: float
     kv_cache_memory_gib: float | None
     num_kv_blocks: int | None
+    kv_cache_dtype: torch.dtype  # the model dtype, or torch.float8_e4m3fn
 
 
 @dataclass
@@ -138,11 +146,13 @@ class EngineConfig:
             hf_config=hf_config, dtype=_resolve_dtype(args.dtype, hf_config, device),
             max_model_len=max_model_len, load_format=args.load_format,
             trust_remote_code=args.trust_remote_code, max_logprobs=args.max_logprobs,
+            quantization=args.quantization,
         )
         cache = CacheConfig(
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype),
         )
         scheduler = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -193,6 +203,15 @@ def _check_user_values(args: EngineArgs) -> None:
         raise ValueError(f"load_format={args.load_format!r} is invalid: accepted {list(LOAD_FORMATS)}.")
     if args.dtype != "auto" and args.dtype not in _DTYPES:
         raise ValueError(f"dtype={args.dtype!r} is invalid: accepted ['auto', {', '.join(map(repr, _DTYPES))}].")
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def _resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={name!r} is invalid: accepted {list(KV_CACHE_DTYPES)}.")
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
 
 
 def _resolve_compilation_level(requested: int | None, device: torch.device) -> int:

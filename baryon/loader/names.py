@@ -12,6 +12,10 @@ A model class may declare:
   (w1, w3) or `<prefix>.experts.w2_<suffix>` as expert e;
 - `extra_layers_config_key`: a config field counting layers stored past `num_hidden_layers`
   (GLM's multi-token-prediction layers, `num_nextn_predict_layers`) that are skipped at load.
+
+FP8 KV-cache scales load into the attention layer (`<prefix>.self_attn.attn.k_scale` / `v_scale`)
+under both published names: `self_attn.k_scale` (compressed-tensors' kv_cache_scheme, ModelOpt)
+and `self_attn.k_proj.output_scale` (older FP8 exports).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<projection>[^.]+)\.(?P<suffix>.+)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_KV_SCALE = re.compile(r"^(?P<prefix>.*\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,9 @@ class CheckpointNames:
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) in self.skipped_layers:
             return None
+        kv_scale = _KV_SCALE.match(name)
+        if kv_scale:
+            return Target(f"{kv_scale['prefix']}.attn.{kv_scale['kv'] or kv_scale['proj']}_scale")
         expert = _EXPERT.match(name)
         if expert and expert["projection"] in self.projections:
             shard = self.projections[expert["projection"]]
