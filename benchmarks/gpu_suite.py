@@ -6,6 +6,10 @@ waits for /health, runs `baryon.bench.serve` (500 requests, 1024 tokens in, 128 
 in flight) and stops the server with SIGTERM.
 
     python benchmarks/gpu_suite.py --models qwen3-0.6b qwen3-8b [--workloads latency-bs1 ...] [-- engine flags]
+    python benchmarks/gpu_suite.py --models qwen3-8b --variants bf16 "fp8:--quantization fp8" \
+        "w4a16:--quantization w4a16" "fp8kv:--kv-cache-dtype fp8 --kv-cache-memory-gib 4.5"
+
+A variant is NAME[:ENGINE FLAGS]: each model runs once per variant, labelled model/NAME.
 """
 
 from __future__ import annotations
@@ -90,15 +94,20 @@ def main() -> None:
     # The serve workload's server reads this too: keep it quiet.
     os.environ.setdefault("BARYON_LOG_LEVEL", "WARNING")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per benchmark process")
+    parser.add_argument("--variants", nargs="+", default=[""],
+                        help="NAME[:ENGINE FLAGS] each: run every model once per variant")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     results = []
     for model in args.models:
-        for workload in args.workloads:
-            result = run_one(model, workload, extra, args.timeout)
-            print(json.dumps(result), flush=True)
-            results.append(result)
-    print(f"\n{'model':<12} {'workload':<12} {'figure':<34} {'startup':>8}")
+        for variant in args.variants:
+            name, _, flags = variant.partition(":")
+            for workload in args.workloads:
+                result = run_one(model, workload, extra + flags.split(), args.timeout)
+                result["model"] = f"{model}/{name}" if name else model
+                print(json.dumps(result), flush=True)
+                results.append(result)
+    print(f"\n{'model':<20} {'workload':<12} {'figure':<34} {'startup':>8}")
     for r in results:
         if "error" in r:
             figure = f"error: {r['error']}"
@@ -112,7 +121,9 @@ def main() -> None:
         else:
             figure = f"{r['output_tok_s']:,.0f} out tok/s ({r['total_tok_s']:,.0f} total)"
         startup = f"{r['startup_s']:.1f} s" if "startup_s" in r else "-"
-        print(f"{r['model']:<12} {r['workload']:<12} {figure:<34} {startup:>8}")
+        if "kv_cache_tokens" in r:
+            figure += f", KV {r['kv_cache_tokens']:,} tok"
+        print(f"{r['model']:<20} {r['workload']:<12} {figure:<34} {startup:>8}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|quant]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds.
 """
@@ -132,13 +132,67 @@ def moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -
             print(json.dumps(results_extra), flush=True)
 
 
+QUANT_SCHEMES = ("dense", "fp8-channel", "fp8-block", "w8a8", "w4a16")
+
+
+def quantized_layer(scheme: str, n: int, k: int, device: torch.device, dtype: torch.dtype):
+    """A linear layer [n, k] holding random weights in `scheme`'s layout, as the engine builds it
+    (the method's own parameters, loaded then repacked), so its forward is the model's: the
+    activation quantization plus the GEMM."""
+    from baryon.layers.linear import ReplicatedLinear
+    from baryon.loader.quantized import process_weights_after_loading
+    from baryon.quantization.fp8 import Fp8LinearMethod
+    from baryon.quantization.int8 import Int8LinearMethod
+    from baryon.quantization.wna16 import WNA16LinearMethod
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), torch.no_grad():
+            layer = ReplicatedLinear(k, n, bias=False)
+            method = {"dense": None, "fp8-channel": Fp8LinearMethod("channel", False, online=True),
+                      "fp8-block": Fp8LinearMethod("block", False, (128, 128), scale_name="weight_scale_inv"),
+                      "w8a8": Int8LinearMethod(online=True), "w4a16": WNA16LinearMethod("online", 4, 128)}[scheme]
+            if method is not None:
+                layer.use_method(method)
+            for name, param in layer.named_parameters():
+                if "scale" in name:
+                    param.fill_(0.02 / 448)
+                else:
+                    param.copy_(torch.randn(param.shape) * (1 if param.element_size() == 1 else 0.02))
+            process_weights_after_loading(layer)
+    finally:
+        torch.set_default_dtype(previous)
+    return layer
+
+
+def quant_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """Each quantized linear layout against the dense one on Qwen3-8B's projections (qkv 6144 x
+    4096, gate/up 24576 x 4096, down 4096 x 12288) at M = 1, 16, 64 and 4096 tokens; the JSON
+    line after each timing gives the weight bandwidth and the arithmetic rate."""
+    shapes = [(384, 256), (512, 768)] if small else [(6144, 4096), (24576, 4096), (4096, 12288)]
+    for n, k in shapes:
+        for scheme in QUANT_SCHEMES:
+            try:
+                layer = quantized_layer(scheme, n, k, device, dtype)
+            except ValueError as e:  # no kernel serves it here
+                print(json.dumps({"kernel": f"linear.{scheme}", "shape": f"{n}x{k}", "skipped": str(e)}))
+                continue
+            weight_bytes = n * k * {"dense": torch.finfo(dtype).bits // 8, "w4a16": 0.5}.get(scheme, 1)
+            for m in (1, 16, 64) if small else (1, 16, 64, 4096):
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                us = record(f"linear.{scheme}", f"M={m} N={n} K={k}", lambda: layer(x))
+                print(json.dumps({"weight_GB_per_s": round(weight_bytes / us / 1e3, 1),
+                                  "TFLOP_per_s": round(2 * m * n * k / us / 1e6, 1)}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe"], help="just these kernel families")
+    parser.add_argument("--only", choices=["moe", "quant"], help="just these kernel families")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -155,6 +209,9 @@ def main() -> None:
 
     if args.only == "moe":
         moe_kernels(record, device, dtype, args.small)
+        return
+    if args.only == "quant":
+        quant_kernels(record, device, dtype, args.small)
         return
     attention = selector.select("attention", device)
     for name, num_seqs, q_len, seq_len in [("decode", 64 // scale, 1, 1024 // scale),
@@ -202,6 +259,7 @@ def main() -> None:
     rows = 64 // scale
     sampling_kernels(record, device, rows, vocab)
     moe_kernels(record, device, dtype, args.small)
+    quant_kernels(record, device, dtype, args.small)
 
 
 if __name__ == "__main__":

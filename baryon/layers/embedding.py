@@ -30,7 +30,11 @@ class VocabParallelEmbedding(nn.Module):
     def use_method(self, method: LinearMethod, shared_weight: nn.Parameter | None = None) -> None:
         """Store the rows as `method` does (before the weights load); a tied LM head passes the
         embedding's already converted parameter as `shared_weight`."""
-        self.weight = shared_weight if shared_weight is not None else method.create_weights(self, self.weight)
+        if shared_weight is not None:
+            del self.weight
+            self.weight = shared_weight
+        else:
+            method.create_weights(self)
         self.method = method
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -64,5 +68,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->
         [num_sampled, vocab_size] float32 logits."""
-        logits = self.method.apply(self.weight, hidden_states, None)
+        logits = self.method.apply(self, hidden_states, None)
         return tp_all_gather(logits, dim=-1)[:, : self.vocab_size].float()

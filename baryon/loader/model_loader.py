@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import defaultdict
 from collections.abc import Iterator
@@ -13,9 +14,11 @@ from torch import nn
 from baryon.config import ModelConfig
 from baryon.hub import is_gguf
 from baryon.loader.names import CheckpointNames
+from baryon.loader.quantized import process_weights_after_loading, use_quantized_methods
 from baryon.loader.weights import WeightLoadError, iterate_weights, weight_files
 from baryon.logger import get_logger
 from baryon.models.registry import resolve_model_class
+from baryon.quantization.registry import ONLINE, resolve_quantization
 
 logger = get_logger(__name__)
 
@@ -34,15 +37,38 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
+    """Build the model, put in the quantization scheme's weight layouts, fill the weights
+    (checkpoint or random), then let each layout repack what loaded."""
     model_class = resolve_model_class(config.architecture)
+    quant_config = _quantization(config)
     with torch.device(device), _default_dtype(config.dtype):
         model = model_class(config.hf_config)
+        if quant_config is not None:
+            use_quantized_methods(model, quant_config, CheckpointNames(model, config.hf_config))
     if config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         packed = keep_gguf_packed(model, config, device) if is_gguf(config.model_path) else frozenset()
         load_weights(model, checkpoint_weights(config, packed), config.hf_config)
+    with torch.device(device), _default_dtype(config.dtype):
+        process_weights_after_loading(model)
     return model.eval()
+
+
+def _quantization(config: ModelConfig):
+    """The checkpoint's quantization scheme or the one asked for; with dummy weights, a scheme
+    named by the engine argument builds its layout from random float weights (as online
+    quantization does), so benchmarks run the quantized kernels without a checkpoint."""
+    if is_gguf(config.model_path):
+        if config.quantization is not None:
+            raise ValueError(f"quantization={config.quantization!r} does not apply to a GGUF file: its "
+                             f"tensors carry their own quantization types")
+        return None
+    hf_config = config.hf_config
+    if config.load_format == "dummy" and config.quantization in ONLINE:
+        hf_config = copy.copy(hf_config)
+        hf_config.quantization_config = None
+    return resolve_quantization(hf_config, config.quantization)
 
 
 def checkpoint_weights(config: ModelConfig,
@@ -155,14 +181,24 @@ def _missing_description(name: str, param: nn.Parameter, loaded: set, names: Che
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of a realistic scale (normal, std 0.02); norms at 1, biases at 0."""
+    """Random weights of a realistic scale (normal, std 0.02); norms and KV-cache scales at 1,
+    biases at 0. A checkpoint's quantized layout (load_format=dummy on a quantized checkpoint)
+    gets random codes and small scales."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        gen = generators.setdefault(param.device, torch.Generator(param.device).manual_seed(seed))
+        if name.endswith(("norm.weight", "k_scale", "v_scale")):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
+        elif "scale" in name.rpartition(".")[2]:
+            param.fill_(0.005)
+        elif param.dtype in (torch.int32, torch.int8, torch.uint8, torch.int64):
+            info = torch.iinfo(param.dtype)
+            param.copy_(torch.randint(info.min, info.max, param.shape, generator=gen, device=param.device,
+                                      dtype=torch.int64 if param.dtype == torch.int64 else torch.int32))
+        elif not param.dtype.is_floating_point or param.element_size() == 1:  # fp8 codes
+            param.copy_(torch.randn(param.shape, generator=gen, device=param.device))
         else:
-            gen = generators.setdefault(param.device, torch.Generator(param.device).manual_seed(seed))
             param.normal_(0.0, 0.02, generator=gen)
     logger.info("initialised %s with dummy weights", type(model).__name__)

@@ -73,6 +73,14 @@ class CheckpointNames:
                     return Target(name.replace(f".{part}.", f".{packed}."), shard_id)
         return Target(name)
 
+    def checkpoint_prefixes(self, module: str) -> list[str]:
+        """The checkpoint module names a model module loads from (q/k/v for a fused qkv_proj)."""
+        parent, _, leaf = module.rpartition(".")
+        parts = [f"{parent}.{part}" for part, _ in self.packed[leaf]] if leaf in self.packed else [module]
+        for old, new in self.renames.items():
+            parts = [part.replace(new, old) for part in parts]
+        return parts
+
     def expert_tensor_name(self, param: str, shard_id: str, expert_id: int) -> str:
         """The checkpoint name of one expert's tensor of a stacked parameter (for errors)."""
         prefix, _, leaf = param.rpartition(".")

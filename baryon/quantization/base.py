@@ -1,9 +1,16 @@
-"""The linear-method lifecycle: a layer holds a `LinearMethod` that creates its weight parameter,
-repacks it after loading if needed, and multiplies by it.
+"""The quantization lifecycle.
 
-Layers start dense (`DenseLinearMethod`: a float weight [out, in]); a quantization scheme chosen
-at load time swaps in another method before any tensor is loaded, so the checkpoint streams
-straight into the quantized layout.
+A `QuantizationConfig` (parsed from the checkpoint's `quantization_config`, or built for online
+quantization from the `quantization` engine argument) says, per layer, which `LinearMethod` (or
+`MoEMethod`) holds its weights. A method:
+
+    create_weights(layer)                 registers the parameters the checkpoint tensors load
+                                          into (names as published: weight, weight_scale, qweight...)
+    process_weights_after_loading(layer)  the one place layouts are repacked for the kernel
+    apply(layer, x, bias)                 x [num_tokens, in] -> [num_tokens, out]
+    dequantize(layer)                     the weight as held, float32 [out, in] (tests, CPU paths)
+
+Layers start dense (`DenseLinearMethod`); the loader swaps methods in before any tensor loads.
 """
 
 from __future__ import annotations
@@ -13,16 +20,33 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def checkpoint_param(shape: tuple[int, ...], dtype: torch.dtype | None = None, *, output_dim: int | None = 0,
+                     input_dim: int | None = 1, output_block: int = 1, per_shard: bool = False) -> nn.Parameter:
+    """An empty parameter that a checkpoint tensor loads into, with how the layer's loader slices it:
+    output_dim / input_dim are its dimensions along the layer's output and input features (None:
+    not split along them), output_block the output features per entry along output_dim (128 for
+    a 128 x 128 block scale, 8 for int4 codes packed along the outputs), per_shard a tensor with
+    one entry per fused part (a per-tensor scale of q, k and v each)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.output_dim, param.input_dim = output_dim, input_dim
+    param.output_block, param.per_shard = output_block, per_shard
+    return param
+
+
 class LinearMethod:
     """Base of every weight layout a linear layer (or the LM head) can use."""
 
-    def create_weights(self, layer: nn.Module, weight: nn.Parameter) -> nn.Parameter:
-        """The parameter that replaces `weight` (the dense one the layer was built with); it keeps
-        the dense one's `weight_loader` and `expected_shards`."""
-        return weight
+    def create_weights(self, layer: nn.Module) -> None:
+        raise NotImplementedError
 
-    def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [num_tokens, in] -> [num_tokens, out]."""
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack what loaded into the kernel's layout (default: nothing to do)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """The weight as this method holds it, in float32 [out, in]."""
         raise NotImplementedError
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -33,11 +57,48 @@ class LinearMethod:
 class DenseLinearMethod(LinearMethod):
     """A float weight [out, in] multiplied with F.linear."""
 
-    def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+    def create_weights(self, layer: nn.Module) -> None:
+        layer.add_param("weight", (layer.output_size, layer.input_size))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.float()
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return rows
 
 
 DENSE = DenseLinearMethod()
+
+
+class QuantizationConfig:
+    """Which method holds each layer's weights. `prefix` is the layer's checkpoint module name
+    (`model.layers.0.self_attn.q_proj`); a fused layer is asked once per checkpoint part."""
+
+    name: str
+
+    def linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        """The method for a linear layer, None to leave it dense."""
+        raise NotImplementedError
+
+    def moe_method(self, layer: nn.Module, prefix: str):
+        """The MoEMethod for a FusedMoE layer (prefix `model.layers.0.mlp.experts`), None to leave
+        it unquantized; a format that cannot hold experts says so."""
+        raise ValueError(f"{self.name} checkpoints with mixture-of-experts layers are not supported")
+
+
+def is_ignored(prefix: str, patterns: list[str] | None) -> bool:
+    """Whether `prefix` matches an ignore list: exact names, `re:` regular expressions
+    (compressed-tensors), or plain substrings / module suffixes (`modules_to_not_convert`)."""
+    import re
+
+    for pattern in patterns or ():
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], prefix):
+                return True
+        elif prefix == pattern or prefix.endswith("." + pattern) or pattern in prefix.split(".") \
+                or prefix.startswith(pattern + "."):
+            return True
+    return False

@@ -9,7 +9,7 @@ from torch import nn
 
 from baryon.kernels.block_quant import dequantize_rows, row_bytes
 from baryon.kernels.selector import select
-from baryon.quantization.base import LinearMethod
+from baryon.quantization.base import LinearMethod, checkpoint_param
 
 
 class BlockQuantLinearMethod(LinearMethod):
@@ -20,17 +20,26 @@ class BlockQuantLinearMethod(LinearMethod):
         self.bits, self.in_features = bits, in_features
         self.kernel = select("block_quant_linear", device, in_features=in_features, bits=bits, dtype=dtype)
 
-    def create_weights(self, layer: nn.Module, weight: nn.Parameter) -> nn.Parameter:
+    def create_weights(self, layer: nn.Module) -> None:
+        """The packed weight of a linear layer, or in place of an embedding's float rows."""
         if getattr(layer, "tp_size", 1) > 1:
             raise ValueError("block-quantized weights support one rank (tensor_parallel_size=1); "
                              "load the checkpoint dequantized for tensor parallelism")
-        packed = nn.Parameter(torch.empty(weight.shape[0], row_bytes(self.in_features, self.bits),
-                                          dtype=torch.uint8, device=weight.device), requires_grad=False)
-        packed.weight_loader, packed.expected_shards = weight.weight_loader, weight.expected_shards
-        return packed
+        if hasattr(layer, "add_param"):  # a linear layer (its dense weight is already gone)
+            layer.add_param("weight", (layer.output_size, row_bytes(self.in_features, self.bits)), torch.uint8,
+                            input_dim=None)
+            return
+        rows = layer.weight
+        packed = checkpoint_param((rows.shape[0], row_bytes(self.in_features, self.bits)), torch.uint8,
+                                  input_dim=None)
+        packed.weight_loader, packed.expected_shards = rows.weight_loader, rows.expected_shards
+        layer.weight = packed
 
-    def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.kernel.forward(x, weight, self.bits, self.in_features, bias)
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel.forward(x, layer.weight, self.bits, self.in_features, bias)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return dequantize_rows(layer.weight, self.in_features, self.bits)
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(rows, self.in_features, self.bits)

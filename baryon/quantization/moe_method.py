@@ -16,9 +16,16 @@ class MoEMethod:
         """Parameter name -> parameter (without loaders; the layer attaches its own)."""
         raise NotImplementedError
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack what loaded into the kernel's layout (default: nothing to do)."""
+
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden], routing [num_tokens, top_k] -> [num_tokens, hidden]."""
+        raise NotImplementedError
+
+    def dequantize(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts as held, float32: (w13 [E, 2I, H], w2 [E, H, I])."""
         raise NotImplementedError
 
 
@@ -30,12 +37,18 @@ class UnquantizedMoEMethod(MoEMethod):
         self.kernel = select("fused_moe", device, dtype=dtype, hidden=hidden_size, inter=intermediate_size,
                              device_type=device.type)
 
-    def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
-        experts, hidden, inter = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_rank
+    @staticmethod
+    def float_weights(experts: int, hidden: int, inter: int) -> dict[str, nn.Parameter]:
         return {"w13_weight": nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False),
                 "w2_weight": nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)}
+
+    def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
+        return self.float_weights(layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_rank)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         return self.kernel.forward(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                                    layer.expert_start, layer.num_experts)
+
+    def dequantize(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.w13_weight.float(), layer.w2_weight.float()

@@ -36,14 +36,22 @@ class FusedMoE(nn.Module):
         rank = parallel_state.ep_rank() if ep_rank is None else ep_rank
         self.num_local_experts = divide(num_experts, ep_size, "the expert count (expert parallelism)")
         self.expert_start = rank * self.num_local_experts  # global id of local expert 0
-        self.method = method or UnquantizedMoEMethod(torch.get_default_device(), torch.get_default_dtype(),
-                                                     hidden_size, self.intermediate_size_per_rank)
+        self.method: MoEMethod | None = None
+        self.use_method(method or UnquantizedMoEMethod(torch.get_default_device(), torch.get_default_dtype(),
+                                                       hidden_size, self.intermediate_size_per_rank))
+
+    def use_method(self, method: MoEMethod) -> None:
+        """Hold the experts as `method` does (its parameters replace the current ones); called
+        before the weights load."""
+        for name in [n for n, _ in self.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
+            delattr(self, name)
         local = range(self.expert_start, self.expert_start + self.num_local_experts)
-        for name, param in self.method.create_weights(self).items():
+        for name, param in method.create_weights(self).items():
             shards = W13_SHARDS if name.startswith("w13_") else ("w2",)
             param.weight_loader = self.weight_loader
             param.expected_shards = frozenset((shard, e) for shard in shards for e in local)
             self.register_parameter(name, param)
+        self.method = method
 
     def owns(self, expert_id: int) -> bool:
         return self.expert_start <= expert_id < self.expert_start + self.num_local_experts

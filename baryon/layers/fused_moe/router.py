@@ -14,6 +14,7 @@ from baryon.layers.linear import ReplicatedLinear, copy_checked
 
 
 class Router(ReplicatedLinear):
+    quantizable = False
     def __init__(self, hidden_size: int, routing: RoutingConfig, correction_bias: bool = False,
                  float32_logits: bool = False) -> None:
         """float32_logits: compute the logits in float32 (DeepSeek-V3 and GLM-4.5 routers do; the
@@ -39,5 +40,5 @@ class Router(ReplicatedLinear):
         if self.float32_logits:
             logits = F.linear(x.float(), self.weight)  # [num_tokens, num_experts]
         else:
-            logits = self.method.apply(self.weight, x, None)
+            logits = self.method.apply(self, x, None)
         return self.kernel.forward(logits, self.routing, self.e_score_correction_bias)

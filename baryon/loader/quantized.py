@@ -1,0 +1,49 @@
+"""Put a quantization scheme's methods into a built model (before its weights load) and repack
+them once everything has loaded."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baryon.layers.fused_moe.layer import FusedMoE
+from baryon.layers.linear import LinearBase
+from baryon.loader.names import CheckpointNames
+from baryon.logger import get_logger
+from baryon.quantization.base import QuantizationConfig
+
+logger = get_logger(__name__)
+
+
+def use_quantized_methods(model: nn.Module, quant_config: QuantizationConfig, names: CheckpointNames) -> None:
+    """Ask `quant_config` for each linear and MoE layer's method, by the layer's checkpoint names;
+    the parts of a fused layer must agree (all quantized alike, or all left in float)."""
+    counts = {"quantized": 0, "float": 0}
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            method = quant_config.moe_method(module, names.checkpoint_prefixes(module_name)[0])
+            if method is not None:
+                module.use_method(method)
+        elif isinstance(module, LinearBase) and module.quantizable:
+            prefixes = names.checkpoint_prefixes(module_name)
+            methods = [quant_config.linear_method(module, prefix) for prefix in prefixes]
+            if any(m is None for m in methods) and not all(m is None for m in methods):
+                raise ValueError(f"{quant_config.name}: the parts {prefixes} of {module_name} are fused into one "
+                                 f"layer but only some are quantized; they must be quantized alike")
+            if methods[0] is None:
+                counts["float"] += 1
+                continue
+            module.checkpoint_prefix = module_name
+            module.use_method(methods[0])
+        else:
+            continue
+        counts["quantized"] += 1
+    logger.info("%s: %d layers quantized, %d left in float", quant_config.name, counts["quantized"], counts["float"])
+
+
+@torch.no_grad()
+def process_weights_after_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)

@@ -1,0 +1,115 @@
+"""compressed-tensors checkpoints (`quant_method: compressed-tensors`, written by llm-compressor):
+each of `config_groups` names its target modules and the quantization of their weights and input
+activations; `ignore` lists the modules left in float. The schemes served:
+
+    FP8       float 8-bit weights (tensor / channel / block strategy), float 8-bit activations
+              (static per tensor, dynamic per token or per group)  -> Fp8LinearMethod
+    W8A8      int 8-bit symmetric weights (channel), int 8-bit dynamic per-token symmetric
+              activations                                              -> Int8LinearMethod
+    WNA16     int 4- or 8-bit weights (group / channel, symmetric or with zero points), no
+              activation quantization (`pack-quantized`)             -> WNA16LinearMethod
+
+Anything else is an error naming the scheme.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from baryon.quantization.base import LinearMethod, QuantizationConfig, is_ignored
+from baryon.quantization.fp8 import Fp8LinearMethod
+from baryon.quantization.int8 import Int8LinearMethod
+from baryon.quantization.moe_fp8 import Fp8MoEMethod
+from baryon.quantization.wna16 import WNA16LinearMethod
+
+SUPPORTED = ("FP8 (float 8-bit weights tensor/channel/block + float 8-bit activations)",
+             "W8A8 (int 8-bit channel weights + dynamic per-token int 8-bit activations)",
+             "WNA16 (int 4/8-bit group or channel weights, float activations)")
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.groups = list((config.get("config_groups") or {}).values())
+        if not self.groups:
+            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        self.format = config.get("format")
+        self.ignored = list(config.get("ignore") or [])
+        for group in self.groups:
+            _scheme_method(group, self.format)  # fail at load on an unsupported scheme
+
+    def _group_for(self, prefix: str) -> dict[str, Any] | None:
+        for group in self.groups:
+            for target in group.get("targets") or ["Linear"]:
+                if target == "Linear" or (target.startswith("re:") and re.match(target[3:], prefix)) \
+                        or target == prefix:
+                    return group
+        return None
+
+    def linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if is_ignored(prefix, self.ignored):
+            return None
+        group = self._group_for(prefix)
+        return None if group is None else _scheme_method(group, self.format)
+
+    def moe_method(self, layer: nn.Module, prefix: str):
+        if is_ignored(prefix, self.ignored):
+            return None
+        group = self._group_for(prefix + ".0.gate_proj") or self._group_for(prefix)
+        if group is None:
+            return None
+        method = _scheme_method(group, self.format)
+        if isinstance(method, Fp8LinearMethod) and method.strategy == "block":
+            return Fp8MoEMethod(method.block, scale_name="weight_scale")
+        raise ValueError("compressed-tensors mixture-of-experts layers are supported with FP8 block scales "
+                         f"only; this checkpoint's experts use {_describe(group)}")
+
+
+def _describe(group: dict[str, Any]) -> str:
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    act = "no activation quantization" if not a else \
+        f"{a.get('type')} {a.get('num_bits')}-bit {a.get('strategy')} activations (dynamic={a.get('dynamic')})"
+    return f"{w.get('type')} {w.get('num_bits')}-bit {w.get('strategy')} weights " \
+           f"(symmetric={w.get('symmetric')}), {act}"
+
+
+def _scheme_method(group: dict[str, Any], fmt: str | None) -> LinearMethod:
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    fmt = group.get("format") or fmt
+    unsupported = ValueError(f"compressed-tensors scheme {_describe(group)} (format {fmt!r}) is not "
+                             f"supported; supported: {'; '.join(SUPPORTED)}")
+    if weights.get("dynamic") or (acts and acts.get("type") != kind):
+        raise unsupported
+    if kind == "float" and bits == 8 and acts and acts.get("num_bits") == 8:
+        if strategy == "block":
+            block = weights.get("block_structure")
+            if not block or len(block) != 2 or acts.get("strategy") not in ("group", "token") \
+                    or not acts.get("dynamic"):
+                raise unsupported
+            return Fp8LinearMethod("block", False, (int(block[0]), int(block[1])), scale_name="weight_scale")
+        static = not acts.get("dynamic")
+        if strategy not in ("tensor", "channel") or (static and acts.get("strategy") != "tensor") \
+                or (not static and acts.get("strategy") != "token"):
+            raise unsupported
+        return Fp8LinearMethod(strategy, static)
+    if kind == "int" and bits == 8 and acts and acts.get("num_bits") == 8:
+        if strategy != "channel" or not weights.get("symmetric", True) or not acts.get("dynamic") \
+                or acts.get("strategy") != "token" or not acts.get("symmetric", True):
+            raise unsupported
+        return Int8LinearMethod()
+    if kind == "int" and bits in (4, 8) and not acts and fmt in ("pack-quantized", None):
+        if strategy == "group":
+            group_size = int(weights.get("group_size") or 0)
+            if group_size <= 0 or weights.get("actorder") not in (None, "static"):
+                raise unsupported
+        elif strategy == "channel":
+            group_size = None
+        else:
+            raise unsupported
+        return WNA16LinearMethod("compressed-tensors", bits, group_size, bool(weights.get("symmetric", True)))
+    raise unsupported
