@@ -145,6 +145,5 @@ class Fp8Config(QuantizationConfig):
         if self.online:
             return Fp8MoEMethod((128, 128), online=True)
         if self.block is None:
-            raise ValueError("fp8 checkpoints with per-tensor scales on mixture-of-experts layers are not "
-                             "supported; supported for experts: weight_block_size (block scales)")
+            return Fp8MoEMethod(None, strategy="tensor", static_input=self.static_input)
         return Fp8MoEMethod(self.block, scale_name="weight_scale_inv")

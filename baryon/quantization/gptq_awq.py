@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from baryon.quantization.base import LinearMethod, QuantizationConfig, is_ignored
+from baryon.quantization.moe_wna16 import WNA16DequantizedMoEMethod
 from baryon.quantization.wna16 import WNA16LinearMethod
 
 
@@ -43,6 +44,10 @@ class GPTQConfig(QuantizationConfig):
             return None
         return WNA16LinearMethod(self.layout, self.bits, self.group_size, self.sym, act_order=self.desc_act)
 
+    def moe_method(self, layer: nn.Module, prefix: str):
+        method = self.linear_method(layer, prefix)
+        return None if method is None else WNA16DequantizedMoEMethod(method)
+
 
 class AWQConfig(QuantizationConfig):
     name = "awq"
@@ -64,3 +69,7 @@ class AWQConfig(QuantizationConfig):
         if is_ignored(prefix, self.ignored):
             return None
         return WNA16LinearMethod("awq", 4, self.group_size, symmetric=False)
+
+    def moe_method(self, layer: nn.Module, prefix: str):
+        method = self.linear_method(layer, prefix)
+        return None if method is None else WNA16DequantizedMoEMethod(method)

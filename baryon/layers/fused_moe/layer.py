@@ -49,7 +49,8 @@ class FusedMoE(nn.Module):
         for name, param in method.create_weights(self).items():
             shards = W13_SHARDS if name.startswith("w13_") else ("w2",)
             param.weight_loader = self.weight_loader
-            param.expected_shards = frozenset((shard, e) for shard in shards for e in local)
+            param.expected_shards = frozenset() if getattr(param, "optional", False) else \
+                frozenset((shard, e) for shard in shards for e in local)
             self.register_parameter(name, param)
         self.method = method
 
@@ -58,7 +59,11 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
         """Copy one expert's gate ("w1"), up ("w3") or down ("w2") tensor into the stacked
-        parameter (this rank's rows or columns of it); other ranks' experts are skipped."""
+        parameter (this rank's rows or columns of it); other ranks' experts are skipped.
+
+        A method's parameter may say how an expert's tensor lies (as a linear layer's do):
+        `output_dim` / `input_dim` (default 0 / 1: [out, in]), or `per_shard` for one value per
+        projection (a per-tensor scale: [E, 2] for w13, [E, 1] for w2)."""
         if shard_id not in EXPERT_SHARDS:
             raise ValueError(f"shard id {shard_id!r} is not one of {list(EXPERT_SHARDS)}")
         if not 0 <= expert_id < self.num_experts:
@@ -67,15 +72,22 @@ class FusedMoE(nn.Module):
         if not self.owns(expert_id):
             return
         target = param.data[expert_id - self.expert_start]
-        if shard_id in W13_SHARDS:  # rows: this rank's part of the gate or the up projection
-            half = target.shape[0] // 2
-            target = target.narrow(0, 0 if shard_id == "w1" else half, half)
-            if self.tp_size > 1 and loaded.dim() >= 1 and loaded.shape[0] == half * self.tp_size:
-                loaded = loaded.narrow(0, self.tp_rank * half, half)
-        else:  # down: this rank's columns
-            inter = target.shape[-1]
-            if self.tp_size > 1 and loaded.dim() == 2 and loaded.shape[1] == inter * self.tp_size:
-                loaded = loaded.narrow(1, self.tp_rank * inter, inter)
+        if getattr(param, "per_shard", False):
+            if loaded.numel() != 1:
+                raise ValueError(f"shape {tuple(loaded.shape)} is not one value (a per-tensor scale) "
+                                 f"(expert {expert_id}, {shard_id})")
+            target[1 if shard_id == "w3" else 0] = loaded.reshape(())
+            return
+        out_dim, in_dim = getattr(param, "output_dim", 0), getattr(param, "input_dim", 1)
+        if shard_id in W13_SHARDS and out_dim is not None:  # this rank's part of the gate or the up projection
+            half = target.shape[out_dim] // 2
+            target = target.narrow(out_dim, 0 if shard_id == "w1" else half, half)
+            if self.tp_size > 1 and loaded.dim() > out_dim and loaded.shape[out_dim] == half * self.tp_size:
+                loaded = loaded.narrow(out_dim, self.tp_rank * half, half)
+        elif shard_id == "w2" and in_dim is not None:  # down: this rank's columns
+            inter = target.shape[in_dim]
+            if self.tp_size > 1 and loaded.dim() > in_dim and loaded.shape[in_dim] == inter * self.tp_size:
+                loaded = loaded.narrow(in_dim, self.tp_rank * inter, inter)
         if tuple(target.shape) != tuple(loaded.shape):
             raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {tuple(target.shape)} "
                              f"(expert {expert_id}, {shard_id})")
