@@ -187,3 +187,74 @@ def test_fused_parts_must_agree(tmp_path, seed):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="only some are quantized"):
         LLM(model=str(path), dtype="float32", device="cpu", skip_tokenizer_init=True)
+
+
+def _layer_with(method, n: int, k: int, gen: torch.Generator, checkpoint: dict[str, torch.Tensor]):
+    from baryon.layers.linear import ReplicatedLinear
+    from baryon.loader.quantized import process_weights_after_loading
+
+    layer = ReplicatedLinear(k, n, bias=False)
+    layer.use_method(method)
+    params = dict(layer.named_parameters())
+    for name, tensor in checkpoint.items():
+        params[name].weight_loader(params[name], tensor)
+    process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_act_order_layers_gather_activations_for_each_kernel(seed, kernel, monkeypatch):
+    """A GPTQ act-order layer (g_idx a permutation of the groups) through the selected W4A16
+    kernel, the Triton one in the interpreter: its output is x @ dequantized weight.T."""
+    from baryon.quantization.wna16 import WNA16LinearMethod
+
+    monkeypatch.setenv("BARYON_KERNEL_W4A16_LINEAR", kernel)
+    gen = torch.Generator().manual_seed(seed)
+    n, k, group = 48, 96, 16
+    g_idx = (torch.randperm(k, generator=gen) // group).to(torch.int32)  # column k's group
+    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    qweight = sum(codes[j::8] << (4 * j) for j in range(8)).to(torch.int32)  # [k / 8, n], along K
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen, dtype=torch.int32)
+    qzeros = sum(((zeros[:, j::8] - 1) & 15) << (4 * j) for j in range(8)).to(torch.int32)  # v1: zero - 1
+    scales = torch.rand(k // group, n, generator=gen) * 0.01 + 0.001
+    layer = _layer_with(WNA16LinearMethod("gptq", 4, group, symmetric=False, act_order=True), n, k, gen,
+                        {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx})
+    expected_weight = (codes.float() - zeros.float()[g_idx.long()]) * scales[g_idx.long()]  # [k, n]
+    assert torch.equal(layer.method.dequantize(layer), expected_weight.t())
+    x = torch.randn(5, k, generator=gen)
+    torch.testing.assert_close(layer(x), x @ expected_weight, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-channel", "fp8-block", "int8"])
+def test_activation_quantized_layers_on_triton(seed, scheme, monkeypatch):
+    """The GPU route of FP8 / INT8 layers (activation quantization + the Triton GEMM), here in the
+    interpreter: within the activations' quantization error of x @ dequantized weight.T."""
+    from baryon.quantization.fp8 import Fp8LinearMethod
+    from baryon.quantization.int8 import Int8LinearMethod
+
+    for family in ("ACT_QUANT", "FP8_LINEAR", "INT8_LINEAR"):
+        monkeypatch.setenv(f"BARYON_KERNEL_{family}", "triton")
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 64, 96
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    if scheme == "fp8-channel":
+        q, scale = quantize_fp8_per_channel(weight)
+        method, checkpoint = Fp8LinearMethod("channel", False), {"weight": q, "weight_scale": scale[:, None]}
+    elif scheme == "fp8-block":
+        q, scale = quantize_fp8_blocks(weight, (32, 32))
+        method = Fp8LinearMethod("block", False, (32, 32), scale_name="weight_scale_inv")
+        checkpoint = {"weight": q, "weight_scale_inv": scale}
+    else:
+        from baryon.quantization.int8 import quantize_int8_per_channel
+
+        q, scale = quantize_int8_per_channel(weight)
+        method, checkpoint = Int8LinearMethod(), {"weight": q, "weight_scale": scale[:, None]}
+    layer = _layer_with(method, n, k, gen, checkpoint)
+    assert layer.method.kernel.name == "triton"
+    dense = layer.method.dequantize(layer)
+    x = torch.randn(7, k, generator=gen)
+    exact = x @ dense.t()
+    # activations rounded to e4m3 (3 mantissa bits) or to 1/127 of their row's max: a few percent
+    # of the output at most, where a wrong scale or tile would be off by its whole size
+    bound = 0.06 if scheme.startswith("fp8") else 0.02
+    assert (layer(x) - exact).norm() <= bound * exact.norm()
