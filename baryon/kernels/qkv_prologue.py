@@ -10,6 +10,9 @@ Inputs, for every implementation:
   q_norm_weight, k_norm_weight: [head_dim] or None (no QK norm).
   kv_cache:      [2, num_blocks, block_size, num_kv_heads, head_dim].
   slot_mapping:  [num_tokens] int64 (block_id * block_size + offset; -1: do not store).
+  k_scale, v_scale: the layer's float32 KV-cache scales (one element each, on the cache's
+                 device); required when kv_cache is float8_e4m3fn, which then stores
+                 clamp(key / k_scale, +-448) and clamp(value / v_scale, +-448); else ignored.
 Returns the rotated queries [num_tokens, num_heads * head_dim] (a view into qkv).
 """
 
@@ -19,11 +22,15 @@ from typing import Any
 
 import torch
 
+from baryon.kernels.attention.backend import check_fp8_scales, is_fp8_cache
 from baryon.kernels.attention.torch_paged import store_kv
 from baryon.kernels.norm import rms_norm_reference
 from baryon.kernels.rotary import apply_rotary
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, tl, triton
+
+if triton is not None:
+    from baryon.kernels.attention.triton_paged import quantize_fp8_kv
 
 
 def _split(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -38,7 +45,8 @@ class TorchQKVPrologue(Kernel):
     def forward(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                num_heads: int, num_kv_heads: int, head_dim: int,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         query, key, value = _split(qkv, num_heads, num_kv_heads, head_dim)
         if q_norm_weight is not None:
             query = rms_norm_reference(query.reshape(-1, head_dim), q_norm_weight, eps).view(query.shape)
@@ -46,14 +54,15 @@ class TorchQKVPrologue(Kernel):
         rotated_q, rotated_k = apply_rotary(positions, query, key, cos_sin_cache, head_dim)
         num_tokens = qkv.shape[0]
         store_kv(rotated_k.view(num_tokens, num_kv_heads, head_dim),
-                 value.reshape(num_tokens, num_kv_heads, head_dim), kv_cache, slot_mapping)
+                 value.reshape(num_tokens, num_kv_heads, head_dim), kv_cache, slot_mapping, k_scale, v_scale)
         out = qkv[:, :num_heads * head_dim]
         out.copy_(rotated_q)
         return out
 
 
 class CpuQKVPrologue(Kernel):
-    """The C++ kernel (kernels/cpu/paged_attention.cpp): one pass per token, float32 only."""
+    """The C++ kernel (kernels/cpu/paged_attention.cpp): one pass per token, float32 only (the
+    cache: float32 or fp8)."""
 
     name = "cpu"
 
@@ -71,9 +80,15 @@ class CpuQKVPrologue(Kernel):
     def forward(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                num_heads: int, num_kv_heads: int, head_dim: int,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if is_fp8_cache(kv_cache):
+            check_fp8_scales(k_scale, v_scale)
+        else:
+            k_scale = v_scale = None
         torch.ops.baryon_cpu.qkv_prologue(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
-                                          kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+                                          kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim,
+                                          k_scale, v_scale)
         return qkv[:, :num_heads * head_dim]
 
 
@@ -101,10 +116,11 @@ if triton is not None:
 
     @triton.jit
     def _qkv_prologue_kernel(qkv, positions, cos_sin, q_norm_weight, k_norm_weight, k_cache, v_cache,
-                             slot_mapping, stride_qkv, stride_cs, stride_cache_slot, eps,
+                             slot_mapping, k_scale, v_scale, stride_qkv, stride_cs, stride_cache_slot, eps,
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              ROTARY_DIM: tl.constexpr, DIM_PADDED: tl.constexpr, Q_HEADS_PADDED: tl.constexpr,
-                             KV_HEADS_PADDED: tl.constexpr, HAS_NORM: tl.constexpr):
+                             KV_HEADS_PADDED: tl.constexpr, HAS_NORM: tl.constexpr, FP8_KV: tl.constexpr,
+                             INTERPRETED: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions + token)
         dims = tl.arange(0, DIM_PADDED)
@@ -133,6 +149,9 @@ if triton is not None:
             kv_heads = tl.arange(0, KV_HEADS_PADDED)[:, None]
             offsets = kv_heads * HEAD_DIM + dims[None, :]
             v = tl.load(k_row + NUM_KV_HEADS * HEAD_DIM + offsets, mask=kv_mask)
+            if FP8_KV:  # k is already rounded to the model dtype, as the torch prologue's
+                k = quantize_fp8_kv(k, k_scale, k_cache, INTERPRETED)
+                v = quantize_fp8_kv(v, v_scale, v_cache, INTERPRETED)
             tl.store(k_cache + slot * stride_cache_slot + offsets, k, mask=kv_mask)
             tl.store(v_cache + slot * stride_cache_slot + offsets, v, mask=kv_mask)
 
@@ -152,16 +171,22 @@ class TritonQKVPrologue(TritonKernel):
     def forward(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, eps: float,
                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                num_heads: int, num_kv_heads: int, head_dim: int,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         num_tokens = qkv.shape[0]
         has_norm = q_norm_weight is not None
+        fp8 = is_fp8_cache(kv_cache)
+        if fp8:
+            check_fp8_scales(k_scale, v_scale)
+        else:  # unused pointers
+            k_scale = v_scale = slot_mapping
         if num_tokens:
             _qkv_prologue_kernel[(num_tokens,)](
                 qkv, positions, cos_sin_cache, q_norm_weight if has_norm else cos_sin_cache,
                 k_norm_weight if has_norm else cos_sin_cache, kv_cache[0], kv_cache[1], slot_mapping,
-                qkv.stride(0), cos_sin_cache.stride(0), kv_cache.stride(2), eps,
+                k_scale, v_scale, qkv.stride(0), cos_sin_cache.stride(0), kv_cache.stride(2), eps,
                 NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                 ROTARY_DIM=cos_sin_cache.shape[-1], DIM_PADDED=next_power_of_2(head_dim),
                 Q_HEADS_PADDED=next_power_of_2(num_heads), KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
-                HAS_NORM=has_norm)
+                HAS_NORM=has_norm, FP8_KV=fp8, INTERPRETED=INTERPRETED)
         return qkv[:, :num_heads * head_dim]

@@ -3,11 +3,18 @@
 `forward_qkv` is the path the models take: from the fused QKV projection's output it runs the
 QKV prologue (QK norm, rotary, KV-cache write; one kernel on GPU) and then attention. Under
 torch.compile (compilation levels 1-3) that pair is the opaque custom op `baryon::attention`,
-so dynamo neither traces into the kernels nor sees the per-step metadata and the KV cache."""
+so dynamo neither traces into the kernels nor sees the per-step metadata and the KV cache.
+
+FP8 KV cache (engine argument kv_cache_dtype="fp8"): the runner binds a float8_e4m3fn cache and
+every write / read goes through the layer's `k_scale` / `v_scale` (float32 parameters of one
+element, loaded from the checkpoint's `self_attn.k_scale` / `k_proj.output_scale` when present,
+else 1.0). They stay on the device and are passed to the kernels as tensors, so CUDA graphs
+capture them by address. Other cache dtypes never read them."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +49,23 @@ def intercept_attention(interceptor: AttentionInterceptor) -> Iterator[None]:
         _interceptor = previous
 
 
+def _load_kv_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """A checkpoint's KV-cache scale: a scalar or a one-element tensor, positive and finite."""
+    if loaded.numel() != 1:
+        raise ValueError(f"a KV-cache scale must be a scalar or have one element, got shape {list(loaded.shape)}")
+    value = float(loaded.reshape(()).to(torch.float32))  # at load time only
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"a KV-cache scale must be positive and finite, got {value}")
+    param.data.copy_(loaded.reshape(param.shape).to(torch.float32))
+
+
+def _kv_scale_parameter() -> nn.Parameter:
+    param = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+    param.weight_loader = _load_kv_scale
+    param.expected_shards = frozenset()  # optional: a checkpoint without scales keeps 1.0
+    return param
+
+
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  sliding_window: int | None = None) -> None:
@@ -57,6 +81,9 @@ class Attention(nn.Module):
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once the
         # cache is allocated (a plain attribute, not part of the state dict).
         self.kv_cache: torch.Tensor | None = None
+        # FP8 KV cache: cache = clamp(k / k_scale, +-448) as float8_e4m3fn, read back as cache * k_scale.
+        self.k_scale = _kv_scale_parameter()
+        self.v_scale = _kv_scale_parameter()
         self.layer_id = next(_next_layer_id)
         _layers[self.layer_id] = self
 
@@ -80,10 +107,10 @@ class Attention(nn.Module):
         num_tokens = qkv.shape[0]
         query = self.prologue.forward(qkv, positions, cos_sin_cache, q_norm_weight, k_norm_weight, eps,
                                       self.kv_cache, metadata.slot_mapping,
-                                      self.num_heads, self.num_kv_heads, self.head_dim)
+                                      self.num_heads, self.num_kv_heads, self.head_dim, self.k_scale, self.v_scale)
         shape = (num_tokens, self.num_heads, self.head_dim)
         result = self.backend.forward(query.view(shape), None, None, self.kv_cache, metadata,
-                                      None if output is None else output.view(shape))
+                                      None if output is None else output.view(shape), self.k_scale, self.v_scale)
         return result.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -94,7 +121,7 @@ class Attention(nn.Module):
             query.view(num_tokens, self.num_heads, self.head_dim),
             key.view(num_tokens, self.num_kv_heads, self.head_dim),
             value.view(num_tokens, self.num_kv_heads, self.head_dim),
-            self.kv_cache, current_attn_metadata())
+            self.kv_cache, current_attn_metadata(), k_scale=self.k_scale, v_scale=self.v_scale)
         return output.reshape(num_tokens, self.num_heads * self.head_dim)
 
 

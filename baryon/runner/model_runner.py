@@ -108,16 +108,23 @@ class ModelRunner:
         return decode, piecewise
 
     def kv_bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.config.model.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.config.cache.kv_cache_dtype).element_size()
         return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attention_layers)
 
     def bind_kv_cache(self, num_blocks: int | None) -> None:
         """Give every attention layer its [2, num_blocks, block_size, kv_heads, head_dim] cache
-        (None: take the caches away)."""
+        in the cache dtype (the model's, or float8_e4m3fn) (None: take the caches away)."""
+        dtype = self.config.cache.kv_cache_dtype
+        fp8 = dtype == torch.float8_e4m3fn  # allocated as bytes: not every device has float8 fill kernels
+        if fp8 and num_blocks is not None and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < (8, 9):  # Triton's float8e4nv conversions need sm_89+
+                raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
+                                 f"(this one is {capability[0]}.{capability[1]})")
         for layer in self.attention_layers:
             layer.kv_cache = None if num_blocks is None else torch.zeros(
                 2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                dtype=self.config.model.dtype, device=self.device)
+                dtype=torch.uint8 if fp8 else dtype, device=self.device).view(dtype)
 
     # -- one step ---------------------------------------------------------------------------
 

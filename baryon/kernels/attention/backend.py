@@ -1,4 +1,11 @@
-"""The attention backend interface: store this step's K/V in the paged cache, then attend."""
+"""The attention backend interface: store this step's K/V in the paged cache, then attend.
+
+FP8 KV cache: a cache of dtype float8_e4m3fn holds keys and values divided by the layer's
+float32 scales (`k_scale`, `v_scale`: one each per layer, device tensors of one element) and
+clamped to +-448; reading multiplies by the scale again. Every store path (the QKV prologues,
+`store_kv`) and every read path (the backends) takes the scales as arguments; caches of any other
+dtype ignore them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,31 @@ import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.selector import Kernel
+
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
+
+
+def is_fp8_cache(kv_cache: torch.Tensor | None) -> bool:
+    return kv_cache is not None and kv_cache.dtype == FP8_KV_DTYPE
+
+
+def check_fp8_scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if k_scale is None or v_scale is None:
+        raise ValueError("an fp8 KV cache needs the layer's k_scale and v_scale tensors")
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What an fp8 cache stores for x: clamp(x / scale, +-448) in float8_e4m3fn (float32 math)."""
+    return (x.to(torch.float32) / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cache entries as `dtype`: fp8 entries times their scale (in float32), others just cast."""
+    if x.dtype == FP8_KV_DTYPE:
+        return (x.to(torch.float32) * scale).to(dtype)
+    return x.to(dtype)
 
 
 class AttentionBackend(Kernel):
@@ -34,9 +66,11 @@ class AttentionBackend(Kernel):
         self.sinks = sinks
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads,
         head_dim], stored into the cache first, or None when the caller already stored them.
         Returns [num_tokens, num_heads, head_dim], written into `output` when given (a static
-        buffer of the piecewise CUDA graphs)."""
+        buffer of the piecewise CUDA graphs). k_scale/v_scale: the layer's float32 scales,
+        required when kv_cache is fp8 (ignored otherwise)."""
         raise NotImplementedError

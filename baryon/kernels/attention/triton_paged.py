@@ -8,6 +8,11 @@ table built once per step, so one launch serves any mix. The loop bounds come fr
 memory (seq_lens, query_start_loc), so decode launches can be captured in a CUDA graph.
 
 The KV write is a separate small kernel (`store_kv`) that skips slots of -1 (padding).
+
+FP8 caches (float8_e4m3fn, FP8_KV): the tiles are loaded as fp8 and converted in registers to the
+query dtype (exact: e4m3 values are bf16/fp32 values); the layer's scales are not applied per
+element but folded in: k_scale into the softmax scale, v_scale into the accumulator at the end.
+The writes divide by the scale (IEEE division, as torch), clamp to +-448 and convert to fp8.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any
 
 import torch
 
-from baryon.kernels.attention.backend import AttentionBackend
+from baryon.kernels.attention.backend import AttentionBackend, check_fp8_scales, is_fp8_cache
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton, triton_unsupported_reason
 from baryon.transfer import to_device
@@ -26,9 +31,43 @@ from baryon.transfer import to_device
 if triton is not None:
 
     @triton.jit
-    def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping,
+    def _e4m3_round_to_nearest_even(y):
+        """float32 y in [-448, 448] (or NaN) -> float8e4nv, rounded to nearest even with bit
+        operations. For the interpreter only: its float->fp8 conversion rounds ties up and
+        loses mantissa carries; compiled kernels use the hardware conversion (cvt.rn.satfinite)."""
+        bits = y.to(tl.uint32, bitcast=True)
+        sign = (bits >> 31) << 7
+        exp = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+        significand = ((bits & 0x7FFFFF) | 0x800000).to(tl.int64)  # 1.m x 2^23
+        # Keep 3 fraction bits of a normal e4m3 value (exp >= -6); fewer for its subnormals.
+        shift = tl.minimum(20 + tl.maximum(-6 - exp, 0), 40).to(tl.int64)
+        kept = significand >> shift
+        rest = significand - (kept << shift)
+        half = 1 << (shift - 1)
+        kept += ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int64)
+        # Normal: biased exponent and fraction (a carry out of the fraction bumps the exponent);
+        # subnormal: `kept` is the code itself (8 = the smallest normal, 2^-6).
+        code = tl.where(exp >= -6, ((exp + 7) << 3).to(tl.int64) + kept - 8, kept)
+        code = tl.where(y != y, 0x7F, code)  # NaN
+        return (code.to(tl.uint32) | sign).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+    @triton.jit
+    def quantize_fp8_kv(x, scale_ptr, cache, INTERPRETED: tl.constexpr):
+        """clamp(x / scale, +-448) in the fp8 element type of `cache` (float32 IEEE division and
+        round-to-nearest-even, as torch's x.float() / scale ... .to(float8_e4m3fn))."""
+        y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        y = tl.where(y != y, y, tl.clamp(y, -448.0, 448.0))  # NaN stays NaN, as with torch.clamp
+        if INTERPRETED:
+            quantized = _e4m3_round_to_nearest_even(y)
+        else:
+            quantized = y.to(cache.dtype.element_ty)
+        return quantized
+
+    @triton.jit
+    def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
                          stride_kt, stride_vt, stride_cache_slot,
-                         ROW: tl.constexpr, ROW_PADDED: tl.constexpr):
+                         ROW: tl.constexpr, ROW_PADDED: tl.constexpr, FP8_KV: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
         token = tl.program_id(0)
         slot = tl.load(slot_mapping + token)
         if slot < 0:
@@ -37,14 +76,19 @@ if triton is not None:
         mask = offs < ROW
         k = tl.load(key + token * stride_kt + offs, mask=mask)
         v = tl.load(value + token * stride_vt + offs, mask=mask)
+        if FP8_KV:
+            k = quantize_fp8_kv(k, k_scale, k_cache, INTERPRETED)
+            v = quantize_fp8_kv(v, v_scale, v_cache, INTERPRETED)
         tl.store(k_cache + slot * stride_cache_slot + offs, k, mask=mask)
         tl.store(v_cache + slot * stride_cache_slot + offs, v, mask=mask)
 
     @triton.jit
     def _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos, kv_head, m_i, l_i, acc,
                      dims, dim_valid, scale, stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
-                     PAGE: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr):
-        """One TILE_N-token step of the online softmax over keys [start, start + TILE_N)."""
+                     PAGE: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
+                     FP8_KV: tl.constexpr):
+        """One TILE_N-token step of the online softmax over keys [start, start + TILE_N).
+        FP8_KV: `scale` already includes k_scale; `acc` is still to be multiplied by v_scale."""
         key_pos = start + tl.arange(0, TILE_N)
         key_valid = key_pos < last_pos
         page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_valid, other=0)
@@ -52,6 +96,8 @@ if triton is not None:
         kv_offset = slot_offset[:, None] + kv_head * stride_cache_head + dims[None, :]
         kv_mask = key_valid[:, None] & dim_valid[None, :]
         k = tl.load(k_cache + kv_offset, mask=kv_mask, other=0.0)  # [TILE_N, D]
+        if FP8_KV:
+            k = k.to(q.dtype)
         if IEEE_DOT:  # float32 models: full-precision products (Triton's default would be TF32)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE_N]
         else:
@@ -66,6 +112,8 @@ if triton is not None:
         p = tl.exp(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache + kv_offset, mask=kv_mask, other=0.0)
+        if FP8_KV:
+            v = v.to(q.dtype)
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -75,13 +123,14 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
         query, k_cache, v_cache, output, block_tables, seq_lens, query_start_loc, tile_seq, tile_q, sinks,
-        partial_acc, partial_m, partial_l, scale,
+        partial_acc, partial_m, partial_l, scale, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
         TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr, TILED: tl.constexpr,
         IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+        FP8_KV: tl.constexpr,
     ):
         if TILED:  # program -> (sequence, query tile) from the step's tile table: no idle programs
             seq = tl.load(tile_seq + tl.program_id(0))
@@ -108,6 +157,8 @@ if triton is not None:
         q = tl.load(query + (q_start + q_token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                     mask=row_valid[:, None] & dim_valid[None, :], other=0.0)  # [BLOCK_M, D]
         q_pos = context + q_token  # absolute position of each row's token
+        if FP8_KV:  # q . (k8 * k_scale) = (q . k8) * k_scale
+            scale = scale * tl.load(k_scale)
 
         if HAS_SINKS:  # the sink starts the online softmax (of split 0 only): max = sink, sum = 1
             seeded = row_valid & (tl.zeros([BLOCK_M], tl.int32) + split == 0)  # a [BLOCK_M] int1 mask
@@ -134,14 +185,16 @@ if triton is not None:
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
                                              stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
-                                             IEEE_DOT)
+                                             IEEE_DOT, FP8_KV)
                 start += TILE_N
         else:
             for start in range(lo, hi, TILE_N):
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
                                              stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
-                                             IEEE_DOT)
+                                             IEEE_DOT, FP8_KV)
+        if FP8_KV:  # sum_j p_j (v8_j * v_scale) = v_scale * sum_j p_j v8_j
+            acc = acc * tl.load(v_scale)
         if SPLITS > 1:  # unnormalised partial results; _combine_splits_kernel merges them
             part = ((q_start + q_token) * NUM_HEADS + head) * SPLITS + split  # [BLOCK_M]
             tl.store(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_valid[:, None])
@@ -191,17 +244,25 @@ def _query_tiles(metadata: AttentionMetadata, block_q: int) -> tuple[torch.Tenso
     return metadata.backend_scratch[key]
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] into kv_cache [2, num_blocks,
-    block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] (-1: skip)."""
+    block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] (-1: skip). An fp8 cache
+    stores clamp(key / k_scale, +-448) and clamp(value / v_scale, +-448)."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    fp8 = is_fp8_cache(kv_cache)
+    if fp8:
+        check_fp8_scales(k_scale, v_scale)
+    else:  # unused pointers
+        k_scale = v_scale = slot_mapping
     row = key.shape[1] * key.shape[2]
     key, value = key.reshape(num_tokens, row), value.reshape(num_tokens, row)
-    _store_kv_kernel[(num_tokens,)](key, value, kv_cache[0], kv_cache[1], slot_mapping,
+    _store_kv_kernel[(num_tokens,)](key, value, kv_cache[0], kv_cache[1], slot_mapping, k_scale, v_scale,
                                     key.stride(0), value.stride(0), kv_cache.stride(2),
-                                    ROW=row, ROW_PADDED=next_power_of_2(row))
+                                    ROW=row, ROW_PADDED=next_power_of_2(row), FP8_KV=fp8,
+                                    INTERPRETED=INTERPRETED)
 
 
 MAX_KV_SPLITS = 16
@@ -229,9 +290,15 @@ class TritonPagedAttention(AttentionBackend):
         return None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        fp8 = is_fp8_cache(kv_cache)
+        if fp8:
+            check_fp8_scales(k_scale, v_scale)
+        else:  # unused pointers
+            k_scale = v_scale = metadata.seq_lens
         if key is not None:
-            store_kv(key, value, kv_cache, metadata.slot_mapping)
+            store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if output is None:
             output = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
@@ -264,14 +331,14 @@ class TritonPagedAttention(AttentionBackend):
             query, kv_cache[0], kv_cache[1], output, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, tile_seq, tile_q,
             self.sinks if self.sinks is not None else metadata.seq_lens, partial_acc, partial_m, partial_l,
-            self.scale,
+            self.scale, k_scale, v_scale,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), metadata.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=self.head_dim,
             HEAD_DIM_PADDED=head_dim_padded, PAGE=page, TILE_N=max(16, min(64, page * 4)),
             WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED, TILED=tiled,
             IEEE_DOT=query.dtype == torch.float32, HAS_SINKS=self.sinks is not None,
-            SPLITS=splits, NUM_HEADS=self.num_heads,
+            SPLITS=splits, NUM_HEADS=self.num_heads, FP8_KV=fp8,
         )
         if splits > 1:
             _combine_splits_kernel[(query.shape[0], self.num_heads)](

@@ -13,13 +13,22 @@
 //   [S, max_blocks] int32, seq_lens [S] int32 (tokens after this step), query_start_loc [S + 1]
 //   int32 (sequence s owns query rows starting at query_start_loc[s]) -> out [T, H, D].
 //   Matches TorchPagedAttention.
+//
+// Both take a float32 or a float8_e4m3fn cache. An fp8 cache needs k_scale / v_scale (float32,
+// one element each): the prologue stores clamp(x / scale, +-448) rounded to e4m3 (c10's
+// conversion, the one torch's .to(float8_e4m3fn) uses); attention converts each key / value
+// row it reads through a 256-entry table and folds the scales into the softmax scale (keys) and
+// the probabilities (values).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "vec.h"
@@ -27,6 +36,40 @@
 namespace {
 
 using namespace baryon_cpu;
+
+using fp8 = c10::Float8_e4m3fn;
+constexpr float kFp8Max = 448.f;
+
+// Validates an fp8 cache's scale and returns its value (a host read: these are CPU tensors).
+float scale_value(const std::optional<at::Tensor>& scale, const char* op, const char* name) {
+  TORCH_CHECK(scale.has_value() && scale->defined() && scale->numel() == 1 && scale->scalar_type() == at::kFloat &&
+                  scale->device().is_cpu(),
+              op, ": an fp8 kv_cache needs ", name, " as a one-element float32 CPU tensor");
+  return scale->data_ptr<float>()[0];
+}
+
+// e4m3fn bits -> float, for all 256 bit patterns.
+const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(fp8(static_cast<uint8_t>(b), fp8::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+// out = e4m3(clamp(x / scale, +-448)); NaN passes through, as torch.clamp lets it.
+void quantize_row(const float* x, float scale, uint8_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = x[i] / scale;
+    out[i] = fp8(y > kFp8Max ? kFp8Max : (y < -kFp8Max ? -kFp8Max : y)).x;
+  }
+}
+
+void dequantize_row(const uint8_t* x, float* out, int64_t n) {
+  const std::array<float, 256>& table = fp8_table();
+  for (int64_t i = 0; i < n; ++i) out[i] = table[x[i]];
+}
 
 void norm_head(float* head, const float* weight, int64_t D, float eps) {
   const float inv = 1.f / std::sqrt(dot(head, head, D) / D + eps);
@@ -44,13 +87,17 @@ void rotate_head(float* head, const float* cos, const float* sin, int64_t half) 
 void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                   const std::optional<at::Tensor>& q_norm_weight, const std::optional<at::Tensor>& k_norm_weight,
                   double eps, const at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t H, int64_t Hkv,
-                  int64_t D) {
+                  int64_t D, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
                   qkv.size(1) == (H + 2 * Hkv) * D,
               "qkv_prologue: qkv must be float32 [T, ", (H + 2 * Hkv) * D, "], got ", qkv.sizes());
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
+  const bool is_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || is_fp8) && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
                   kv_cache.size(3) == Hkv && kv_cache.size(4) == D,
-              "qkv_prologue: kv_cache must be contiguous float32 [2, blocks, block_size, ", Hkv, ", ", D, "]");
+              "qkv_prologue: kv_cache must be contiguous float32 or float8_e4m3fn [2, blocks, block_size, ", Hkv,
+              ", ", D, "]");
+  const float ks = is_fp8 ? scale_value(k_scale, "qkv_prologue", "k_scale") : 1.f;
+  const float vs = is_fp8 ? scale_value(v_scale, "qkv_prologue", "v_scale") : 1.f;
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
               "qkv_prologue: positions and slot_mapping must be int64");
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
@@ -58,7 +105,8 @@ void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::
   const bool has_norm = q_norm_weight.has_value() && q_norm_weight->defined();
   const int64_t T = qkv.size(0), rotary = cos_sin_cache.size(1), half = rotary / 2;
   const int64_t cache_half = kv_cache.numel() / 2;  // keys, then values
-  float* cache = kv_cache.data_ptr<float>();
+  float* cache = is_fp8 ? nullptr : kv_cache.data_ptr<float>();
+  uint8_t* cache8 = is_fp8 ? static_cast<uint8_t*>(kv_cache.data_ptr()) : nullptr;
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* row = qkv.data_ptr<float>() + t * qkv.stride(0);
@@ -70,6 +118,11 @@ void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::
       }
       const int64_t slot = slot_mapping.data_ptr<int64_t>()[t];
       if (slot < 0) continue;
+      if (is_fp8) {
+        quantize_row(row + H * D, ks, cache8 + slot * Hkv * D, Hkv * D);
+        quantize_row(row + (H + Hkv) * D, vs, cache8 + cache_half + slot * Hkv * D, Hkv * D);
+        continue;
+      }
       std::memcpy(cache + slot * Hkv * D, row + H * D, Hkv * D * sizeof(float));
       std::memcpy(cache + cache_half + slot * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
     }
@@ -78,12 +131,18 @@ void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                           int64_t window) {
+                           int64_t window, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
               "paged_attention: query must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "paged_attention: kv_cache must be contiguous float32 [2, blocks, block_size, Hkv, D]");
+  const bool is_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || is_fp8) && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "paged_attention: kv_cache must be contiguous float32 or float8_e4m3fn [2, blocks, block_size, Hkv, D]");
+  // fp8: q . (k8 * k_scale) = (q . k8) * k_scale; sum p (v8 * v_scale) = sum (p * v_scale) v8.
+  const float k_mult = is_fp8 ? scale_value(k_scale, "paged_attention", "k_scale") : 1.f;
+  const float v_mult = is_fp8 ? scale_value(v_scale, "paged_attention", "v_scale") : 1.f;
+  const float qk_scale = static_cast<float>(scale) * k_mult;
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "paged_attention: block_tables, seq_lens and query_start_loc must be int32");
@@ -95,10 +154,12 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   for (int64_t s = 0; s < S; ++s)
     for (int64_t t = starts[s]; t < starts[s + 1]; ++t) seq_of_token[t] = s;
   at::Tensor out = at::empty({T, H, D}, query.options());
-  const float* keys = kv_cache.data_ptr<float>();
-  const float* values = keys + cache_half;
+  const float* keys = is_fp8 ? nullptr : kv_cache.data_ptr<float>();
+  const float* values = is_fp8 ? nullptr : keys + cache_half;
+  const uint8_t* keys8 = is_fp8 ? static_cast<const uint8_t*>(kv_cache.data_ptr()) : nullptr;
+  const uint8_t* values8 = is_fp8 ? keys8 + cache_half : nullptr;
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs;
+    std::vector<float> probs, key_rows, value_rows;  // fp8: this job's rows as float32
     for (int64_t job = begin; job < end; ++job) {
       const int64_t t = job / Hkv, kvh = job % Hkv, s = seq_of_token[t];
       const int64_t q_len = starts[s + 1] - starts[s];
@@ -107,18 +168,33 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
       const int32_t* table = block_tables.data_ptr<int32_t>() + s * max_blocks;
       auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size; };
       probs.resize(n);
+      if (is_fp8) {  // convert the rows once for the whole head group
+        key_rows.resize(n * D);
+        value_rows.resize(n * D);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t offset = (slot_of(first + j) * Hkv + kvh) * D;
+          dequantize_row(keys8 + offset, key_rows.data() + j * D, D);
+          dequantize_row(values8 + offset, value_rows.data() + j * D, D);
+        }
+      }
+      auto key_row = [&](int64_t j) {
+        return is_fp8 ? key_rows.data() + j * D : keys + (slot_of(first + j) * Hkv + kvh) * D;
+      };
+      auto value_row = [&](int64_t j) {
+        return is_fp8 ? value_rows.data() + j * D : values + (slot_of(first + j) * Hkv + kvh) * D;
+      };
       for (int64_t g = 0; g < group; ++g) {
         const float* q = query.data_ptr<float>() + t * query.stride(0) + (kvh * group + g) * D;
         float top = -INFINITY;
         for (int64_t j = 0; j < n; ++j) {
-          probs[j] = dot(q, keys + (slot_of(first + j) * Hkv + kvh) * D, D) * static_cast<float>(scale);
+          probs[j] = dot(q, key_row(j), D) * qk_scale;
           top = std::max(top, probs[j]);
         }
         float total = 0.f;
         for (int64_t j = 0; j < n; ++j) total += (probs[j] = std::exp(probs[j] - top));
         float* o = out.data_ptr<float>() + (t * H + kvh * group + g) * D;
         std::fill(o, o + D, 0.f);
-        for (int64_t j = 0; j < n; ++j) axpy(probs[j] / total, values + (slot_of(first + j) * Hkv + kvh) * D, o, D);
+        for (int64_t j = 0; j < n; ++j) axpy(probs[j] / total * v_mult, value_row(j), o, D);
       }
     }
   });
@@ -130,9 +206,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
 TORCH_LIBRARY_FRAGMENT(baryon_cpu, m) {
   m.def("qkv_prologue(Tensor(a!) qkv, Tensor positions, Tensor cos_sin_cache, Tensor? q_norm_weight, "
         "Tensor? k_norm_weight, float eps, Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, "
-        "int num_kv_heads, int head_dim) -> ()");
+        "int num_kv_heads, int head_dim, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, int window) -> Tensor");
+        "Tensor query_start_loc, float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baryon_cpu, CPU, m) {
