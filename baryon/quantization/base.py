@@ -73,6 +73,29 @@ class DenseLinearMethod(LinearMethod):
 DENSE = DenseLinearMethod()
 
 
+class ActivationQuantizedLinearMethod(LinearMethod):
+    """FP8 / INT8 layers: after loading, `self.weights` holds what `self.kernel.prepare` made;
+    a forward quantizes the activations (`quantize_input`) and runs the kernel. With the torch
+    kernel (CPU) the weight is dequantized and multiplies the float activations instead."""
+
+    kernel: type
+    weights: object
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [M, K] -> (quantized [M, K], scales as the kernel reads them)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel.name == "torch":
+            return F.linear(x, self.kernel.dequantize(self.weights).to(x.dtype), bias)
+        x_q, x_scale = self.quantize_input(x.reshape(-1, x.shape[-1]))
+        out = self.kernel.forward(x_q, x_scale, self.weights, x.dtype, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return self.kernel.dequantize(self.weights)
+
+
 class QuantizationConfig:
     """Which method holds each layer's weights. `prefix` is the layer's checkpoint module name
     (`model.layers.0.self_attn.q_proj`); a fused layer is asked once per checkpoint part."""

@@ -21,19 +21,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.selector import select
-from baryon.quantization.base import DENSE, LinearMethod, QuantizationConfig, is_ignored
+from baryon.quantization.base import (DENSE, ActivationQuantizedLinearMethod, LinearMethod, QuantizationConfig,
+                                      is_ignored)
 from baryon.quantization.fp8_rounding import quantize_fp8_per_channel
 from baryon.quantization.moe_fp8 import Fp8MoEMethod
 
 STRATEGIES = ("tensor", "channel", "block")
 
 
-class Fp8LinearMethod(LinearMethod):
+class Fp8LinearMethod(ActivationQuantizedLinearMethod):
     def __init__(self, strategy: str, static_input: bool, block: tuple[int, int] | None = None,
                  scale_name: str = "weight_scale", online: bool = False) -> None:
         """strategy: tensor | channel | block (block needs `block` = (bn, bk)); static_input: the
@@ -83,22 +83,12 @@ class Fp8LinearMethod(LinearMethod):
             if name in layer._parameters:
                 delattr(layer, name)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kernel.name == "torch":  # CPU: dequantized weight, float activations
-            return F.linear(x, self.kernel.dequantize(self.weights).to(x.dtype), bias)
-        x2 = x.reshape(-1, x.shape[-1])
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.block is not None:
-            x_q, x_scale = self.act_quant.per_group(x2, self.block[1], FP8)
-        elif self.input_scale is not None:
-            x_q = self.act_quant.static(x2, self.input_scale, FP8)
-            x_scale = self.input_scale.expand(x2.shape[0], 1)
-        else:
-            x_q, x_scale = self.act_quant.per_token(x2, FP8)
-        out = self.kernel.forward(x_q, x_scale, self.weights, x.dtype, bias)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return self.kernel.dequantize(self.weights)
+            return self.act_quant.per_group(x, self.block[1], FP8)
+        if self.input_scale is not None:
+            return self.act_quant.static(x, self.input_scale, FP8), self.input_scale.expand(x.shape[0], 1)
+        return self.act_quant.per_token(x, FP8)
 
 
 class Fp8Config(QuantizationConfig):

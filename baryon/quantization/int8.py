@@ -9,12 +9,11 @@ On CPU (the torch kernel) a layer dequantizes its weight and multiplies the floa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baryon.kernels.quant.act_quant import INT8_MAX
 from baryon.kernels.selector import select
-from baryon.quantization.base import DENSE, LinearMethod, QuantizationConfig
+from baryon.quantization.base import DENSE, ActivationQuantizedLinearMethod, LinearMethod, QuantizationConfig
 
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,7 +23,7 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return torch.round(w32 / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-class Int8LinearMethod(LinearMethod):
+class Int8LinearMethod(ActivationQuantizedLinearMethod):
     def __init__(self, online: bool = False) -> None:
         self.online = online
 
@@ -49,16 +48,8 @@ class Int8LinearMethod(LinearMethod):
             if name in layer._parameters:
                 delattr(layer, name)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kernel.name == "torch":  # CPU: dequantized weight, float activations
-            return F.linear(x, self.kernel.dequantize(self.weights).to(x.dtype), bias)
-        x2 = x.reshape(-1, x.shape[-1])
-        x_q, x_scale = self.act_quant.per_token(x2, torch.int8)
-        out = self.kernel.forward(x_q, x_scale, self.weights, x.dtype, bias)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        return self.kernel.dequantize(self.weights)
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.act_quant.per_token(x, torch.int8)
 
 
 class OnlineInt8Config(QuantizationConfig):
