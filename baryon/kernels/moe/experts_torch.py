@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from baryon.kernels.quant.act_quant import FP8, quantize_per_group_reference
 from baryon.kernels.selector import Kernel
 
 
@@ -37,3 +38,88 @@ class TorchFusedExperts(Kernel):
     def forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
         return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+# FP8 experts with block weight scales (DeepSeek-V3, Qwen3-*-FP8): w13 float8_e4m3fn [E, 2I, H]
+# with w13_scale float32 [E, ceil(2I / bn), ceil(H / bk)], w2 float8_e4m3fn [E, H, I] with
+# w2_scale [E, ceil(H / bn), ceil(I / bk)]; block = (bn, bk); weight = q * its block's scale.
+
+
+def dequantize_block_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w [..., N, K] float8 with scale [..., ceil(N / bn), ceil(K / bk)] -> float32 [..., N, K]
+    (the last blocks of a row or column may be partial)."""
+    bn, bk = block
+    n, k = w.shape[-2:]
+    full = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return w.float() * full
+
+
+def _dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """q [M, K] with per-row group scales [M, ceil(K / group)] -> float32 [M, K]."""
+    return q.float() * scale.repeat_interleave(group, dim=-1)[:, : q.shape[1]]
+
+
+def fused_experts_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                                w2_scale: torch.Tensor, block: tuple[int, int], topk_weights: torch.Tensor,
+                                topk_ids: torch.Tensor, expert_start: int = 0,
+                                num_experts: int | None = None) -> torch.Tensor:
+    """The FP8 experts as the GPU computes them (w8a8, the math of vLLM's / SGLang's block-FP8
+    MoE), one expert at a time in float32: x is quantized to float8_e4m3fn per token in 1 x bk
+    groups (the act_quant reference), each GEMM is the dequantized activations times the
+    dequantized weights (= sum over K blocks of x_scale[row, kb] * w_scale[nb, kb] * the fp8
+    partial dot), and the SiLU-and-mul intermediate is quantized the same way before the down
+    GEMM. Rounded to x.dtype where the Triton kernel stores: the intermediate and each pair's
+    weighted output (summed over k in float32). Pairs routed to experts outside expert_start ..
+    expert_start + num_local - 1 contribute zero (num_experts, the global count, is not needed
+    here). Returns [num_tokens, hidden] in x.dtype."""
+    _, bk = block
+    num_tokens, top_k = topk_ids.shape
+    num_local, inter = w13.shape[0], w2.shape[2]
+    xq, xs = quantize_per_group_reference(x, bk, FP8)
+    xd = _dequantize_groups(xq, xs, bk)
+    y = torch.zeros(num_tokens, top_k, x.shape[1], dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - expert_start
+    for expert in torch.unique(local[(local >= 0) & (local < num_local)]).tolist():
+        token_idx, k_idx = torch.where(local == expert)
+        gate, up = F.linear(xd[token_idx], dequantize_block_fp8(w13[expert], w13_scale[expert], block)).split(inter, -1)
+        act = (F.silu(gate) * up).to(x.dtype)
+        aq, as_ = quantize_per_group_reference(act, bk, FP8)
+        out = F.linear(_dequantize_groups(aq, as_, bk), dequantize_block_fp8(w2[expert], w2_scale[expert], block))
+        y[token_idx, k_idx] = (out * topk_weights[token_idx, k_idx, None].float()).to(x.dtype).float()
+    return y.sum(dim=1).to(x.dtype)
+
+
+def fused_experts_fp8_dequant(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                              w2_scale: torch.Tensor, block: tuple[int, int], topk_weights: torch.Tensor,
+                              topk_ids: torch.Tensor, expert_start: int = 0,
+                              num_experts: int | None = None) -> torch.Tensor:
+    """Weight-only dequantization: each used expert's weights dequantized by blocks to float32,
+    the activations left unquantized, everything in float32 (the CPU path). Returns
+    [num_tokens, hidden] in x.dtype."""
+    num_local, inter = w13.shape[0], w2.shape[2]
+    x32 = x.float()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - expert_start
+    for expert in torch.unique(local[(local >= 0) & (local < num_local)]).tolist():
+        token_idx, k_idx = torch.where(local == expert)
+        w13_e = dequantize_block_fp8(w13[expert], w13_scale[expert], block)
+        gate, up = F.linear(x32[token_idx], w13_e).split(inter, -1)
+        y = F.linear(F.silu(gate) * up, dequantize_block_fp8(w2[expert], w2_scale[expert], block))
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, k_idx, None].float())
+    return out.to(x.dtype)
+
+
+class TorchFp8FusedExperts(Kernel):
+    """FP8 block-scaled experts on any device (the CPU path of FP8 MoE checkpoints): weight-only
+    dequantization (`fused_experts_fp8_dequant`), so activations keep their precision; the GPU
+    kernels also quantize activations (w8a8) and differ from this by that rounding
+    (`fused_experts_fp8_reference` is their exact reference)."""
+
+    name = "torch"
+
+    @staticmethod
+    def forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                w2_scale: torch.Tensor, block: tuple[int, int], topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
+        return fused_experts_fp8_dequant(x, w13, w2, w13_scale, w2_scale, tuple(block), topk_weights, topk_ids,
+                                         expert_start, num_experts)

@@ -20,6 +20,12 @@ The gate/up GEMM keeps two accumulators (gate and up columns of the same tile) a
 SiLU-and-mul in its epilogue, so the [pairs, 2 * I] product never reaches memory; the down GEMM
 multiplies each row by its routing weight in its epilogue. Tile sizes come from
 `tile_configs` (tuned per shape and batch bucket on the GPU, kept in `configs/`).
+
+FP8 checkpoints with block weight scales (`TritonFp8FusedExperts`, family fused_moe_fp8) run the
+same kernels with FP8=True: x and the intermediate are quantized per token in 1 x bk groups
+(act_quant) to float8_e4m3fn, BLOCK_K is the scales' block width bk, and each K tile's float8
+dot is multiplied by its row's activation scale and its column's weight-block scale before it
+is added to the float32 accumulator.
 """
 
 from __future__ import annotations
@@ -29,22 +35,35 @@ import torch
 from baryon.kernels.activation import TritonSiluAndMul
 from baryon.kernels.moe.align import align_pairs_triton
 from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
-from baryon.kernels.moe.tile_configs import TileConfig, tile_configs
+from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, fp8_block_tiles, tile_configs
+from baryon.kernels.quant.act_quant import FP8
+from baryon.kernels.selector import select
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
 
 if triton is not None:
 
     @triton.jit
-    def _expert_tile(x, stride_xm, a_rows, row_mask, w_expert, stride_wn, stride_wk, offs_n, n_mask, K,
-                     up_offset, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+    def _expert_tile(x, stride_xm, a_rows, row_mask, w_expert, stride_wn, stride_wk, offs_n, n_mask, N, K,
+                     up_offset, a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
+                     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                     FP8: tl.constexpr, SCALE_BN: tl.constexpr):
         """[BLOCK_M, BLOCK_N] float32: rows a_rows of x times columns offs_n of the expert's weight
-        (w_expert[n, k]); with GATED, silu(that) * (the same with the columns up_offset further)."""
+        (w_expert[n, k]); with GATED, silu(that) * (the same with the columns up_offset further,
+        weight rows offs_n + N).
+
+        FP8: x and the weight are float8 with block scales, BLOCK_K being the scales' block width:
+        each K tile's dot is multiplied by a_scale[row, kb] (per row, kb-th group of x's row) and
+        ws_expert[n // SCALE_BN, kb] (per weight row) before it is added (float32)."""
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if FP8:
+            as_ptrs = a_scale + a_rows.to(tl.int64) * stride_asm  # [BM]
+            ws_ptrs = ws_expert + (offs_n // SCALE_BN) * stride_wsn  # [BN]
+            ws_up_ptrs = ws_expert + ((offs_n + N) // SCALE_BN) * stride_wsn
         for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
@@ -53,7 +72,10 @@ if triton is not None:
                 k_mask = offs_k < K - k0
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if IEEE:
+            if FP8:
+                s_a = tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None]
+                acc += tl.dot(a, w) * (s_a * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :])
+            elif IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
@@ -62,12 +84,18 @@ if triton is not None:
                     w_up = tl.load(w_ptrs + up_offset, mask=n_mask[None, :], other=0.0)
                 else:
                     w_up = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if IEEE:
+                if FP8:
+                    acc_up += tl.dot(a, w_up) * (s_a * tl.load(ws_up_ptrs, mask=n_mask, other=0.0)[None, :])
+                elif IEEE:
                     acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
                 else:
                     acc_up = tl.dot(a, w_up, acc_up)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
+            if FP8:
+                as_ptrs += stride_ask
+                ws_ptrs += stride_wsk
+                ws_up_ptrs += stride_wsk
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         return acc
@@ -80,12 +108,15 @@ if triton is not None:
                  acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
     @triton.jit
-    def _moe_pairs_kernel(x, w, out, topk_ids, topk_weights, N, K, expert_start, num_local,
+    def _moe_pairs_kernel(x, w, out, topk_ids, topk_weights, a_scale, w_scale, N, K, expert_start, num_local,
                           stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                          stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
                           ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          FP8: tl.constexpr, SCALE_BN: tl.constexpr):
         """Program (pair, column tile): one row times its expert's weight columns, as a GEMV on
-        the CUDA cores (a decode step of a few tokens: every program has work)."""
+        the CUDA cores (a decode step of a few tokens: every program has work). FP8: block
+        scales as in _expert_tile."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -99,6 +130,10 @@ if triton is not None:
         up_offset = N.to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_N], tl.float32)
+        if FP8:
+            as_ptr = a_scale + (pair // ROWS_PER_X).to(tl.int64) * stride_asm
+            ws_ptrs = w_scale + local_expert.to(tl.int64) * stride_wse + (offs_n // SCALE_BN) * stride_wsn
+            ws_up_ptrs = w_scale + local_expert.to(tl.int64) * stride_wse + ((offs_n + N) // SCALE_BN) * stride_wsn
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             if EVEN_K:
@@ -107,15 +142,27 @@ if triton is not None:
             else:
                 a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
                 wt = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+            if FP8:
+                s_a = tl.load(as_ptr)
+                acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1) * (s_a * tl.load(ws_ptrs, mask=n_mask, other=0.0))
+            else:
+                acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
             if GATED:
                 if EVEN_K:
                     wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None], other=0.0)
                 else:
                     wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+                if FP8:
+                    acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1) * (
+                        s_a * tl.load(ws_up_ptrs, mask=n_mask, other=0.0))
+                else:
+                    acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
+            if FP8:
+                as_ptr += stride_ask
+                ws_ptrs += stride_wsk
+                ws_up_ptrs += stride_wsk
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if MUL_WEIGHT:
@@ -140,26 +187,29 @@ if triton is not None:
 
     @triton.jit
     def _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
-                       offs_n, n_mask, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
+                       offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
+                       a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
                        ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
-                       EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                       EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr):
         """Rows first_row .. first_row + BLOCK_M - 1 of the expert's pairs (`pairs` holds the first
         tile's, found with the count)."""
         if first_row > 0:
             pairs, count = _expert_pairs(topk_ids, num_pairs, expert, first_row, SCAN, BLOCK_M)
         row_mask = first_row + tl.arange(0, BLOCK_M) < count
         acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk, offs_n,
-                           n_mask, K, up_offset, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                           n_mask, N, K, up_offset, a_scale, stride_asm, stride_ask, ws_expert, stride_wsn,
+                           stride_wsk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, FP8, SCALE_BN)
         _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
 
     @triton.jit
-    def _moe_scan_kernel(x, w, out, topk_ids, topk_weights, num_pairs, N, K, expert_start,
+    def _moe_scan_kernel(x, w, out, topk_ids, topk_weights, a_scale, w_scale, num_pairs, N, K, expert_start,
                          stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                         stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
                          ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCAN: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                         INTERPRETED: tl.constexpr):
+                         FP8: tl.constexpr, SCALE_BN: tl.constexpr, INTERPRETED: tl.constexpr):
         """Program (local expert, column tile): every pair routed to that expert. Row of x for pair
         p: p // ROWS_PER_X (the token for gate/up, the pair itself for down)."""
         local_expert = tl.program_id(0)
@@ -170,26 +220,33 @@ if triton is not None:
         if count == 0:
             return
         w_expert = w + local_expert.to(tl.int64) * stride_we
+        ws_expert = w_scale + local_expert.to(tl.int64) * stride_wse
         up_offset = N.to(tl.int64) * stride_wn
         first_row = 0
         if INTERPRETED:  # the interpreter cannot loop to a loaded bound: the same loop as a while
             while first_row < count:
                 _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
-                               offs_n, n_mask, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
-                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE)
+                               offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
+                               a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
+                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
+                               FP8, SCALE_BN)
                 first_row += BLOCK_M
         else:
             for first_row in range(0, count, BLOCK_M):
                 _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
-                               offs_n, n_mask, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
-                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE)
+                               offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
+                               a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
+                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
+                               FP8, SCALE_BN)
 
     @triton.jit
-    def _moe_sorted_kernel(x, w, out, sorted_pairs, block_experts, num_padded, topk_weights, num_pairs,
-                           N, K, num_blocks_m, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+    def _moe_sorted_kernel(x, w, out, sorted_pairs, block_experts, num_padded, topk_weights, a_scale, w_scale,
+                           num_pairs, N, K, num_blocks_m, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                           stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
                            ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                           GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                           FP8: tl.constexpr, SCALE_BN: tl.constexpr):
         """Program (row tile, column tile) over the sorted, padded pairs; GROUP_M row tiles share
         their column tiles in launch order (the standard tile swizzle)."""
         pid = tl.program_id(0)
@@ -207,8 +264,9 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w + local_expert * stride_we,
-                           stride_wn, stride_wk, offs_n, n_mask, K, N.to(tl.int64) * stride_wn, GATED,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE)
+                           stride_wn, stride_wk, offs_n, n_mask, N, K, N.to(tl.int64) * stride_wn,
+                           a_scale, stride_asm, stride_ask, w_scale + local_expert * stride_wse, stride_wsn,
+                           stride_wsk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, FP8, SCALE_BN)
         _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
 
 
@@ -237,33 +295,83 @@ def sum_topk(y: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_per_x: int, gated: bool,
-            topk_weights: torch.Tensor | None, cfg: TileConfig, layout) -> None:
+            topk_weights: torch.Tensor | None, cfg: TileConfig, layout,
+            fp8: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """One grouped GEMM: out[p, :n] for every pair p, from rows of x and the expert weights w
-    [experts, (2 if gated else 1) * n, K]."""
+    [experts, (2 if gated else 1) * n, K]. fp8: (x_scale [rows of x, ceil(K / bk)], w_scale
+    [experts, ceil(rows of w / bn), ceil(K / bk)], bn) for float8 x and w with block scales,
+    cfg.block_k being bk."""
     num_local, K = w.shape[0], w.shape[2]
+    if fp8 is None:  # no scales: the pointers are never read
+        a_scale, w_scale, scale_bn = x, w, 1
+        scale_strides = (0, 0, 0, 0, 0)
+    else:
+        a_scale, w_scale, scale_bn = fp8
+        scale_strides = (a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
+                         w_scale.stride(2))
+    fp8_args = dict(FP8=fp8 is not None, SCALE_BN=scale_bn)
     common = dict(ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                  IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args)
     weights = topk_weights if topk_weights is not None else out
-    strides = (x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0))
+    strides = (x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), *scale_strides)
     if layout[0] == "pairs":
         _, topk_ids, expert_start = layout
         grid = (topk_ids.numel(), triton.cdiv(n, cfg.block_n))
-        _moe_pairs_kernel[grid](x, w, out, topk_ids, weights, n, K, expert_start, num_local, *strides,
-                                ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
+        _moe_pairs_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, n, K, expert_start, num_local,
+                                *strides, ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args)
     elif layout[0] == "scan":
         _, topk_ids, expert_start = layout
         grid = (num_local, triton.cdiv(n, cfg.block_n))
-        _moe_scan_kernel[grid](x, w, out, topk_ids, weights, topk_ids.numel(), n, K, expert_start, *strides,
-                               SCAN=cfg.scan, INTERPRETED=INTERPRETED, **common)
+        _moe_scan_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, topk_ids.numel(), n, K,
+                               expert_start, *strides, SCAN=cfg.scan, INTERPRETED=INTERPRETED, **common)
     else:
         _, sorted_pairs, block_experts, num_padded, num_pairs = layout
         blocks_m = block_experts.shape[0]
         grid = (blocks_m * triton.cdiv(n, cfg.block_n),)
-        _moe_sorted_kernel[grid](x, w, out, sorted_pairs, block_experts, num_padded, weights, num_pairs,
-                                 n, K, blocks_m, *strides, GROUP_M=cfg.group_m, **common)
+        _moe_sorted_kernel[grid](x, w, out, sorted_pairs, block_experts, num_padded, weights, a_scale, w_scale,
+                                 num_pairs, n, K, blocks_m, *strides, GROUP_M=cfg.group_m, **common)
+
+
+def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, expert_start: int, num_experts: int | None, tiles: MoETiles,
+                     dtype: torch.dtype, fp8: tuple | None = None) -> torch.Tensor:
+    """The gate/up and down GEMMs in tiles' layout, the intermediate and each pair's output in
+    dtype, then the sum over k. fp8: (x_scale, w13_scale, w2_scale, (bn, bk), act_quant kernel)
+    when x, w13 and w2 are float8 with block scales; the intermediate is quantized like x (per
+    row, 1 x bk groups) before the down GEMM."""
+    num_tokens = x.shape[0]
+    hidden, top_k = w2.shape[1], topk_ids.shape[1]
+    num_local, inter = w13.shape[0], w2.shape[2]
+    num_pairs = num_tokens * top_k
+    inter_out = torch.empty(num_pairs, inter, dtype=dtype, device=x.device)
+    # Pairs routed to another rank's experts are never written: they must read as zeros.
+    partial = num_experts is not None and num_experts != num_local
+    y = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=dtype, device=x.device)
+    up_cfg, down_cfg = tiles.up, tiles.down
+    if tiles.mode in ("pairs", "scan"):
+        up_layout = down_layout = (tiles.mode, topk_ids, expert_start)
+    else:
+        up_layout = ("sorted", *align_pairs_triton(topk_ids, num_local, expert_start, up_cfg.block_m), num_pairs)
+        down_layout = up_layout if down_cfg.block_m == up_cfg.block_m else \
+            ("sorted", *align_pairs_triton(topk_ids, num_local, expert_start, down_cfg.block_m), num_pairs)
+    up_fp8 = down_fp8 = None
+    if fp8 is not None:
+        x_scale, w13_scale, w2_scale, (block_n, block_k), quant = fp8
+        up_fp8 = (x_scale, w13_scale, block_n)
+    if up_cfg.fuse_act:
+        _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout, up_fp8)
+    else:  # gate/up product [pairs, 2 * inter] to memory, then SiLU-and-mul
+        gate_up = (torch.zeros if partial else torch.empty)(num_pairs, 2 * inter, dtype=dtype, device=x.device)
+        _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout, up_fp8)
+        inter_out = TritonSiluAndMul.forward(gate_up)
+    if fp8 is not None:
+        inter_out, inter_scale = quant.per_group(inter_out, block_k, FP8)
+        down_fp8 = (inter_scale, w2_scale, block_n)
+    _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout, down_fp8)
+    return sum_topk(y, num_tokens, top_k)
 
 
 class TritonFusedExperts(TritonKernel):
@@ -284,7 +392,6 @@ class TritonFusedExperts(TritonKernel):
         num_tokens, hidden = x.shape
         top_k = topk_ids.shape[1]
         num_local, inter = w13.shape[0], w2.shape[2]
-        num_pairs = num_tokens * top_k
         if x.stride(1) != 1:
             x = x.contiguous()
         topk_ids = topk_ids.contiguous()
@@ -292,22 +399,58 @@ class TritonFusedExperts(TritonKernel):
         tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, x.dtype, x.device)
         if tiles.mode == "grouped_mm":  # measured faster at this size (tile_configs)
             return GroupedMMFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
-        inter_out = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-        # Pairs routed to another rank's experts are never written: they must read as zeros.
-        partial = num_experts is not None and num_experts != num_local
-        y = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
-        up_cfg, down_cfg = tiles.up, tiles.down
-        if tiles.mode in ("pairs", "scan"):
-            up_layout = down_layout = (tiles.mode, topk_ids, expert_start)
-        else:
-            up_layout = ("sorted", *align_pairs_triton(topk_ids, num_local, expert_start, up_cfg.block_m), num_pairs)
-            down_layout = up_layout if down_cfg.block_m == up_cfg.block_m else \
-                ("sorted", *align_pairs_triton(topk_ids, num_local, expert_start, down_cfg.block_m), num_pairs)
-        if up_cfg.fuse_act:
-            _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout)
-        else:  # gate/up product [pairs, 2 * inter] to memory, then SiLU-and-mul
-            gate_up = (torch.zeros if partial else torch.empty)(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
-            _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout)
-            inter_out = TritonSiluAndMul.forward(gate_up)
-        _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout)
-        return sum_topk(y, num_tokens, top_k)
+        return _grouped_experts(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype)
+
+
+class TritonFp8FusedExperts(TritonKernel):
+    """FP8 experts with 128 x 128 block weight scales (DeepSeek-V3, Qwen3-*-FP8), w8a8 like vLLM's
+    and SGLang's block-FP8 MoE: the activations are quantized per token in 1 x bk groups
+    (act_quant) before each GEMM, and each K tile (BLOCK_K = bk) of the float8 tensor-core dot is
+    scaled by x_scale[row, kb] * w_scale[expert, n // bn, kb] before it is accumulated in float32.
+    The layouts and tiles are those of the bf16 kernels (`fp8_block_tiles`: BLOCK_K = bk, and
+    gated tiles that fit the registers).
+    Reference: `experts_torch.fused_experts_fp8_reference`."""
+
+    family = "fused_moe_fp8"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        reason = super().unsupported_reason(device)
+        if reason is None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            return "float8 tensor-core dots need compute capability 8.9 or newer"
+        return reason
+
+    @classmethod
+    def cannot_implement_reason(cls, dtype: torch.dtype = torch.bfloat16, hidden: int | None = None,
+                                inter: int | None = None, block: tuple[int, int] | None = None,
+                                **config) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {dtype}"
+        if block is None:
+            return "needs block weight scales (block=(bn, bk))"
+        block_n, block_k = block
+        if block_n < 1 or block_k < 32 or block_k & (block_k - 1):
+            return f"block {tuple(block)}: bk must be a power of two of at least 32 (it is the GEMMs' BLOCK_K)"
+        return None
+
+    @staticmethod
+    def forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                w2_scale: torch.Tensor, block: tuple[int, int], topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
+        """x: [num_tokens, hidden] (float16 / bfloat16 / float32); w13: float8_e4m3fn [local
+        experts, 2 * inter, hidden] with w13_scale float32 [local experts, ceil(2 * inter / bn),
+        ceil(hidden / bk)]; w2: float8_e4m3fn [local experts, hidden, inter] with w2_scale
+        [local experts, ceil(hidden / bn), ceil(inter / bk)]; block: (bn, bk); routing as in
+        TritonFusedExperts. Returns [num_tokens, hidden] in x.dtype."""
+        block_n, block_k = block
+        num_tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        num_local, inter = w13.shape[0], w2.shape[2]
+        quant = select("act_quant", x.device)  # per_group(x, group_size, dtype) -> (q, scale)
+        x_q, x_scale = quant.per_group(x.contiguous(), block_k, FP8)
+        topk_ids = topk_ids.contiguous()
+        topk_weights = topk_weights.contiguous()
+        tiles = fp8_block_tiles(tile_configs(num_local, hidden, inter, num_tokens, top_k, FP8, x.device),
+                                num_local, num_tokens * top_k, block_k)
+        return _grouped_experts(x_q, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype,
+                                (x_scale, w13_scale, w2_scale, (block_n, block_k), quant))

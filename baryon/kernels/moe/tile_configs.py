@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -112,3 +112,40 @@ def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top
             at_or_above = [size for size in sizes if size >= num_tokens]
             return table[at_or_above[0] if at_or_above else sizes[-1]]
     return default_tiles(num_experts, num_tokens * top_k)
+
+
+# A gated (SiLU-and-mul fused) FP8 tile keeps two float32 accumulators and the two per-K-tile
+# dot products it scales in registers. Compiled for sm_90 (Triton 3.9's ptxas; not timed), more
+# than this many accumulator elements per thread spill: 64 x 128 on 4 warps and 128 x 128 on 8
+# do, 64 x 128 and 128 x 64 on 8 warps do not (the bf16 tiles of the same sizes do not either).
+FP8_GATED_ACC_PER_THREAD = 32
+
+
+def _fp8_gated_tile(tile: TileConfig) -> TileConfig:
+    """More warps (up to 8), then narrower column tiles, until the accumulators fit."""
+    num_warps, block_n = tile.num_warps, tile.block_n
+    while tile.block_m * block_n > FP8_GATED_ACC_PER_THREAD * 32 * num_warps:
+        if num_warps < 8:
+            num_warps *= 2
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            break
+    return replace(tile, num_warps=num_warps, block_n=block_n)
+
+
+@functools.lru_cache(maxsize=4096)
+def fp8_block_tiles(tiles: MoETiles, num_experts: int, num_pairs: int, block_k: int) -> MoETiles:
+    """The tiles of an FP8 step with block-scaled weights: every GEMM's K tile is one block of the
+    scales (BLOCK_K = bk, so a K tile's partial dot takes one activation scale per row and one
+    weight scale per column). At bk = 128 a default tile's stage holds as many bytes as its bf16
+    counterpart at BLOCK_K = 64. Tiles made for bf16 (BLOCK_K other than bk: the defaults) also
+    get a gated tile that fits its registers (_fp8_gated_tile); a table tuned for FP8 (BLOCK_K
+    already bk) is taken as it is. torch's grouped GEMM has no block-scaled FP8 form: a
+    "grouped_mm" entry gets the default tiles."""
+    if tiles.mode == "grouped_mm":
+        tiles = default_tiles(num_experts, num_pairs)
+    up, down = tiles.up, tiles.down
+    if up.block_k != block_k and up.fuse_act:
+        up = _fp8_gated_tile(up)
+    return MoETiles(tiles.mode, replace(up, block_k=block_k), replace(down, block_k=block_k))
