@@ -451,6 +451,6 @@ class TritonFp8FusedExperts(TritonKernel):
         topk_ids = topk_ids.contiguous()
         topk_weights = topk_weights.contiguous()
         tiles = fp8_block_tiles(tile_configs(num_local, hidden, inter, num_tokens, top_k, FP8, x.device),
-                                num_local, num_tokens * top_k, block_k)
+                                num_local, num_tokens * top_k, block_k, block_n)
         return _grouped_experts(x_q, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype,
                                 (x_scale, w13_scale, w2_scale, (block_n, block_k), quant))

@@ -121,10 +121,10 @@ def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top
 FP8_GATED_ACC_PER_THREAD = 32
 
 
-def _fp8_gated_tile(tile: TileConfig) -> TileConfig:
+def _fp8_fit(tile: TileConfig, acc_per_thread: int) -> TileConfig:
     """More warps (up to 8), then narrower column tiles, until the accumulators fit."""
     num_warps, block_n = tile.num_warps, tile.block_n
-    while tile.block_m * block_n > FP8_GATED_ACC_PER_THREAD * 32 * num_warps:
+    while tile.block_m * block_n > acc_per_thread * 32 * num_warps:
         if num_warps < 8:
             num_warps *= 2
         elif block_n > 16:
@@ -135,17 +135,22 @@ def _fp8_gated_tile(tile: TileConfig) -> TileConfig:
 
 
 @functools.lru_cache(maxsize=4096)
-def fp8_block_tiles(tiles: MoETiles, num_experts: int, num_pairs: int, block_k: int) -> MoETiles:
+def fp8_block_tiles(tiles: MoETiles, num_experts: int, num_pairs: int, block_k: int, block_n: int = 128) -> MoETiles:
     """The tiles of an FP8 step with block-scaled weights: every GEMM's K tile is one block of the
     scales (BLOCK_K = bk, so a K tile's partial dot takes one activation scale per row and one
     weight scale per column). At bk = 128 a default tile's stage holds as many bytes as its bf16
     counterpart at BLOCK_K = 64. Tiles made for bf16 (BLOCK_K other than bk: the defaults) also
-    get a gated tile that fits its registers (_fp8_gated_tile); a table tuned for FP8 (BLOCK_K
+    get a gated tile that fits its registers (_fp8_fit); a table tuned for FP8 (BLOCK_K
     already bk) is taken as it is. torch's grouped GEMM has no block-scaled FP8 form: a
-    "grouped_mm" entry gets the default tiles."""
+    "grouped_mm" entry gets the default tiles. Scales finer than a column tile (block_n below
+    BLOCK_N: channel scales run as 1 x 128 blocks) hold one scale per column in registers too:
+    half the accumulators per thread, on both GEMMs (ptxas spilled 52-88 bytes otherwise)."""
     if tiles.mode == "grouped_mm":
         tiles = default_tiles(num_experts, num_pairs)
     up, down = tiles.up, tiles.down
-    if up.block_k != block_k and up.fuse_act:
-        up = _fp8_gated_tile(up)
+    if block_n < min(up.block_n, down.block_n):
+        up = _fp8_fit(up, FP8_GATED_ACC_PER_THREAD // (2 if up.fuse_act else 1))
+        down = _fp8_fit(down, FP8_GATED_ACC_PER_THREAD)
+    elif up.block_k != block_k and up.fuse_act:
+        up = _fp8_fit(up, FP8_GATED_ACC_PER_THREAD)
     return MoETiles(tiles.mode, replace(up, block_k=block_k), replace(down, block_k=block_k))

@@ -229,7 +229,7 @@ if triton is not None:
                 k_left = K - kk * BLOCK_K
                 a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
                 b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)
-            acc = tl.dot(a_tile, b_tile, acc)
+            acc = tl.dot(a_tile, b_tile, acc, out_dtype=tl.int32)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
 
@@ -250,7 +250,7 @@ if triton is not None:
         for kk in range(0, tl.cdiv(K, BLOCK_K)):
             a_tile = a_desc.load([off_m, kk * BLOCK_K])
             b_tile = b_desc.load([off_n, kk * BLOCK_K])
-            acc = tl.dot(a_tile, b_tile.T, acc)
+            acc = tl.dot(a_tile, b_tile.T, acc, out_dtype=tl.int32)
         _int8_epilogue(acc, out, a_scale, b_scale, bias, M, N, stride_om, stride_as, pid_m, pid_n,
                        HAS_BIAS, BLOCK_M, BLOCK_N)
 
