@@ -258,3 +258,15 @@ def test_activation_quantized_layers_on_triton(seed, scheme, monkeypatch):
     # of the output at most, where a wrong scale or tile would be off by its whole size
     bound = 0.06 if scheme.startswith("fp8") else 0.02
     assert (layer(x) - exact).norm() <= bound * exact.norm()
+
+
+def test_fp8_to_float_is_the_cast(seed):
+    """The CPU table conversion equals torch's cast for every byte and for strided tensors."""
+    from baryon.kernels.quant.act_quant import FP8, fp8_to_float
+
+    every = torch.arange(256, dtype=torch.uint8).view(FP8)
+    assert torch.equal(fp8_to_float(every).nan_to_num(0.5), every.float().nan_to_num(0.5))
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(37, 50, generator=gen) * 40).to(FP8)
+    assert torch.equal(fp8_to_float(q.t()), q.t().float())
+    assert fp8_to_float(q).shape == (37, 50)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baryon.kernels.quant.act_quant import FP8, quantize_per_group_reference
+from baryon.kernels.quant.act_quant import FP8, fp8_to_float, quantize_per_group_reference
 from baryon.kernels.selector import Kernel
 
 
@@ -51,7 +51,7 @@ def dequantize_block_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     bn, bk = block
     n, k = w.shape[-2:]
     full = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return w.float() * full
+    return fp8_to_float(w) * full
 
 
 def _dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:

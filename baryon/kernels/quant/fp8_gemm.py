@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from baryon.kernels.quant.act_quant import FP8
+from baryon.kernels.quant.act_quant import FP8, fp8_to_float
 from baryon.kernels.selector import Kernel
 from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
 
@@ -116,9 +116,13 @@ def dequantize_weight_reference(w_q: torch.Tensor, w_scale: torch.Tensor,
     block = _check_block(block)
     scale = _normalise_weight_scale(w_q, w_scale, block)
     n, k = w_q.shape
+    weight = fp8_to_float(w_q)
     if block is None:
-        return w_q.float() * scale[:, None]
-    return w_q.float() * _expand_block_scale(scale, n, k, block)
+        return weight * scale[:, None]
+    bn, bk = block
+    if n % bn == 0 and k % bk == 0:  # whole blocks: broadcast the scales, no [N, K] scale tensor
+        return (weight.view(n // bn, bn, k // bk, bk) * scale[:, None, :, None]).view(n, k)
+    return weight * _expand_block_scale(scale, n, k, block)
 
 
 def dequantize_activation_reference(x_q: torch.Tensor, x_scale: torch.Tensor,
