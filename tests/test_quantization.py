@@ -270,3 +270,30 @@ def test_fp8_to_float_is_the_cast(seed):
     q = (torch.randn(37, 50, generator=gen) * 40).to(FP8)
     assert torch.equal(fp8_to_float(q.t()), q.t().float())
     assert fp8_to_float(q).shape == (37, 50)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_quantized_parameters_shard_across_tensor_parallel_ranks(seed, rank, monkeypatch):
+    """Rank `rank` of 2 takes its rows of block scales in a fused column layer (each part cut in
+    two) and its input rows of GPTQ tensors in a row-parallel layer (packed along K)."""
+    import baryon.layers.linear as linear
+
+    monkeypatch.setattr(linear, "tp_world_size", lambda: 2)
+    monkeypatch.setattr(linear, "tp_rank", lambda: rank)
+    gen = torch.Generator().manual_seed(seed)
+    merged = linear.MergedColumnParallelLinear(64, [64, 128], bias=False)  # this rank: 32 + 64 rows
+    scale = merged.add_param("weight_scale_inv", (6, 4), torch.float32, output_block=16)
+    gate, up = torch.rand(4, 4, generator=gen), torch.rand(8, 4, generator=gen)  # whole checkpoint tensors
+    merged.weight_loader(scale, gate, 0)
+    merged.weight_loader(scale, up, 1)
+    assert torch.equal(scale.data, torch.cat([gate[2 * rank:2 * rank + 2], up[4 * rank:4 * rank + 4]]))
+
+    row = linear.RowParallelLinear(128, 48, bias=False)  # this rank: input features 64 * rank ...
+    qweight = row.add_param("qweight", (8, 48), torch.int32, output_dim=1, input_dim=0)
+    scales = row.add_param("scales", (2, 48), torch.float32, output_dim=1, input_dim=0)
+    full_q = torch.randint(0, 2**31 - 1, (16, 48), generator=gen, dtype=torch.int32)  # [K / 8, N]
+    full_s = torch.rand(4, 48, generator=gen)  # groups of 32 over K = 128
+    row.weight_loader(qweight, full_q)
+    row.weight_loader(scales, full_s)
+    assert torch.equal(qweight.data, full_q[8 * rank:8 * rank + 8])
+    assert torch.equal(scales.data, full_s[2 * rank:2 * rank + 2])
