@@ -297,3 +297,25 @@ def test_quantized_parameters_shard_across_tensor_parallel_ranks(seed, rank, mon
     row.weight_loader(scales, full_s)
     assert torch.equal(qweight.data, full_q[8 * rank:8 * rank + 8])
     assert torch.equal(scales.data, full_s[2 * rank:2 * rank + 2])
+
+
+@pytest.mark.parametrize("quantization_config", [
+    {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": True},
+    {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]},
+    {"quant_method": "fp8", "activation_scheme": "static"},
+])
+def test_dummy_weights_in_a_checkpoints_own_layout(tmp_path, seed, quantization_config):
+    """load_format=dummy on a quantized checkpoint's config: random codes, valid scales and
+    act-order maps in the published layout; the engine runs (dense and MoE)."""
+    from baryon import LLM, SamplingParams
+
+    for arch in ("qwen3", "qwen3_moe"):
+        overrides = {"head_dim": 32} if arch == "qwen3" else {}
+        path = make_checkpoint(tmp_path / arch, arch, seed=seed % 1000, **overrides)
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = quantization_config
+        (path / "config.json").write_text(json.dumps(config))
+        llm = LLM(model=str(path), dtype="float32", device="cpu", load_format="dummy", skip_tokenizer_init=True)
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4

@@ -185,10 +185,14 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     biases at 0. A checkpoint's quantized layout (load_format=dummy on a quantized checkpoint)
     gets random codes and small scales."""
     generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
         gen = generators.setdefault(param.device, torch.Generator(param.device).manual_seed(seed))
         if name.endswith(("norm.weight", "k_scale", "v_scale")):
             param.fill_(1.0)
+        elif name.endswith("g_idx"):  # GPTQ act order: a valid column -> group map (groups in order)
+            groups, columns = params[name[:-len("g_idx")] + "scales"].shape[-2], param.shape[-1]
+            param.copy_(torch.arange(columns, device=param.device) * groups // columns)
         elif name.endswith(".bias"):
             param.zero_()
         elif "scale" in name.rpartition(".")[2]:
