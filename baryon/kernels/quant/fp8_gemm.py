@@ -459,11 +459,7 @@ class TritonFp8Linear(TritonKernel):
             return f"block {tuple(block)}: bk must be a multiple of 32 (Triton's FP8 dot takes K tiles of 32 or more)"
         return None
 
-    @staticmethod
-    def prepare(w_q: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8Weights:
-        block = _check_block(block)
-        scale = _normalise_weight_scale(w_q, w_scale, block)
-        return Fp8Weights(w_q.contiguous(), scale, block, w_q.shape[1], w_q.shape[0])
+    prepare = TorchFp8Linear.prepare  # the same layout: row-major [N, K], what the FP8 dot reads
 
     @staticmethod
     def forward(x_q: torch.Tensor, x_scale: torch.Tensor, weights: Fp8Weights, out_dtype: torch.dtype,
