@@ -1,11 +1,12 @@
-"""Experts of weight-only integer checkpoints (GPTQ, AWQ, compressed-tensors pack-quantized):
-loaded in their published per-expert layout (the `WNA16LinearMethod` layouts with a leading expert
-dimension) and dequantized once after loading into float experts in the model dtype, which the
-unquantized `fused_moe` kernel runs.
+"""Experts in a layout no fused MoE kernel reads yet (GPTQ, AWQ, compressed-tensors pack-quantized
+and INT8 W8A8): loaded in their published per-expert layout (the linear method's parameters with
+a leading expert dimension), then each expert's projection is repacked and dequantized by that
+linear method once, into float experts in the model dtype, which the unquantized `fused_moe`
+kernel runs.
 
 A stopgap with an honest cost: the experts take float memory (4x a bf16 model's 4-bit experts),
-so such checkpoints load and run correctly but without the memory or bandwidth saving; a fused
-MoE kernel that dequantizes in registers is the next step.
+so such checkpoints load and run correctly but without the memory or bandwidth saving; fused MoE
+kernels that read these layouts are the next step.
 """
 
 from __future__ import annotations
@@ -16,23 +17,16 @@ import torch
 from torch import nn
 
 from baryon.logger import get_logger
+from baryon.quantization.base import LinearMethod
 from baryon.quantization.moe_method import MoEMethod, UnquantizedMoEMethod
-from baryon.quantization.wna16 import WNA16LinearMethod
 
 logger = get_logger(__name__)
 
 
-def dequantize_canonical(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                         g_idx: torch.Tensor | None) -> torch.Tensor:
-    """(codes [N, K], scales / zeros [N, G], g_idx [K] or None) -> float32 [N, K]."""
-    k = codes.shape[1]
-    group = g_idx.long() if g_idx is not None else torch.arange(k, device=codes.device) // group_size
-    return (codes.float() - zeros.float()[:, group]) * scales.float()[:, group]
-
-
-class WNA16DequantizedMoEMethod(MoEMethod):
-    def __init__(self, linear: WNA16LinearMethod) -> None:
-        self.linear = linear  # says the layout of one expert's projection
+class DequantizedMoEMethod(MoEMethod):
+    def __init__(self, linear: LinearMethod, name: str) -> None:
+        self.linear = linear  # says the layout of one expert's projection, and dequantizes it
+        self.name = name  # the scheme, for the log
 
     def _projection_params(self, n: int, k: int) -> dict[str, nn.Parameter]:
         """One projection's checkpoint parameters, as a linear layer of [n, k] would create them."""
@@ -70,20 +64,18 @@ class WNA16DequantizedMoEMethod(MoEMethod):
             names = [p[len(prefix) + 1:] for p, _ in layer.named_parameters(recurse=False)
                      if p.startswith(prefix + "_")]
             dense = torch.empty(experts, n, k, dtype=dtype)
-            for e in range(experts):
-                one = SimpleNamespace(output_size=n, input_size=k,
+            for e in range(experts):  # one expert's projection as a linear layer holding it
+                one = SimpleNamespace(output_size=n, input_size=k, _parameters={},
                                       **{name: getattr(layer, f"{prefix}_{name}")[e] for name in names})
-                codes, scales, zeros, g_idx = self.linear.canonical(one)
-                if g_idx is not None and not self.linear.act_order:
-                    g_idx = None
-                dense[e] = dequantize_canonical(codes, scales, zeros, self.linear.group_size or k, g_idx).to(dtype)
+                self.linear.process_weights_after_loading(one)
+                dense[e] = self.linear.dequantize(one).to(dtype)
             stacks[prefix] = dense
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
             delattr(layer, name)
         layer.w13_weight = nn.Parameter(stacks["w13"], requires_grad=False)
         layer.w2_weight = nn.Parameter(stacks["w2"], requires_grad=False)
-        logger.warning("%s experts are held dequantized in %s (no weight-only MoE kernel yet)",
-                       self.linear.layout, dtype)
+        logger.warning("%s experts are held dequantized in %s (no fused MoE kernel reads that layout yet)",
+                       self.name, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
