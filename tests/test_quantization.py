@@ -169,6 +169,7 @@ def test_online_quantized_engine_generates(tmp_path, seed):
 
 
 def test_quantization_argument_on_a_gguf_file_is_an_error(tmp_path):
+    pytest.importorskip("gguf")
     from baryon import LLM
 
     gguf = tmp_path / "model.gguf"
@@ -202,6 +203,8 @@ def _layer_with(method, n: int, k: int, gen: torch.Generator, checkpoint: dict[s
     return layer
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton route in the CPU interpreter (float32); on CUDA "
+                    "the kernel test files run the kernels")
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 def test_act_order_layers_gather_activations_for_each_kernel(seed, kernel, monkeypatch):
     """A GPTQ act-order layer (g_idx a permutation of the groups) through the selected W4A16
@@ -225,6 +228,8 @@ def test_act_order_layers_gather_activations_for_each_kernel(seed, kernel, monke
     torch.testing.assert_close(layer(x), x @ expected_weight, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton route in the CPU interpreter (float32); on CUDA "
+                    "the kernel test files run the kernels")
 @pytest.mark.parametrize("scheme", ["fp8-channel", "fp8-block", "int8"])
 def test_activation_quantized_layers_on_triton(seed, scheme, monkeypatch):
     """The GPU route of FP8 / INT8 layers (activation quantization + the Triton GEMM), here in the

@@ -232,14 +232,14 @@ def _probe_blockwise(device: torch.device) -> str | None:
     if capability[0] != 9:
         return (f"cuBLAS blockwise FP8 scaling (1x128 x 128x128) runs on sm_90 only, "
                 f"not sm_{capability[0]}{capability[1]}")
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # inputs drawn on the CPU (whatever the default device is), then moved
     n, k = 256, 384
-    w_q = (torch.randn(n, k, generator=gen) * 64).to(FP8)  # [N, K]
-    w_scale = torch.rand(n // 128, k // 128, generator=gen) + 0.5  # [N/128, K/128], distinct per block
+    w_q = (torch.randn(n, k, generator=gen, device="cpu") * 64).to(FP8)  # [N, K]
+    w_scale = torch.rand(n // 128, k // 128, generator=gen, device="cpu") + 0.5  # [N/128, K/128], distinct per block
     weights = ScaledMMFp8Linear.prepare(w_q.to(device), w_scale.to(device), CUBLAS_BLOCK)
     for m in (1, 5, 64):
-        x_q = (torch.randn(m, k, generator=gen) * 64).to(FP8)  # [M, K]
-        x_scale = torch.rand(m, k // 128, generator=gen) + 0.5  # [M, K/128]
+        x_q = (torch.randn(m, k, generator=gen, device="cpu") * 64).to(FP8)  # [M, K]
+        x_scale = torch.rand(m, k // 128, generator=gen, device="cpu") + 0.5  # [M, K/128]
         try:
             out = ScaledMMFp8Linear.forward(x_q.to(device), x_scale.to(device), weights, torch.bfloat16)
             torch.cuda.synchronize(device)
