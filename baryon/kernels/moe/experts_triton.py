@@ -30,6 +30,8 @@ is added to the float32 accumulator.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from baryon.kernels.activation import TritonSiluAndMul
@@ -402,6 +404,12 @@ class TritonFusedExperts(TritonKernel):
         return _grouped_experts(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _act_quant(device: torch.device):
+    """The activation-quantization kernel for `device`, chosen once (not per layer per step)."""
+    return select("act_quant", device)
+
+
 class TritonFp8FusedExperts(TritonKernel):
     """FP8 experts with 128 x 128 block weight scales (DeepSeek-V3, Qwen3-*-FP8), w8a8 like vLLM's
     and SGLang's block-FP8 MoE: the activations are quantized per token in 1 x bk groups
@@ -446,7 +454,7 @@ class TritonFp8FusedExperts(TritonKernel):
         num_tokens, hidden = x.shape
         top_k = topk_ids.shape[1]
         num_local, inter = w13.shape[0], w2.shape[2]
-        quant = select("act_quant", x.device)  # per_group(x, group_size, dtype) -> (q, scale)
+        quant = _act_quant(x.device)  # per_group(x, group_size, dtype) -> (q, scale)
         x_q, x_scale = quant.per_group(x.contiguous(), block_k, FP8)
         topk_ids = topk_ids.contiguous()
         topk_weights = topk_weights.contiguous()
