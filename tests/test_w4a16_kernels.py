@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from baryon.kernels.quant import w4a16
-from baryon.kernels.quant.w4a16 import (TileConfig, TorchW4A16Linear, TritonW4A16Linear, dequantize_reference,
-                                        w4a16_linear_reference)
+from baryon.kernels.quant.w4a16 import (GemvTiles, TileConfig, TorchW4A16Linear, TritonW4A16Linear,
+                                        dequantize_reference, gemv_tiles, w4a16_linear_reference)
 from baryon.kernels.triton_utils import INTERPRETED
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,6 +161,35 @@ def test_triton_matches_reference(seed, bits, n, k, group_size, symmetric, m):
     b = bias.to(DEVICE) if with_bias else None
     out = TritonW4A16Linear.forward(x.to(DEVICE), weights, b)
     _check(out, x, codes, scales, zeros, group_size, bias if with_bias else None)
+
+
+GEMV_CASES = [  # (bits, n, k, group_size, symmetric)
+    (4, 80, 256, 128, False),    # groups of a whole block
+    (4, 33, 300, 32, True),      # a group per chunk; odd N; K not a multiple of the block
+    (4, 24, 77, 77, False),      # channel strategy
+    (4, 16, 200, 40, False),     # ragged groups
+    (4, 20, 1000, 256, False),   # groups of two blocks; the last step overhangs the row
+    (8, 40, 264, 16, False),     # groups smaller than a chunk
+    (8, 24, 600, -1, False),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,n,k,group_size,symmetric", GEMV_CASES)
+@pytest.mark.parametrize("tiles", [GemvTiles(8, 2), GemvTiles(4, 1, 2), None], ids=["8x2", "4x1", "table"])
+def test_triton_gemv_matches_reference(seed, bits, n, k, group_size, symmetric, tiles):
+    """The decode GEMV (no tl.dot; whole K per program) for every group layout, against the
+    reference and against the tiled GEMM on the same inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = TRITON_DTYPES[GEMV_CASES.index((bits, n, k, group_size, symmetric)) % len(TRITON_DTYPES)]
+    for m in (1, 4):  # the table runs up to four rows
+        codes, scales, zeros, x, bias, weights = _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype)
+        with_bias = m == 1
+        b = bias.to(DEVICE) if with_bias else None
+        out = TritonW4A16Linear.forward(x.to(DEVICE), weights, b, tiles=tiles or gemv_tiles(m, bits))
+        _check(out, x, codes, scales, zeros, group_size, bias if with_bias else None)
+        gemm = TritonW4A16Linear.forward(x.to(DEVICE), weights, b, tiles=TileConfig(16, 32))
+        _check(gemm, x, codes, scales, zeros, group_size, bias if with_bias else None)
 
 
 @needs_triton

@@ -50,6 +50,7 @@ _REGISTRY: dict[str, list[str]] = {
     "act_quant": ["baryon.kernels.quant.act_quant:TritonActQuant", "baryon.kernels.quant.act_quant:TorchActQuant"],
     "fp8_linear": ["baryon.kernels.quant.fp8_gemm:ScaledMMFp8Linear", "baryon.kernels.quant.fp8_gemm:TritonFp8Linear",
                    "baryon.kernels.quant.fp8_gemm:TorchFp8Linear"],
+    "w8_gemv": ["baryon.kernels.quant.w8_gemv:TritonW8Gemv", "baryon.kernels.quant.w8_gemv:TorchW8Gemv"],
     "int8_linear": ["baryon.kernels.quant.int8_gemm:TritonInt8Linear", "baryon.kernels.quant.int8_gemm:TorchInt8Linear"],
     "w4a16_linear": ["baryon.kernels.quant.w4a16:TritonW4A16Linear", "baryon.kernels.quant.w4a16:TorchW4A16Linear"],
     "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling:TorchSampling"],

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, tl, triton
 
 BITS = (4, 8)
 KBLOCK = 128  # codes per packed block of the Triton layout (and the kernel's K step)
@@ -255,6 +255,37 @@ def tile_config(m: int, n: int, k: int, device: torch.device, num_sms: int | Non
     return TileConfig(block_m, block_n, split, num_warps, num_stages)
 
 
+@dataclass(frozen=True)
+class GemvTiles:
+    """One launch of the GEMV (decode batches of at most GEMV_MAX_M rows): block_n weight rows per
+    program over the whole of K, blocks_per_step 128-code blocks of each row per loop step."""
+
+    block_n: int
+    blocks_per_step: int
+    num_warps: int = 4
+
+    def block_w(self, bits: int) -> int:
+        """int32 words per row per step."""
+        return self.blocks_per_step * KBLOCK * bits // 32
+
+
+# Batches of at most GEMV_MAX_M rows take the GEMV. On an H100 (benchmarks/tune_quant_gemv.py,
+# Qwen3-8B's projections) it beats the tiled GEMM by 10-25% at one row (0.65-1.05 TB/s of 4-bit
+# weight: unpacking, not memory, bounds both) and loses to it at four.
+GEMV_MAX_M = 1
+# (largest M, bits, block_n, blocks_per_step, num_warps): first match wins; any M up to 4 runs.
+GEMV_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
+    (1, 4, 8, 4, 4),
+    (4, 4, 8, 4, 8),
+    (1, 8, 8, 2, 4),
+    (4, 8, 4, 2, 4),
+)
+
+
+def gemv_tiles(m: int, bits: int) -> GemvTiles:
+    return next(GemvTiles(*cfg[2:]) for cfg in GEMV_TABLE if m <= cfg[0] and bits == cfg[1])
+
+
 # Scale / zero modes: how a K block finds its groups.
 _CHANNEL, _PER_BLOCK, _PER_CHUNK, _GATHER = 0, 1, 2, 3
 
@@ -354,6 +385,66 @@ if triton is not None:
                      acc.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _wna16_gemv_kernel(x, qweight, scales, zeros, bias, out, M, N, K, stride_xm, stride_om, words_per_row,
+                           zf_const, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_MODE: tl.constexpr,
+                           HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+        """out[m, n] for BLOCK_N rows over the whole of K, without tl.dot: [BLOCK_N, BLOCK_W] word
+        tiles (BLOCK_W a multiple of CK, so a tile holds whole 128-code blocks), unpacked field by
+        field; field i of word (block b, position j) is column 128 b + i CK + j, so each field
+        multiplies a [BLOCK_M, BLOCK_W] gather of x. Float32 partial sums [BM, BN, BW], reduced once."""
+        KB: tl.constexpr = 128
+        PACK: tl.constexpr = 32 // BITS
+        CK: tl.constexpr = KB // PACK
+        MASK: tl.constexpr = (1 << BITS) - 1
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        offs_m = tl.arange(0, BLOCK_M)  # [BM]
+        offs_w = tl.arange(0, BLOCK_W)  # [BW]
+        n_mask = offs_n < N
+        m_mask = offs_m < M
+        n2 = offs_n[:, None]  # [BN, 1]
+        n2_mask = n2 < N
+        col0 = (offs_w // CK) * KB + offs_w % CK  # [BW]: column of field 0 of each word, from the tile's start
+        col0 = tl.max_contiguous(tl.multiple_of(col0, CK), CK)  # runs of CK columns: vector loads of x
+        w_ptrs = qweight + n2.to(tl.int64) * words_per_row + offs_w[None, :]  # [BN, BW]
+        x_rows = x + offs_m[:, None] * stride_xm  # [BM, 1]
+        if GROUP_MODE == 0:
+            s, zf = _group_params(scales, zeros, 0, n2, n2_mask, N, zf_const, HAS_ZEROS)  # [BN, 1]
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], dtype=tl.float32)
+        for w0 in range(0, words_per_row, BLOCK_W):
+            tile_mask = n2_mask & (w0 + offs_w < words_per_row)[None, :]  # [BN, BW]: the last step may overhang
+            words = tl.load(w_ptrs, mask=tile_mask, other=0)  # int32 [BN, BW]
+            k_tile = (w0 // CK) * KB  # first column of the tile
+            if GROUP_MODE == 1:  # each 128-code block inside one group: [BN, BW]
+                s, zf = _group_params(scales, zeros, ((k_tile + col0) // GROUP_SIZE)[None, :], n2, tile_mask, N,
+                                      zf_const, HAS_ZEROS)
+            # A word's fields share its group when groups hold whole blocks: sum x * (code - zero)
+            # over the fields first, then one multiply by the scale per word, not per code.
+            step = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], dtype=tl.float32)
+            for i in tl.static_range(PACK):
+                cols = k_tile + col0 + i * CK  # [BW]
+                if GROUP_MODE >= 2:
+                    s, zf = _group_params(scales, zeros, (cols // GROUP_SIZE)[None, :], n2, tile_mask, N,
+                                          zf_const, HAS_ZEROS)
+                codes = (words >> (i * BITS)) & MASK
+                w = (codes | 0x4B000000).to(tl.float32, bitcast=True) - zf  # [BN, BW] code - zero, exact
+                if GROUP_MODE >= 2:
+                    w = w * s
+                xt = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :], other=0.0)
+                step += xt.to(tl.float32)[:, None, :] * w[None, :, :]
+            if GROUP_MODE >= 2:
+                acc += step
+            else:
+                acc += step * s[None, :, :]
+            w_ptrs += BLOCK_W
+        y = tl.sum(acc, axis=2)  # [BM, BN]
+        if HAS_BIAS:
+            y += tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
     def _split_k_reduce_kernel(partial, bias, out, M, N, stride_om, SPLIT_K: tl.constexpr,
                                HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         """out[m, n] = sum over s in order of partial[s, m, n] (+ bias[n]), in out's dtype."""
@@ -430,9 +521,10 @@ class TritonW4A16Linear(TritonKernel):
 
     @staticmethod
     def forward(x: torch.Tensor, weights: WNA16Weights, bias: torch.Tensor | None = None,
-                tiles: TileConfig | None = None) -> torch.Tensor:
-        """x [..., K] (float16 / bfloat16; float32 in the interpreter) -> [..., N] in x's dtype.
-        tiles: a TileConfig instead of tile_config's choice (tests)."""
+                tiles: TileConfig | GemvTiles | None = None) -> torch.Tensor:
+        """x [..., K] (float16 / bfloat16; float32 in the interpreter) -> [..., N] in x's dtype:
+        the GEMV for at most GEMV_MAX_M rows, else the tiled GEMM. tiles: a TileConfig (the GEMM)
+        or GemvTiles (the GEMV) instead of the tables' choice (tests, tuning)."""
         _check_layout(weights, "triton")
         k, n = weights.in_features, weights.out_features
         lead = x.shape[:-1]
@@ -443,17 +535,26 @@ class TritonW4A16Linear(TritonKernel):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0:
             return out.view(*lead, n)
-        cfg = tiles or tile_config(m, n, k, x.device)
-        blocks = triton.cdiv(k, KBLOCK)
-        per_split = triton.cdiv(blocks, cfg.split_k)
-        split = triton.cdiv(blocks, per_split)  # no empty slices
-        partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
         has_bias = bias is not None
         bias_arg = bias if has_bias else out
         bits = weights.bits
         chunk = KBLOCK * bits // 32
         zeros = weights.zeros if weights.zeros is not None else weights.scales  # unused when None
         mode = _group_mode(weights.group_size, k, chunk)
+        if (tiles is None and m <= GEMV_MAX_M) or isinstance(tiles, GemvTiles):
+            cfg = tiles or gemv_tiles(m, bits)
+            _wna16_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+                x2, weights.qweight, weights.scales, zeros, bias_arg, out, m, n, k, x2.stride(0), out.stride(0),
+                weights.qweight.shape[1], float(2**23 + weights.zero_point),
+                BITS=bits, GROUP_SIZE=weights.group_size, GROUP_MODE=mode, HAS_ZEROS=weights.zeros is not None,
+                HAS_BIAS=has_bias, BLOCK_M=next_power_of_2(m), BLOCK_N=cfg.block_n,
+                BLOCK_W=cfg.block_w(bits), num_warps=cfg.num_warps)
+            return out.view(*lead, n)
+        cfg = tiles or tile_config(m, n, k, x.device)
+        blocks = triton.cdiv(k, KBLOCK)
+        per_split = triton.cdiv(blocks, cfg.split_k)
+        split = triton.cdiv(blocks, per_split)  # no empty slices
+        partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
         # Gathered scales are a whole tile per stage: two stages keep 128 x 128 tiles in shared memory.
         stages = min(cfg.num_stages, 2) if mode == _GATHER else cfg.num_stages
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)

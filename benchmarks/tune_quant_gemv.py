@@ -1,0 +1,91 @@
+"""Sweep the tiles of the decode GEMVs (8-bit weights: `w8_gemv`; W4A16: the GEMV of `w4a16_linear`)
+on Qwen3-8B's projections and print, per (kernel, shape, M), the fastest tiles and the table's.
+
+    python benchmarks/tune_quant_gemv.py [--m 1 4] [--quick]
+
+Each time is a CUDA-graph replay (`triton.testing.do_bench_cudagraph`) of calls over enough copies
+of the weight to overflow the L2 cache, divided by the copies: a weight read from memory, no launch
+overhead, as in a decode step. One JSON line per case, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # qkv, o, gate/up, down (N, K)
+
+
+def _bench(fn, copies: int) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3 / copies
+
+
+def _w8_cases(n, k, block, m, quick):
+    from baryon.kernels.quant.act_quant import FP8
+    from baryon.kernels.quant.w8_gemv import TritonW8Gemv, tile_config
+
+    copies = max(1, int(256e6 // (n * k)))
+    weights = [(torch.randn(n, k, device="cuda") * 40).clamp(-448, 448).to(FP8) for _ in range(copies)]
+    shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    scale = torch.rand(shape, device="cuda") * 1e-3
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    grid = itertools.product((4, 8) if quick else (2, 4, 8, 16), (256, 512) if quick else (256, 512, 1024),
+                             (4,) if quick else (4, 8))
+    tried = {}
+    for tiles in [None, *grid]:
+        key = tile_config(m, block, tiles)
+        if key in tried:
+            continue
+        tried[key] = _bench(lambda: [TritonW8Gemv.forward(x, w, scale, block, tiles=key) for w in weights], copies)
+    return tried, tile_config(m, block), n * k
+
+
+def _w4_cases(n, k, bits, m, quick):
+    from baryon.kernels.quant.w4a16 import GemvTiles, TritonW4A16Linear, gemv_tiles
+
+    copies = max(1, int(256e6 // (n * k * bits / 8)))
+    codes = torch.randint(0, 1 << bits, (n, k), device="cuda", dtype=torch.int32).to(torch.uint8)
+    scales = torch.rand(n, k // 128, device="cuda", dtype=torch.bfloat16) * 1e-2
+    zeros = torch.full((n, k // 128), 1 << (bits - 1), device="cuda", dtype=torch.uint8)
+    weights = [TritonW4A16Linear.prepare(codes, scales, zeros, bits, 128) for _ in range(copies)]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    grid = itertools.product((4, 8) if quick else (2, 4, 8, 16), (1, 2, 4), (4,) if quick else (4, 8))
+    tried = {}
+    for tiles in [gemv_tiles(m, bits), *(GemvTiles(*t) for t in grid)]:
+        if tiles in tried:
+            continue
+        tried[tiles] = _bench(lambda: [TritonW4A16Linear.forward(x, w, tiles=tiles) for w in weights], copies)
+    return tried, gemv_tiles(m, bits), n * k * bits / 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--quick", action="store_true", help="a small grid")
+    parser.add_argument("--kernels", nargs="+", default=["fp8", "fp8-block", "w4a16"])
+    args = parser.parse_args()
+    rows = []
+    for kernel, (n, k), m in itertools.product(args.kernels, SHAPES, args.m):
+        if kernel == "w4a16":
+            tried, table, nbytes = _w4_cases(n, k, 4, m, args.quick)
+        else:
+            tried, table, nbytes = _w8_cases(n, k, (128, 128) if kernel == "fp8-block" else None, m, args.quick)
+        best = min(tried, key=tried.get)
+        row = {"kernel": kernel, "N": n, "K": k, "M": m, "best": str(best), "best_us": round(tried[best], 2),
+               "best_GB_per_s": round(nbytes / tried[best] / 1e3), "table": str(table),
+               "table_us": round(tried[table], 2), "table_GB_per_s": round(nbytes / tried[table] / 1e3)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'kernel':10} {'N x K':12} {'M':>2} {'table us':>9} {'GB/s':>6} {'best us':>8} {'GB/s':>6}  best tiles")
+    for r in rows:
+        print(f"{r['kernel']:10} {r['N']}x{r['K']:<7} {r['M']:>2} {r['table_us']:>9} {r['table_GB_per_s']:>6} "
+              f"{r['best_us']:>8} {r['best_GB_per_s']:>6}  {r['best']}")
+
+
+if __name__ == "__main__":
+    main()
