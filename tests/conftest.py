@@ -55,19 +55,29 @@ def hf_classes(arch: str):
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }[arch]
 
 
 ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
-                 "Glm4MoeForCausalLM": "glm4_moe"}
+                 "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+                 "DeepseekV3ForCausalLM": "deepseek_v3"}
 # Tiny mixtures of experts: few experts of a small intermediate size.
 MOE_BASE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    # DeepSeek: 4 heads of latent attention (rank 32, nope 16 + rope 8 query/key dims, values 16).
+    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4, first_k_dense_replace=1),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                      first_k_dense_replace=1),
 }

@@ -48,8 +48,9 @@ from torch import nn
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # The linear layers of the decoder that every format quantizes (experts included).
-QUANTIZED_LINEAR = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+QUANTIZED_LINEAR = re.compile(  # (DeepSeek: the latent-attention projections and shared experts too)
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"
+    r"|mlp\.((experts\.\d+|shared_experts)\.)?(gate|up|down)_proj)\.weight$")
 # Linear modules that stay float: the LM head and MoE routers.
 FLOAT_LINEAR = re.compile(r"^(lm_head|model\.layers\.\d+\.mlp\.gate)\.weight$")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -547,7 +548,8 @@ def awq_dequantize(qweight, qzeros, scales, group_size) -> torch.Tensor:
 
 def engine_layout(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | tuple]:
     """The reference weights fused the way the engine holds them: module name -> weight
-    (qkv_proj = cat(q, k, v), gate_up_proj = cat(gate, up), o_proj, down_proj) and, for
+    (qkv_proj = cat(q, k, v), gate_up_proj = cat(gate, up), o_proj, down_proj; DeepSeek's latent
+    projections and shared experts as they are, gate/up fused) and, for
     `...mlp.experts`, (w13 [E, 2I, H] = gate rows then up rows, w2 [E, H, I])."""
     layout: dict = {}
     layers = sorted({int(m.group(1)) for k in reference if (m := re.match(r"model\.layers\.(\d+)\.", k))})
@@ -556,12 +558,18 @@ def engine_layout(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor 
         attn = [reference.get(f"{p}.self_attn.{x}_proj.weight") for x in "qkv"]
         if all(a is not None for a in attn):
             layout[f"{p}.self_attn.qkv_proj"] = torch.cat(attn)
-        if f"{p}.self_attn.o_proj.weight" in reference:
+        for name in ("o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):  # unfused
+            if f"{p}.self_attn.{name}.weight" in reference and f"{p}.self_attn.k_proj.weight" not in reference:
+                layout[f"{p}.self_attn.{name}"] = reference[f"{p}.self_attn.{name}.weight"]
+        if f"{p}.self_attn.k_proj.weight" in reference:
             layout[f"{p}.self_attn.o_proj"] = reference[f"{p}.self_attn.o_proj.weight"]
-        if f"{p}.mlp.gate_proj.weight" in reference:
-            layout[f"{p}.mlp.gate_up_proj"] = torch.cat([reference[f"{p}.mlp.gate_proj.weight"],
-                                                         reference[f"{p}.mlp.up_proj.weight"]])
-            layout[f"{p}.mlp.down_proj"] = reference[f"{p}.mlp.down_proj.weight"]
+        if f"{p}.self_attn.q_proj.weight" in reference and f"{p}.self_attn.k_proj.weight" not in reference:
+            layout[f"{p}.self_attn.q_proj"] = reference[f"{p}.self_attn.q_proj.weight"]  # DeepSeek-V2-Lite
+        for mlp in ("mlp", "mlp.shared_experts"):
+            if f"{p}.{mlp}.gate_proj.weight" in reference:
+                layout[f"{p}.{mlp}.gate_up_proj"] = torch.cat([reference[f"{p}.{mlp}.gate_proj.weight"],
+                                                               reference[f"{p}.{mlp}.up_proj.weight"]])
+                layout[f"{p}.{mlp}.down_proj"] = reference[f"{p}.{mlp}.down_proj.weight"]
         experts = sorted({int(m.group(1)) for k in reference if (m := re.match(rf"{p}\.mlp\.experts\.(\d+)\.", k))})
         if experts:
             e = f"{p}.mlp.experts"

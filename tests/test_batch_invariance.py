@@ -1,6 +1,7 @@
 """Batch invariance: a request's greedy tokens do not depend on what it is batched with or on how
 the scheduler cuts the work (chunked prefill, prefix caching, preemption under a tiny cache), for a
-dense model and a mixture of experts."""
+dense model, a mixture of experts and DeepSeek-V3 (latent attention over its compressed cache,
+grouped sigmoid routing)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ NUM_REQUESTS = 16
 MAX_TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3"])
 def checkpoint(tmp_path_factory, request):
-    """A dense model and a mixture of experts (8 experts, top-2, renormalised): routing, like
-    everything else, must not depend on what a request is batched with."""
-    overrides = {"norm_topk_prob": True} if request.param == "qwen3_moe" else {}
+    """A dense model, a mixture of experts (8 experts, top-2, renormalised) and DeepSeek-V3:
+    routing and latent attention, like everything else, must not depend on what a request is
+    batched with."""
+    overrides = {"norm_topk_prob": True} if request.param in ("qwen3_moe", "deepseek_v3") else {}
     return make_checkpoint(tmp_path_factory.mktemp("invariance"), request.param, seed=7, **overrides)
 
 

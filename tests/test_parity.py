@@ -50,6 +50,17 @@ CASES = [
     ("glm4moe-qknorm-bias-4groups", "glm4_moe", dict(use_qk_norm=True, attention_bias=True, n_group=4,
                                                      topk_group=2, num_experts_per_tok=3, norm_topk_prob=False,
                                                      first_k_dense_replace=0, num_hidden_layers=3)),
+    # DeepSeek: multi-head latent attention (conftest MOE_BASE: rank 32, nope 16, rope 8, values 16).
+    ("deepseekv2-lite-greedy", "deepseek_v2", dict(num_hidden_layers=3)),
+    ("deepseekv2-grouped-yarn", "deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                    num_experts_per_tok=3, routed_scaling_factor=16.0,
+                                                    rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+                                                    q_lora_rank=24, first_k_dense_replace=0)),
+    ("deepseekv3-noaux-yarn", "deepseek_v3", dict(routed_scaling_factor=2.5, norm_topk_prob=True,
+                                                  rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    ("deepseekv3-no-interleave-4groups", "deepseek_v3", dict(rope_interleave=False, n_group=4, topk_group=2,
+                                                             num_experts_per_tok=3, num_hidden_layers=3,
+                                                             attention_bias=True)),
 ]
 
 

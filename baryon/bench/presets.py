@@ -28,7 +28,7 @@ PRESETS: dict[str, dict] = {
                        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
     # Qwen/Qwen3-8B
     "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, max_window_layers=36),
     # Qwen/Qwen3-30B-A3B: 48 layers, each a mixture of 128 experts (top-8, renormalised)
     "qwen3-30b-a3b": dict(_QWEN3_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                           hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
@@ -36,6 +36,21 @@ PRESETS: dict[str, dict] = {
                           decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=768,
                           norm_topk_prob=True, num_experts=128, num_experts_per_tok=8,
                           output_router_logits=False, router_aux_loss_coef=0.001),
+    # deepseek-ai/DeepSeek-V2-Lite (../shared/configs/deepseek-v2-lite.json): 27 layers of latent
+    # attention (rank 512, no query compression), the first dense, then 64 experts (top-6) + 2 shared
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", attention_bias=False,
+        attention_dropout=0.0, aux_loss_alpha=0.001, bos_token_id=100000, eos_token_id=100001,
+        first_k_dense_replace=1, hidden_act="silu", hidden_size=2048, initializer_range=0.02,
+        intermediate_size=10944, kv_lora_rank=512, max_position_embeddings=163840, moe_intermediate_size=1408,
+        moe_layer_freq=1, n_group=1, n_routed_experts=64, n_shared_experts=2, norm_topk_prob=False,
+        num_attention_heads=16, num_experts_per_tok=6, num_hidden_layers=27, num_key_value_heads=16,
+        pretraining_tp=1, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-6,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                      "original_max_position_embeddings": 4096, "type": "yarn"},
+        rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", seq_aux=True, tie_word_embeddings=False,
+        topk_group=1, topk_method="greedy", torch_dtype="bfloat16", use_cache=True, v_head_dim=128,
+        vocab_size=102400),
 }
 
 

@@ -40,6 +40,8 @@ _REGISTRY: dict[str, list[str]] = {
     "attention": ["baryon.kernels.attention.triton_paged:TritonPagedAttention",
                   "baryon.kernels.attention.cpu_paged:CpuPagedAttention",
                   "baryon.kernels.attention.torch_paged:TorchPagedAttention"],
+    "mla_attention": ["baryon.kernels.attention.mla_triton:TritonMLAAttention",
+                      "baryon.kernels.attention.mla_torch:TorchMLAAttention"],
     "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:CpuRMSNorm",
                  "baryon.kernels.norm:TorchRMSNorm"],
     "silu_and_mul": ["baryon.kernels.activation:TritonSiluAndMul", "baryon.kernels.activation:TorchSiluAndMul"],

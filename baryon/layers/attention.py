@@ -66,7 +66,19 @@ def _kv_scale_parameter() -> nn.Parameter:
     return param
 
 
-class Attention(nn.Module):
+class PagedKVLayer(nn.Module):
+    """A layer that owns a slice of the paged KV cache: the runner sizes and binds `kv_cache`
+    from `cache_shape`, and reads `backend.cuda_graph_safe` to decide on CUDA graphs."""
+
+    kv_cache: torch.Tensor | None
+    backend: object
+    fp8_cache_supported: bool = True  # whether it reads and writes a float8_e4m3fn cache
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+
+class Attention(PagedKVLayer):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
                  sliding_window: int | None = None) -> None:
         super().__init__()
@@ -86,6 +98,9 @@ class Attention(nn.Module):
         self.v_scale = _kv_scale_parameter()
         self.layer_id = next(_next_layer_id)
         _layers[self.layer_id] = self
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)  # keys, values
 
     def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                     q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:

@@ -43,7 +43,12 @@ def use_quantized_methods(model: nn.Module, quant_config: QuantizationConfig, na
 
 @torch.no_grad()
 def process_weights_after_loading(model: nn.Module) -> None:
+    """Each layer's weight method repacks what loaded; then modules that derive tensors from their
+    layers' weights (`after_weights_loaded`: MLA's absorbed kv_b_proj) compute them."""
     for module in model.modules():
         method = getattr(module, "method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+    for module in model.modules():
+        if hasattr(module, "after_weights_loaded"):
+            module.after_weights_loaded()

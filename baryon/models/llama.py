@@ -62,9 +62,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, attention: dict[str, bool], mlp: nn.Module) -> None:
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, **attention)
+        self.self_attn = attention  # LlamaAttention, or DeepSeek's latent attention
         self.mlp = mlp  # a GatedMLP, or an MoE block in sparse layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -81,11 +81,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention: dict[str, bool], build_mlp: Callable[[Any, int], nn.Module]) -> None:
+    def __init__(self, config: Any, build_attention: Callable[[Any, int], nn.Module],
+                 build_mlp: Callable[[Any, int], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention, build_mlp(config, i)) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(config, i), build_mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -105,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_options(config), self.build_mlp)
+        self.model = LlamaModel(config, self.build_attention, self.build_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -114,6 +115,11 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    @classmethod
+    def build_attention(cls, config: Any, layer_idx: int) -> nn.Module:
+        """The attention part of decoder layer `layer_idx` (DeepSeek overrides this)."""
+        return LlamaAttention(config, layer_idx, **cls.attention_options(config))
 
     @staticmethod
     def mlp_bias(config: Any) -> bool:

@@ -15,6 +15,8 @@ _MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "baryon.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "baryon.models.mixtral:MixtralForCausalLM",
     "Glm4MoeForCausalLM": "baryon.models.glm4_moe:Glm4MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "baryon.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "baryon.models.deepseek_v2:DeepseekV3ForCausalLM",
 }
 
 

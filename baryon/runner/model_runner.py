@@ -7,6 +7,7 @@ rows that are sampled (plus prompt positions whose logprobs were asked for) and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from baryon.config import EngineConfig
 from baryon.request import Request
 from baryon.kernels.attention.metadata import AttentionMetadata
-from baryon.layers.attention import Attention
+from baryon.layers.attention import Attention, PagedKVLayer
 from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler
 from baryon.loader.model_loader import load_model
@@ -60,7 +61,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.model = load_model(config.model, self.device, config.seed)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedKVLayer)]
         self.forward = compile_forward(self.model, config.compilation.level)
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
@@ -91,6 +92,9 @@ class ModelRunner:
         if (not compilation.piecewise_cuda_graphs or compilation.level != 0
                 or not uses_cuda_graphs(compilation.level, self.device, compilation.enforce_eager)):
             return []
+        if not all(isinstance(a, Attention) for a in self.attention_layers):
+            logger.info("piecewise CUDA graphs off: they cut the forward pass at standard attention layers only")
+            return []
         return default_piecewise_sizes(self.config.scheduler.max_num_batched_tokens)
 
     def capture_cuda_graphs(self, decode_sizes: list[int],
@@ -109,11 +113,13 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.config.cache.kv_cache_dtype).element_size()
-        return sum(2 * self.block_size * a.num_kv_heads * a.head_dim * itemsize for a in self.attention_layers)
+        return sum(math.prod(a.cache_shape(1, self.block_size)) * itemsize for a in self.attention_layers)
 
     def bind_kv_cache(self, num_blocks: int | None) -> None:
-        """Give every attention layer its [2, num_blocks, block_size, kv_heads, head_dim] cache
-        in the cache dtype (the model's, or float8_e4m3fn) (None: take the caches away)."""
+        """Give every attention layer its cache of `cache_shape(num_blocks, block_size)` (for
+        standard attention [2, num_blocks, block_size, kv_heads, head_dim], for MLA [num_blocks,
+        block_size, kv_lora_rank + rope_dim]) in the cache dtype (the model's, or float8_e4m3fn)
+        (None: take the caches away)."""
         dtype = self.config.cache.kv_cache_dtype
         fp8 = dtype == torch.float8_e4m3fn  # allocated as bytes: not every device has float8 fill kernels
         if fp8 and num_blocks is not None and self.device.type == "cuda":
@@ -121,9 +127,12 @@ class ModelRunner:
             if capability < (8, 9):  # Triton's float8e4nv conversions need sm_89+
                 raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
                                  f"(this one is {capability[0]}.{capability[1]})")
+        if fp8 and not all(layer.fp8_cache_supported for layer in self.attention_layers):
+            raise ValueError("kv_cache_dtype='fp8' is not supported with multi-head latent attention (DeepSeek): "
+                             "its latent cache stays in the model dtype; use kv_cache_dtype='auto'")
         for layer in self.attention_layers:
             layer.kv_cache = None if num_blocks is None else torch.zeros(
-                2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                layer.cache_shape(num_blocks, self.block_size),
                 dtype=torch.uint8 if fp8 else dtype, device=self.device).view(dtype)
 
     # -- one step ---------------------------------------------------------------------------

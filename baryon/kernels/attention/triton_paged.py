@@ -228,7 +228,7 @@ if triton is not None:
                  mask=dims < HEAD_DIM)
 
 
-def _query_tiles(metadata: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def query_tiles(metadata: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence, query tile) of every non-empty tile of the step, built once per step on the
     host and shared by all layers. Returns two [num_tiles] int32 device tensors."""
     key = f"triton_tiles_{block_q}"
@@ -311,7 +311,7 @@ class TritonPagedAttention(AttentionBackend):
         page = kv_cache.shape[2]
         tiled = metadata.max_query_len > 1
         if tiled:
-            tile_seq, tile_q = _query_tiles(metadata, block_q)
+            tile_seq, tile_q = query_tiles(metadata, block_q)
             grid = (tile_seq.shape[0], 1, self.num_kv_heads)
         else:
             tile_seq = tile_q = metadata.seq_lens  # unused

@@ -1,0 +1,53 @@
+"""Multi-head latent attention (DeepSeek V2 / V3) over a paged latent cache: the
+backend interface and the cache write (family `mla_attention`).
+
+The cache of one layer holds, per token, only the normalised latent c_kv (kv_lora_rank = L values)
+and the rotated shared rope key k_pe (R values):
+
+    cache [num_blocks, block_size, L + R]         cache[b, o] = cat(c_kv, k_pe) of slot b * block_size + o
+
+Attention runs in the weight-absorbed form. With W_UK [H, Dn, L] and W_UV [H, V, L] the key and
+value halves of kv_b_proj, head h's score of key s is
+
+    q_nope[h] . (W_UK[h] c_kv[s]) + q_pe[h] . k_pe[s] = (W_UK[h]^T q_nope[h]) . c_kv[s] + q_pe[h] . k_pe[s]
+
+so a query enters as q_latent = W_UK^T q_nope [H, L] beside q_pe [H, R], every head reads the same
+L + R values per key (one "KV head" shared by all query heads), and the output in latent space
+sum_s p[h, s] c_kv[s] [H, L] is mapped to values by W_UV afterwards (by the caller).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.selector import Kernel
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """latent [num_tokens, L + R] (c_kv | k_pe) into cache [num_blocks, block_size, L + R] at
+    slot_mapping [num_tokens] (-1: not stored)."""
+    flat = cache.view(-1, cache.shape[-1])  # [num_blocks * block_size, L + R]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, latent = slot_mapping[keep], latent[keep]
+    flat.index_copy_(0, slot_mapping, latent.to(flat.dtype))
+
+
+class MLABackend(Kernel):
+    """One instance per MLA layer. forward(q_latent, q_pe, cache, metadata) -> [T, H, L]; the
+    caller stores the step's latents first (`store`)."""
+
+    cuda_graph_safe: ClassVar[bool] = False
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
+        self.num_heads, self.kv_lora_rank, self.rope_dim, self.scale = num_heads, kv_lora_rank, rope_dim, scale
+
+    def store(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_latent(latent, cache, slot_mapping)
+
+    def forward(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,57 @@
+"""The multi-head latent attention layer (DeepSeek V2 / V3): stores each token's latent in the
+paged cache and attends over it in the weight-absorbed form (kernels/attention/mla_backend.py).
+
+Its cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: one latent of L values and
+one shared rope key of R values per token, for all heads, where standard attention would keep
+2 x heads x head_dim. The up-projection kv_b_proj (L -> heads x (Dn + V)) is split after loading
+into W_UK [H, Dn, L], folded into the queries, and W_UV [H, V, L], applied to the latent output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baryon.kernels.selector import select
+from baryon.layers.attention import PagedKVLayer
+from baryon.layers.forward_context import current_attn_metadata
+
+
+class MLAAttention(PagedKVLayer):
+    fp8_cache_supported = False  # the latent cache is kept in the model dtype
+
+    def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 kv_lora_rank: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, qk_rope_head_dim
+        self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
+        device, dtype = torch.get_default_device(), torch.get_default_dtype()
+        backend = select("mla_attention", device, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                         rope_dim=qk_rope_head_dim, dtype=dtype)
+        self.backend = backend(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
+        self.kv_cache: torch.Tensor | None = None  # bound by the runner
+        # Set by absorb() once kv_b_proj has loaded (not checkpoint tensors: derived from it).
+        self.register_buffer("w_uk", torch.empty(num_heads, qk_nope_head_dim, kv_lora_rank), persistent=False)
+        self.register_buffer("w_uv", torch.empty(num_heads, v_head_dim, kv_lora_rank), persistent=False)
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+
+    @torch.no_grad()
+    def absorb(self, kv_b_weight: torch.Tensor) -> None:
+        """kv_b_weight: kv_b_proj's weight as floats, [H * (Dn + V), L] (this rank's heads)."""
+        expected = (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+        if tuple(kv_b_weight.shape) != expected:
+            raise ValueError(f"kv_b_proj weight must be {expected}, got {tuple(kv_b_weight.shape)}")
+        per_head = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        self.w_uk = per_head[:, : self.qk_nope_head_dim].to(self.w_uk.dtype).contiguous()  # [H, Dn, L]
+        self.w_uv = per_head[:, self.qk_nope_head_dim:].to(self.w_uv.dtype).contiguous()  # [H, V, L]
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, Dn], q_pe [T, H, R] (rotated), latent [T, L + R] (normalised c_kv | rotated
+        k_pe) -> [T, H * V]."""
+        metadata = current_attn_metadata()
+        self.backend.store(latent, self.kv_cache, metadata.slot_mapping)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
+        out_latent = self.backend.forward(q_latent, q_pe, self.kv_cache, metadata)  # [T, H, L]
+        out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, T, V]
+        return out.transpose(0, 1).reshape(q_nope.shape[0], self.num_heads * self.v_head_dim)

@@ -1,0 +1,169 @@
+"""Multi-head latent attention (DeepSeek V2 / V3): the absorbed-form kernels against per-head
+attention over the expanded latent, the compressed cache's size, and the loader's handling of
+DeepSeek checkpoints (multi-token-prediction layers skipped, FP8 KV cache refused by name).
+Greedy parity with transformers is in test_parity.py; batch invariance in test_batch_invariance.py;
+FP8 block checkpoints in test_quantized_checkpoints.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from baryon import LLM, SamplingParams
+from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.attention import mla_triton
+from baryon.kernels.attention.mla_torch import TorchMLAAttention, mla_attention_reference
+from baryon.kernels.attention.mla_triton import TritonMLAAttention
+from conftest import hf_greedy, make_checkpoint, random_prompts
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(metadata: AttentionMetadata) -> AttentionMetadata:
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(metadata, name, getattr(metadata, name).to(DEVICE))
+    return metadata
+
+
+def _paged_case(gen, seqs, kv_lora_rank, rope_dim, block_size, num_blocks=128):
+    """seqs: (cached, new) per sequence. Returns the cache with every prefix stored, metadata for
+    the new tokens (slot_mapping of the new tokens), the new tokens' latents and every sequence's
+    full latents."""
+    width = kv_lora_rank + rope_dim
+    cache = torch.zeros(num_blocks, block_size, width)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(seqs), -(-max(c + n for c, n in seqs) // block_size), dtype=torch.int32)
+    slots, new_latents, full = [], [], []
+    for i, (cached, new) in enumerate(seqs):
+        length = cached + new
+        blocks = [perm.pop() for _ in range(-(-length // block_size))]
+        tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        latent = torch.randn(length, width, generator=gen)
+        for pos in range(cached):
+            cache[blocks[pos // block_size], pos % block_size] = latent[pos]
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(cached, length)]
+        new_latents.append(latent[cached:])
+        full.append(latent)
+    q_lens = [n for _, n in seqs]
+    seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    metadata = AttentionMetadata(num_tokens=sum(q_lens), query_start_loc=starts, seq_lens=seq_lens,
+                                 block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+                                 max_query_len=max(q_lens), max_seq_len=int(seq_lens.max()),
+                                 query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    return cache, metadata, torch.cat(new_latents), full
+
+
+@pytest.mark.parametrize("heads,kv_lora_rank,rope_dim,nope,v_dim,block_size", [
+    (4, 32, 8, 16, 16, 4), (2, 64, 16, 32, 24, 16), (3, 16, 4, 8, 8, 1)])
+@pytest.mark.parametrize("kind", ["mixed", "decode", "decode-split"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_absorbed_mla_equals_attention_over_the_expanded_latent(seed, heads, kv_lora_rank, rope_dim, nope, v_dim,
+                                                                 block_size, kind, backend_name):
+    """Stored latents + W_UK folded into the queries + W_UV after attention equal standard
+    per-head attention with K = [W_UK c_kv, k_pe] and V = W_UV c_kv, causal, over cached
+    prefixes and new tokens (the Triton kernel in the interpreter on CPU; decode-split: flash
+    decoding over 4 programs per sequence)."""
+    if backend_name == "triton" and mla_triton.triton is None:
+        pytest.skip("triton is not installed")
+    if backend_name == "torch" and kind == "decode-split":
+        pytest.skip("the reference has no KV splits")
+    gen = torch.Generator().manual_seed(seed)
+    if kind.startswith("decode"):
+        seqs = [(int(torch.randint(0, 30, (1,), generator=gen)), 1) for _ in range(5)]
+    else:  # prefills with and without a cached prefix, decodes, a one-token prompt
+        seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (21, 13)]
+    cache, metadata, new_latents, full = _paged_case(gen, seqs, kv_lora_rank, rope_dim, block_size)
+    metadata = _on_device(metadata)
+    cache = cache.to(DEVICE)
+    w_uk = torch.randn(heads, nope, kv_lora_rank, generator=gen) * 0.2
+    w_uv = torch.randn(heads, v_dim, kv_lora_rank, generator=gen) * 0.2
+    tokens = metadata.num_tokens
+    q_nope = torch.randn(tokens, heads, nope, generator=gen)
+    q_pe = torch.randn(tokens, heads, rope_dim, generator=gen)
+    scale = (nope + rope_dim) ** -0.5
+    backend = {"torch": TorchMLAAttention, "triton": TritonMLAAttention}[backend_name](heads, kv_lora_rank, rope_dim,
+                                                                                      scale)
+    if kind == "decode-split":
+        backend.num_kv_splits = 4
+    backend.store(new_latents.to(DEVICE), cache, metadata.slot_mapping)
+    q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+    out_latent = backend.forward(q_latent.to(DEVICE), q_pe.to(DEVICE), cache, metadata).cpu()
+    out = torch.einsum("thl,hvl->thv", out_latent, w_uv)
+    start = 0
+    for (cached, new), latent in zip(seqs, full):
+        c_kv, k_pe = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
+        k = torch.cat((torch.einsum("hdl,sl->hsd", w_uk, c_kv), k_pe[None].expand(heads, -1, -1)), dim=-1)
+        v = torch.einsum("hvl,sl->hsv", w_uv, c_kv)
+        q = torch.cat((q_nope[start:start + new], q_pe[start:start + new]), dim=-1).transpose(0, 1)  # [H, q, D]
+        mask = torch.ones(new, cached + new, dtype=torch.bool).tril(diagonal=cached)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        torch.testing.assert_close(out[start:start + new], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        start += new
+
+
+def test_reference_skips_padding_slots(seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache, metadata, latents, _ = _paged_case(gen, [(3, 2)], 8, 4, 4)
+    before = cache.clone()
+    metadata.slot_mapping[1] = -1
+    TorchMLAAttention(2, 8, 4, 1.0).store(latents, cache, metadata.slot_mapping)
+    changed = (cache != before).any(dim=-1).nonzero().tolist()
+    slot = int(metadata.slot_mapping[0])
+    assert changed == [[slot // 4, slot % 4]]
+    assert mla_attention_reference(torch.randn(2, 2, 8), torch.randn(2, 2, 4), cache, metadata, 1.0).shape == (2, 2, 8)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3", seed=11)
+
+
+def test_kv_cache_holds_only_the_latent(deepseek_v3):
+    """Per token and layer: kv_lora_rank + qk_rope_head_dim values, not 2 x heads x head_dim."""
+    config = json.loads((deepseek_v3 / "config.json").read_text())
+    llm = LLM(str(deepseek_v3), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01,
+              block_size=16)
+    runner = llm.engine.core.runner
+    layers = config["num_hidden_layers"]
+    per_token = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    assert runner.kv_bytes_per_block() == layers * 16 * per_token * 4
+    per_head_kv = 2 * config["num_attention_heads"] * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
+    assert per_head_kv > per_token  # what expanded K/V would take per token
+    for layer in runner.attention_layers:
+        assert layer.kv_cache.shape == (runner.num_blocks, 16, per_token)
+
+
+def test_mtp_layers_are_skipped(deepseek_v3, tmp_path, seed):
+    """DeepSeek-V3 stores num_nextn_predict_layers MTP layers past num_hidden_layers (a decoder layer
+    plus eh_proj / enorm / hnorm / shared_head); they are not loaded, and generation is unchanged."""
+    config = json.loads((deepseek_v3 / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    tensors = load_file(deepseek_v3 / "model.safetensors")
+    last, index = f"model.layers.{config['num_hidden_layers'] - 1}.", config["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors[name.replace(last, f"model.layers.{index}.")] = torch.randn(tensors[name].shape, generator=gen)
+    hidden = config["hidden_size"]
+    tensors[f"model.layers.{index}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"model.layers.{index}.{norm}.weight"] = torch.randn(hidden, generator=gen)
+    path = tmp_path / "with_mtp"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01)
+    prompt = random_prompts(1, config["vocab_size"], 5, 12, seed)[0]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(deepseek_v3, prompt, 8)[0]
+
+
+def test_fp8_kv_cache_is_refused_by_name(deepseek_v3):
+    with pytest.raises(ValueError, match="latent attention"):
+        LLM(str(deepseek_v3), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01,
+            kv_cache_dtype="fp8")
