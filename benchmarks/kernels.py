@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|quant]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|quant|mla]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -104,6 +104,37 @@ def block_quant_kernels(record, device: torch.device) -> None:
             record("linear.dense_float32", shape, lambda: torch.nn.functional.linear(x, dense))
 
 
+def mla_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """Latent attention over the paged latent cache (DeepSeek-V2-Lite: 16 heads, rank 512, rope 64):
+    decode at batch 1 and 64 over 1k-32k tokens of context, and a 4096-token prefill; the JSON
+    line after each gives the cache bytes read per microsecond."""
+    heads, rank, rope = (4, 64, 16) if small else (16, 512, 64)
+    block_size = 16
+    cases = [("decode", 1, 1, 1024), ("decode", 1, 1, 32768), ("decode", 64, 1, 1024), ("decode", 64, 1, 8192),
+             ("prefill", 1, 4096, 4096)]
+    if small:
+        cases = [("decode", 1, 1, 256), ("decode", 8, 1, 128), ("prefill", 1, 64, 64)]
+    for kind, num_seqs, q_len, seq_len in cases:
+        blocks_per_seq = -(-seq_len // block_size)
+        cache = torch.randn(num_seqs * blocks_per_seq, block_size, rank + rope, device=device, dtype=dtype)
+        tables = torch.arange(num_seqs * blocks_per_seq, device=device, dtype=torch.int32).view(num_seqs, -1)
+        seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+        starts = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32)
+        metadata = AttentionMetadata(num_seqs * q_len, starts.to(device), seq_lens.to(device), tables,
+                                     torch.full((num_seqs * q_len,), -1, device=device, dtype=torch.int64),
+                                     q_len, seq_len, starts, seq_lens)
+        q_latent = torch.randn(num_seqs * q_len, heads, rank, device=device, dtype=dtype)
+        q_pe = torch.randn(num_seqs * q_len, heads, rope, device=device, dtype=dtype)
+        for impl in selector.candidates("mla_attention"):
+            if impl.unsupported_reason(device) is not None or (impl.name == "torch" and seq_len > 8192):
+                continue
+            backend = impl(heads, rank, rope, (128 + rope) ** -0.5)
+            us = record(f"mla_attention.{impl.name}", f"{kind} seqs={num_seqs} q={q_len} kv={seq_len} heads={heads}",
+                        lambda: backend.forward(q_latent, q_pe, cache, metadata))
+            cache_bytes = num_seqs * seq_len * (rank + rope) * cache.element_size()
+            print(json.dumps({"cache_GB_per_s": round(cache_bytes / us / 1e3, 1)}), flush=True)
+
+
 def moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
     """Qwen3-30B-A3B's MoE layer (128 experts, top-8, hidden 2048, expert intermediate 768):
     routing, and each expert-GEMM implementation that runs here, at decode batches (1-64 tokens)
@@ -205,7 +236,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe", "quant"], help="just these kernel families")
+    parser.add_argument("--only", choices=["moe", "quant", "mla"], help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
     args = parser.parse_args()
@@ -228,6 +259,9 @@ def main() -> None:
         return
     if args.only == "quant":
         quant_kernels(record, device, dtype, args.small)
+        return
+    if args.only == "mla":
+        mla_kernels(record, device, dtype, args.small)
         return
     attention = selector.select("attention", device)
     for name, num_seqs, q_len, seq_len in [("decode", 64 // scale, 1, 1024 // scale),
@@ -275,6 +309,7 @@ def main() -> None:
     rows = 64 // scale
     sampling_kernels(record, device, rows, vocab)
     moe_kernels(record, device, dtype, args.small)
+    mla_kernels(record, device, dtype, args.small)
     quant_kernels(record, device, dtype, args.small)
 
 
