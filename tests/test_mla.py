@@ -167,3 +167,52 @@ def test_fp8_kv_cache_is_refused_by_name(deepseek_v3):
     with pytest.raises(ValueError, match="latent attention"):
         LLM(str(deepseek_v3), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01,
             kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads,nope,rank,rope", [(4, 16, 32, 8), (3, 8, 64, 6), (16, 128, 512, 64)])
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_prologue_norms_rotates_and_caches(seed, interleaved, heads, nope, rank, rope, kernel):
+    """The prologue against the formulas: RMSNorm of c_kv, each rope pair (adjacent when
+    interleaved, else i and i + R/2) rotated by its position's angle and written to features i and
+    i + R/2, queries in place, the latent row at its slot and nothing at slot -1."""
+    from baryon.kernels import mla_prologue
+
+    if kernel == "triton" and mla_prologue.triton is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(seed)
+    tokens, block_size, num_blocks = 7, 4, 8
+    q = torch.randn(tokens, heads, nope + rope, generator=gen)
+    kv_a = torch.randn(tokens, rank + rope, generator=gen)
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    angles = torch.rand(64, rope // 2, generator=gen) * 6.0
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [max_position, R]
+    weight = torch.rand(rank, generator=gen) + 0.5
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[2] = -1
+    cache = torch.zeros(num_blocks, block_size, rank + rope)
+    cls = {"torch": mla_prologue.TorchMLAPrologue, "triton": mla_prologue.TritonMLAPrologue}[kernel]
+    q_in, args = q.clone(), (positions, cos_sin, weight, 1e-6)
+    q_dev = q.to(DEVICE)
+    cache_dev = cache.to(DEVICE)
+    cls.forward(q_dev, kv_a.to(DEVICE), *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args), cache_dev,
+                slots.to(DEVICE), nope, interleaved)
+
+    def rotate(x):  # [.., R] -> [.., R]: pair i rotated into features i and i + R/2
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+        cos, sin = angles[positions].cos(), angles[positions].sin()
+        shape = (tokens,) + (1,) * (x.dim() - 2) + (rope // 2,)
+        cos, sin = cos.view(shape), sin.view(shape)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    torch.testing.assert_close(q_dev.cpu()[..., :nope], q_in[..., :nope], atol=0, rtol=0)
+    torch.testing.assert_close(q_dev.cpu()[..., nope:], rotate(q_in[..., nope:]), atol=1e-5, rtol=1e-5)
+    c = kv_a[:, :rank]
+    normed = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+    expected = torch.cat((normed, rotate(kv_a[:, rank:])), dim=-1)
+    flat = cache_dev.cpu().view(-1, rank + rope)
+    for t in range(tokens):
+        if slots[t] >= 0:
+            torch.testing.assert_close(flat[slots[t]], expected[t], atol=1e-5, rtol=1e-5)
+    written = (flat != 0).any(dim=-1).nonzero().flatten().sort().values
+    assert written.tolist() == sorted(s for s in slots.tolist() if s >= 0)

@@ -42,6 +42,7 @@ _REGISTRY: dict[str, list[str]] = {
                   "baryon.kernels.attention.torch_paged:TorchPagedAttention"],
     "mla_attention": ["baryon.kernels.attention.mla_triton:TritonMLAAttention",
                       "baryon.kernels.attention.mla_torch:TorchMLAAttention"],
+    "mla_prologue": ["baryon.kernels.mla_prologue:TritonMLAPrologue", "baryon.kernels.mla_prologue:TorchMLAPrologue"],
     "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:CpuRMSNorm",
                  "baryon.kernels.norm:TorchRMSNorm"],
     "silu_and_mul": ["baryon.kernels.activation:TritonSiluAndMul", "baryon.kernels.activation:TorchSiluAndMul"],

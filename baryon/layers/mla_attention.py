@@ -1,5 +1,6 @@
-"""The multi-head latent attention layer (DeepSeek V2 / V3): stores each token's latent in the
-paged cache and attends over it in the weight-absorbed form (kernels/attention/mla_backend.py).
+"""The multi-head latent attention layer (DeepSeek V2 / V3): the prologue (kernels/mla_prologue.py:
+kv_a_layernorm, RoPE on the rope parts, the latent-cache write; one kernel on GPU), then attention
+over the paged latent cache in the weight-absorbed form (kernels/attention/mla_backend.py).
 
 Its cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: one latent of L values and
 one shared rope key of R values per token, for all heads, where standard attention would keep
@@ -20,14 +21,16 @@ class MLAAttention(PagedKVLayer):
     fp8_cache_supported = False  # the latent cache is kept in the model dtype
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 kv_lora_rank: int, scale: float) -> None:
+                 kv_lora_rank: int, scale: float, interleaved_rope: bool) -> None:
         super().__init__()
         self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, qk_rope_head_dim
         self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
+        self.interleaved_rope = interleaved_rope
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
         backend = select("mla_attention", device, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
                          rope_dim=qk_rope_head_dim, dtype=dtype)
         self.backend = backend(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
+        self.prologue = select("mla_prologue", device, rope_dim=qk_rope_head_dim, dtype=dtype)
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
         # Set by absorb() once kv_b_proj has loaded (not checkpoint tensors: derived from it).
         self.register_buffer("w_uk", torch.empty(num_heads, qk_nope_head_dim, kv_lora_rank), persistent=False)
@@ -46,12 +49,15 @@ class MLAAttention(PagedKVLayer):
         self.w_uk = per_head[:, : self.qk_nope_head_dim].to(self.w_uk.dtype).contiguous()  # [H, Dn, L]
         self.w_uv = per_head[:, self.qk_nope_head_dim:].to(self.w_uv.dtype).contiguous()  # [H, V, L]
 
-    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """q_nope [T, H, Dn], q_pe [T, H, R] (rotated), latent [T, L + R] (normalised c_kv | rotated
-        k_pe) -> [T, H * V]."""
+    def forward(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """q [T, H, Dn + R] (its rope part rotated in place), kv_a [T, L + R] (c_kv | k_pe as
+        projected: normalised, rotated and cached here), positions [T] -> [T, H * V]."""
         metadata = current_attn_metadata()
-        self.backend.store(latent, self.kv_cache, metadata.slot_mapping)
+        self.prologue.forward(q, kv_a, positions, cos_sin_cache, norm_weight, eps, self.kv_cache,
+                              metadata.slot_mapping, self.qk_nope_head_dim, self.interleaved_rope)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.rope_dim], dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
         out_latent = self.backend.forward(q_latent, q_pe, self.kv_cache, metadata)  # [T, H, L]
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, T, V]
-        return out.transpose(0, 1).reshape(q_nope.shape[0], self.num_heads * self.v_head_dim)
+        return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.v_head_dim)

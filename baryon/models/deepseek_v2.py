@@ -8,7 +8,7 @@ Attention (per layer; H heads, nope / rope / value head dims Dn, R, V, latent ra
     latent    kv_a_proj_with_mqa: [T, L + R] = c_kv | k_pe; c_kv through kv_a_layernorm; k_pe one
               rope key shared by all heads
     rotary    on q_pe and k_pe only: DeepSeek pairs adjacent features (x0, x1), (x2, x3) ... (V2
-              always, V3 when `rope_interleave`); they are de-interleaved, then rotated NeoX-style,
+              always, V3 when `rope_interleave`); each pair is rotated and written de-interleaved,
               the same for queries and keys, so the scores equal the pairwise rotation's
     scale     (Dn + R) ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under YaRN
     cache     c_kv | k_pe: L + R values per token (layers/mla_attention.py)
@@ -30,7 +30,6 @@ from torch import nn
 
 from baryon.distributed.parallel_state import divide, tp_world_size
 from baryon.kernels.moe.routing import RoutingConfig
-from baryon.kernels.rotary import rotate_neox
 from baryon.layers.fused_moe.block import SparseMoeBlock
 from baryon.layers.fused_moe.layer import FusedMoE
 from baryon.layers.fused_moe.router import Router
@@ -75,20 +74,12 @@ class DeepseekV2Attention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
         self.rotary_emb = get_rope(config, self.rope_dim)
-        self.interleaved_rope = interleaved_rope
         self.num_heads = divide(heads, tp_world_size(), "num_attention_heads")  # this rank's
         self.attn = MLAAttention(self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank,
-                                 softmax_scale(config))
+                                 softmax_scale(config), interleaved_rope)
 
     def after_weights_loaded(self) -> None:
         self.attn.absorb(self.kv_b_proj.method.dequantize(self.kv_b_proj))
-
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, R] -> rotated, in x's dtype (de-interleaved first when pairs are adjacent)."""
-        if self.interleaved_rope:
-            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        cos, sin = self.rotary_emb.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R / 2]
-        return rotate_neox(x, cos, sin)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [T], hidden_states [T, hidden] -> [T, hidden]."""
@@ -98,12 +89,9 @@ class DeepseekV2Attention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         q = q.view(tokens, self.num_heads, self.nope_dim + self.rope_dim)  # [T, H, Dn + R]
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        kv_a = self.kv_a_proj_with_mqa(hidden_states)  # [T, L + R]
-        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = torch.cat((self.kv_a_layernorm(c_kv.contiguous()),
-                            self._rotate(k_pe.unsqueeze(1), positions).squeeze(1)), dim=-1)  # [T, L + R]
-        out = self.attn(q_nope, self._rotate(q_pe, positions), latent)  # [T, H * V]
+        kv_a = self.kv_a_proj_with_mqa(hidden_states)  # [T, L + R] = c_kv | k_pe
+        out = self.attn(q, kv_a, positions, self.rotary_emb.cos_sin_cache, self.kv_a_layernorm.weight,
+                        self.kv_a_layernorm.eps)  # [T, H * V]
         return self.o_proj(out)
 
 
