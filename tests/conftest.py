@@ -57,6 +57,7 @@ def hf_classes(arch: str):
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+        "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM),
     }[arch]
 
 
@@ -64,7 +65,7 @@ ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                  "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
-                 "DeepseekV3ForCausalLM": "deepseek_v3"}
+                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32"}
 # Tiny mixtures of experts: few experts of a small intermediate size.
 MOE_BASE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -78,6 +79,11 @@ MOE_BASE = {
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1),
+    # DeepSeek-V3.2: V3's attention plus an indexer (8 heads of 32) choosing 6 keys per token.
+    "deepseek_v32": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1,
+                         index_n_heads=8, index_head_dim=32, index_topk=6),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                      first_k_dense_replace=1),
 }

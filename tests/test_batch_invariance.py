@@ -1,7 +1,7 @@
 """Batch invariance: a request's greedy tokens do not depend on what it is batched with or on how
 the scheduler cuts the work (chunked prefill, prefix caching, preemption under a tiny cache), for a
-dense model, a mixture of experts and DeepSeek-V3 (latent attention over its compressed cache,
-grouped sigmoid routing)."""
+dense model, a mixture of experts, DeepSeek-V3 (latent attention over its compressed cache,
+grouped sigmoid routing) and DeepSeek-V3.2 (sparse attention: index keys cached beside the latent)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ NUM_REQUESTS = 16
 MAX_TOKENS = 20
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"])
 def checkpoint(tmp_path_factory, request):
-    """A dense model, a mixture of experts (8 experts, top-2, renormalised) and DeepSeek-V3:
-    routing and latent attention, like everything else, must not depend on what a request is
-    batched with."""
-    overrides = {"norm_topk_prob": True} if request.param in ("qwen3_moe", "deepseek_v3") else {}
+    """A dense model, a mixture of experts (8 experts, top-2, renormalised), DeepSeek-V3 and V3.2:
+    routing, latent attention and the sparse key selection, like everything else, must not depend
+    on what a request is batched with."""
+    overrides = {"norm_topk_prob": True} if request.param in ("qwen3_moe", "deepseek_v3", "deepseek_v32") else {}
     return make_checkpoint(tmp_path_factory.mktemp("invariance"), request.param, seed=7, **overrides)
 
 

@@ -216,3 +216,36 @@ def test_prologue_norms_rotates_and_caches(seed, interleaved, heads, nope, rank,
             torch.testing.assert_close(flat[slots[t]], expected[t], atol=1e-5, rtol=1e-5)
     written = (flat != 0).any(dim=-1).nonzero().flatten().sort().values
     assert written.tolist() == sorted(s for s in slots.tolist() if s >= 0)
+
+
+def _as_dense_v3(src, dst):
+    """The same weights as a DeepSeek-V3 checkpoint: no indexer, dense attention."""
+    config = json.loads((src / "config.json").read_text())
+    config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", rope_interleave=True)
+    tensors = {k: v for k, v in load_file(src / "model.safetensors").items() if ".indexer." not in k}
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("index_topk,dense", [(256, True), (4, False)], ids=["topk-covers-all", "topk-4"])
+def test_sparse_attention_is_dense_up_to_index_topk(tmp_path, seed, index_topk, dense):
+    """DeepSeek-V3.2 whose indexer keeps at least every visible key is DeepSeek-V3 on the same
+    weights (same tokens, logprobs within 1e-5); with 4 keys per token over prompts of 20-40 tokens
+    the selection changes the logprobs."""
+    sparse = make_checkpoint(tmp_path / "v32", "deepseek_v32", seed=seed, index_topk=index_topk)
+    engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01)
+    prompts = random_prompts(3, 128, 20, 40, seed)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    runs = []
+    for path in (sparse, _as_dense_v3(sparse, tmp_path / "v3")):
+        outs = LLM(str(path), **engine).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [next(iter(e.values())).logprob for e in o.outputs[0].logprobs])
+                     for o in outs])
+    gaps = [max(abs(a - b) for a, b in zip(lp_s, lp_d)) for (_, lp_s), (_, lp_d) in zip(*runs)]
+    if dense:
+        assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
+        assert max(gaps) < 1e-5, gaps
+    else:
+        assert max(gaps) > 1e-3, f"4 of 20-40 keys per token should change the logprobs: {gaps}"

@@ -61,6 +61,10 @@ CASES = [
     ("deepseekv3-no-interleave-4groups", "deepseek_v3", dict(rope_interleave=False, n_group=4, topk_group=2,
                                                              num_experts_per_tok=3, num_hidden_layers=3,
                                                              attention_bias=True)),
+    # DeepSeek-V3.2: 5-20-token prompts + 32 new tokens against an indexer keeping 6 (or 16) keys per token.
+    ("deepseekv32-sparse-top6", "deepseek_v32", dict(routed_scaling_factor=2.5, norm_topk_prob=True)),
+    ("deepseekv32-top16-yarn", "deepseek_v32", dict(index_topk=16, num_hidden_layers=3, index_n_heads=16,
+                                                    rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8})),
 ]
 
 

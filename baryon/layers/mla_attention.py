@@ -1,6 +1,8 @@
 """The multi-head latent attention layer (DeepSeek V2 / V3): the prologue (kernels/mla_prologue.py:
 kv_a_layernorm, RoPE on the rope parts, the latent-cache write; one kernel on GPU), then attention
 over the paged latent cache in the weight-absorbed form (kernels/attention/mla_backend.py).
+DeepSeek-V3.2's sparse attention (an indexer picks each token's keys) runs the torch references of
+the selection and of attention (kernels/attention/mla_indexer.py, mla_torch.py).
 
 Its cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: one latent of L values and
 one shared rope key of R values per token, for all heads, where standard attention would keep
@@ -12,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from baryon.kernels.attention.mla_backend import store_latent
+from baryon.kernels.attention.mla_indexer import select_keys_reference
+from baryon.kernels.attention.mla_torch import mla_attention_reference
 from baryon.kernels.selector import select
 from baryon.layers.attention import PagedKVLayer
 from baryon.layers.forward_context import current_attn_metadata
@@ -21,14 +26,18 @@ class MLAAttention(PagedKVLayer):
     fp8_cache_supported = False  # the latent cache is kept in the model dtype
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
-                 kv_lora_rank: int, scale: float, interleaved_rope: bool) -> None:
+                 kv_lora_rank: int, scale: float, interleaved_rope: bool, index_head_dim: int = 0,
+                 index_topk: int = 0) -> None:
+        """index_head_dim / index_topk (DeepSeek-V3.2): each token's index key is cached after its
+        latent, and every new token attends only to the index_topk keys its indexer scores best."""
         super().__init__()
         self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, qk_rope_head_dim
         self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
         self.interleaved_rope = interleaved_rope
+        self.index_head_dim, self.index_topk = index_head_dim, index_topk
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
         backend = select("mla_attention", device, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
-                         rope_dim=qk_rope_head_dim, dtype=dtype)
+                         rope_dim=qk_rope_head_dim, dtype=dtype, sparse=index_head_dim > 0)
         self.backend = backend(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
         self.prologue = select("mla_prologue", device, rope_dim=qk_rope_head_dim, dtype=dtype)
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
@@ -37,7 +46,7 @@ class MLAAttention(PagedKVLayer):
         self.register_buffer("w_uv", torch.empty(num_heads, v_head_dim, kv_lora_rank), persistent=False)
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, self.kv_lora_rank + self.rope_dim)
+        return (num_blocks, block_size, self.kv_lora_rank + self.rope_dim + self.index_head_dim)
 
     @torch.no_grad()
     def absorb(self, kv_b_weight: torch.Tensor) -> None:
@@ -50,14 +59,24 @@ class MLAAttention(PagedKVLayer):
         self.w_uv = per_head[:, self.qk_nope_head_dim:].to(self.w_uv.dtype).contiguous()  # [H, V, L]
 
     def forward(self, q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+                norm_weight: torch.Tensor, eps: float,
+                index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q [T, H, Dn + R] (its rope part rotated in place), kv_a [T, L + R] (c_kv | k_pe as
-        projected: normalised, rotated and cached here), positions [T] -> [T, H * V]."""
+        projected: normalised, rotated and cached here), positions [T] -> [T, H * V]. index
+        (DeepSeek-V3.2): the indexer's rotated queries [T, heads, I], its rotated, normalised keys
+        [T, I] (cached here) and its head weights [T, heads] float32."""
         metadata = current_attn_metadata()
         self.prologue.forward(q, kv_a, positions, cos_sin_cache, norm_weight, eps, self.kv_cache,
                               metadata.slot_mapping, self.qk_nope_head_dim, self.interleaved_rope)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.rope_dim], dim=-1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, H, L]
-        out_latent = self.backend.forward(q_latent, q_pe, self.kv_cache, metadata)  # [T, H, L]
+        if index is None:
+            out_latent = self.backend.forward(q_latent, q_pe, self.kv_cache, metadata)  # [T, H, L]
+        else:
+            index_q, index_k, weights = index
+            offset = self.kv_lora_rank + self.rope_dim
+            store_latent(index_k, self.kv_cache, metadata.slot_mapping, offset)
+            selected = select_keys_reference(index_q, weights, self.kv_cache, offset, metadata, self.index_topk)
+            out_latent = mla_attention_reference(q_latent, q_pe, self.kv_cache, metadata, self.backend.scale, selected)
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, T, V]
         return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.v_head_dim)

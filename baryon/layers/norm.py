@@ -1,4 +1,4 @@
-"""RMSNorm layer with an optional fused residual add."""
+"""Normalisation layers: RMSNorm with an optional fused residual add, and LayerNorm."""
 
 from __future__ import annotations
 
@@ -26,3 +26,20 @@ class RMSNorm(nn.Module):
         kernel = TorchRMSNorm if torch.compiler.is_compiling() else self.kernel
         out, residual_out = kernel.forward(x, self.weight, self.eps, residual)
         return out if residual is None else (out, residual_out)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and a bias (DeepSeek-V3.2's indexer key norm), in the input dtype
+    as torch's nn.LayerNorm computes it."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        for param in (self.weight, self.bias):
+            param.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param.data, loaded)
+            param.expected_shards = frozenset([None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)

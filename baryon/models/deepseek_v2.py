@@ -56,7 +56,7 @@ def softmax_scale(config: Any) -> float:
 
 
 class DeepseekV2Attention(nn.Module):
-    def __init__(self, config: Any, interleaved_rope: bool) -> None:
+    def __init__(self, config: Any, interleaved_rope: bool, index_head_dim: int = 0, index_topk: int = 0) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
@@ -76,7 +76,7 @@ class DeepseekV2Attention(nn.Module):
         self.rotary_emb = get_rope(config, self.rope_dim)
         self.num_heads = divide(heads, tp_world_size(), "num_attention_heads")  # this rank's
         self.attn = MLAAttention(self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank,
-                                 softmax_scale(config), interleaved_rope)
+                                 softmax_scale(config), interleaved_rope, index_head_dim, index_topk)
 
     def after_weights_loaded(self) -> None:
         self.attn.absorb(self.kv_b_proj.method.dequantize(self.kv_b_proj))

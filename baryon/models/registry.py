@@ -17,6 +17,7 @@ _MODELS: dict[str, str] = {
     "Glm4MoeForCausalLM": "baryon.models.glm4_moe:Glm4MoeForCausalLM",
     "DeepseekV2ForCausalLM": "baryon.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "baryon.models.deepseek_v2:DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM": "baryon.models.deepseek_v32:DeepseekV32ForCausalLM",
 }
 
 

@@ -4,7 +4,8 @@ backend interface and the cache write (family `mla_attention`).
 The cache of one layer holds, per token, only the normalised latent c_kv (kv_lora_rank = L values)
 and the rotated shared rope key k_pe (R values):
 
-    cache [num_blocks, block_size, L + R]         cache[b, o] = cat(c_kv, k_pe) of slot b * block_size + o
+    cache [num_blocks, block_size, L + R (+ I)]   cache[b, o] = cat(c_kv, k_pe) of slot b * block_size + o
+                                                  (DeepSeek-V3.2: then its I-value index key)
 
 Attention runs in the weight-absorbed form. With W_UK [H, Dn, L] and W_UV [H, V, L] the key and
 value halves of kv_b_proj, head h's score of key s is
@@ -26,10 +27,11 @@ from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.selector import Kernel
 
 
-def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """latent [num_tokens, L + R] (c_kv | k_pe) into cache [num_blocks, block_size, L + R] at
-    slot_mapping [num_tokens] (-1: not stored)."""
-    flat = cache.view(-1, cache.shape[-1])  # [num_blocks * block_size, L + R]
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, offset: int = 0) -> None:
+    """latent [num_tokens, W] into columns [offset, offset + W) of cache [num_blocks, block_size,
+    row] at slot_mapping [num_tokens] (-1: not stored): c_kv | k_pe at 0, DeepSeek-V3.2's index
+    keys after them."""
+    flat = cache.view(-1, cache.shape[-1])[:, offset: offset + latent.shape[-1]]  # [num_blocks * block_size, W]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, latent = slot_mapping[keep], latent[keep]

@@ -14,11 +14,13 @@ from baryon.kernels.attention.mla_backend import MLABackend
 
 
 def mla_attention_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                            metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q_latent [T, H, L], q_pe [T, H, R], cache [num_blocks, block_size, L + R] -> [T, H, L] in
-    q_latent's dtype: for each sequence, its new tokens attend causally over its cached prefix
-    and themselves (float32 scores, softmax and sum)."""
-    kv_lora_rank = q_latent.shape[-1]
+                            metadata: AttentionMetadata, scale: float,
+                            selected: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """q_latent [T, H, L], q_pe [T, H, R], cache [num_blocks, block_size, L + R (+ I)] -> [T, H, L]
+    in q_latent's dtype: for each sequence, its new tokens attend causally over its cached prefix
+    and themselves (float32 scores, softmax and sum). selected (sparse attention, DeepSeek-V3.2):
+    per sequence a [q_len, seq_len] bool mask of the keys each new token may attend to."""
+    kv_lora_rank, rope_dim = q_latent.shape[-1], q_pe.shape[-1]
     block_size = cache.shape[1]
     out = torch.empty_like(q_latent)
     starts = metadata.query_start_loc_cpu.tolist()
@@ -28,11 +30,13 @@ def mla_attention_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: t
             continue
         blocks = metadata.block_tables[i, : -(-seq_len // block_size)].long()
         keys = cache.index_select(0, blocks).view(-1, cache.shape[-1])[:seq_len].float()  # [S, L + R]
-        c_kv, k_pe = keys[:, :kv_lora_rank], keys[:, kv_lora_rank:]
+        c_kv, k_pe = keys[:, :kv_lora_rank], keys[:, kv_lora_rank: kv_lora_rank + rope_dim]
         scores = (torch.einsum("thl,sl->ths", q_latent[start:end].float(), c_kv)
                   + torch.einsum("thr,sr->ths", q_pe[start:end].float(), k_pe)) * scale  # [q, H, S]
         positions = torch.arange(seq_len - (end - start), seq_len, device=scores.device)  # of the queries
         visible = torch.arange(seq_len, device=scores.device)[None, :] <= positions[:, None]  # [q, S]
+        if selected is not None:
+            visible = visible & selected[i]
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         out[start:end] = torch.einsum("ths,sl->thl", scores.softmax(dim=-1), c_kv).to(out.dtype)
     return out

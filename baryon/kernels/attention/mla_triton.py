@@ -180,7 +180,10 @@ class TritonMLAAttention(MLABackend):
         return triton_unsupported_reason(device, "mla_attention")
 
     @classmethod
-    def cannot_implement_reason(cls, kv_lora_rank: int = 512, rope_dim: int = 64, **config: Any) -> str | None:
+    def cannot_implement_reason(cls, kv_lora_rank: int = 512, rope_dim: int = 64, sparse: bool = False,
+                                **config: Any) -> str | None:
+        if sparse:
+            return "sparse attention over indexer-selected keys (DeepSeek-V3.2): the torch reference serves it"
         if kv_lora_rank < 16 or kv_lora_rank & (kv_lora_rank - 1):
             return f"kv_lora_rank {kv_lora_rank} (a power of two >= 16 is needed)"
         return None
