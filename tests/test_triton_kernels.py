@@ -149,8 +149,8 @@ def test_triton_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rota
 def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypatch):
     """The whole engine with the Triton kernels selected (interpreted on CPU) still matches
     transformers token for token, through chunked prefill and paged decode."""
-    from baryon import LLM, SamplingParams
-    from conftest import hf_greedy, make_checkpoint, random_prompts
+    from baryon import LLM
+    from conftest import make_checkpoint
 
     for family in ("attention", "rms_norm", "qkv_prologue", "silu_and_mul"):
         monkeypatch.setenv(f"BARYON_KERNEL_{family.upper()}", "triton")
@@ -163,14 +163,7 @@ def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypat
     layer = runner.model.model.layers[0]
     assert layer.input_layernorm.kernel.name == layer.self_attn.attn.prologue.name == "triton"
     assert layer.mlp.act_fn.kernel.name == "triton"
-    prompts = random_prompts(2, 128, 5, 20, seed)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        tokens, logprobs = hf_greedy(path, prompt, 8)
-        assert out.outputs[0].token_ids == tokens
-        got = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, tokens)]
-        assert max(abs(a - b) for a, b in zip(got, logprobs)) < 1e-4
+    _assert_follows_transformers(llm, path, seed)
 
 
 def test_triton_paged_attention_with_sinks(seed):
@@ -215,8 +208,8 @@ def test_triton_split_kv_decode_matches_dense(seed, splits, with_sinks):
 def test_deepseek_engine_greedy_parity_with_the_triton_mla_kernels(tmp_path, seed, monkeypatch):
     """DeepSeek-V3 with the Triton MLA prologue and latent attention (interpreted on CPU): tokens
     and logprobs of transformers through chunked prefill over a cached prefix and paged decode."""
-    from baryon import LLM, SamplingParams
-    from conftest import hf_greedy, make_checkpoint, random_prompts
+    from baryon import LLM
+    from conftest import make_checkpoint
 
     for family in ("mla_attention", "mla_prologue", "rms_norm"):
         monkeypatch.setenv(f"BARYON_KERNEL_{family.upper()}", "triton")
@@ -225,6 +218,14 @@ def test_deepseek_engine_greedy_parity_with_the_triton_mla_kernels(tmp_path, see
               max_num_batched_tokens=12, kv_cache_memory_gib=0.01, enforce_eager=True)
     attn = llm.engine.core.runner.model.model.layers[0].self_attn.attn
     assert (type(attn.backend).__name__, attn.prologue.name) == ("TritonMLAAttention", "triton")
+    _assert_follows_transformers(llm, path, seed)
+
+
+def _assert_follows_transformers(llm, path, seed) -> None:
+    """Two random prompts, 8 greedy tokens: transformers' tokens, logprobs within 1e-4."""
+    from baryon import SamplingParams
+    from conftest import hf_greedy, random_prompts
+
     prompts = random_prompts(2, 128, 5, 20, seed)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0), use_tqdm=False)

@@ -23,7 +23,7 @@ import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.attention.mla_backend import MLABackend
-from baryon.kernels.attention.triton_paged import query_tiles
+from baryon.kernels.attention.triton_paged import combine_splits_kernel, query_tiles
 from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton, triton_unsupported_reason
 
 MAX_KV_SPLITS = 32
@@ -137,7 +137,7 @@ if triton is not None:
                 m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, start, last_pos, q_pos, m_i, l_i,
                                           acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
                                           stride_cache_slot, stride_bt, L, PAGE, TILE_N, IEEE_DOT)
-        if SPLITS > 1:  # unnormalised partials; _mla_combine_kernel merges them
+        if SPLITS > 1:  # unnormalised partials; combine_splits_kernel (triton_paged.py) merges them
             part = (token * NUM_HEADS + head) * SPLITS + split  # [BLOCK_M]
             tl.store(partial_acc + part[:, None].to(tl.int64) * L + lat_dims[None, :], acc, mask=row_valid[:, None])
             tl.store(partial_m + part, m_i, mask=row_valid)
@@ -146,23 +146,6 @@ if triton is not None:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(output + token[:, None] * stride_ot + head[:, None] * stride_oh + lat_dims[None, :],
                  out.to(output.dtype.element_ty), mask=row_valid[:, None])
-
-    @triton.jit
-    def _mla_combine_kernel(partial_acc, partial_m, partial_l, output, stride_ot, stride_oh,
-                            NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, L: tl.constexpr):
-        """Merge one (token, head)'s per-split softmax partials into its output row."""
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        part = (token * NUM_HEADS + head) * SPLITS + tl.arange(0, SPLITS)  # [SPLITS]
-        m = tl.load(partial_m + part)
-        l_sum = tl.load(partial_l + part)
-        m_max = tl.max(m, axis=0)
-        weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
-        total = tl.sum(l_sum * weight, axis=0)
-        dims = tl.arange(0, L)
-        acc = tl.load(partial_acc + part[:, None] * L + dims[None, :])  # [SPLITS, L]
-        out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-        tl.store(output + token * stride_ot + head * stride_oh + dims, out.to(output.dtype.element_ty))
 
 
 @functools.cache
@@ -229,8 +212,9 @@ class TritonMLAAttention(MLABackend):
             INTERPRETED=INTERPRETED, TILED=tiled, IEEE_DOT=q_latent.dtype == torch.float32, SPLITS=splits,
             num_warps=8 if rank >= 256 else 4)
         if splits > 1:
-            _mla_combine_kernel[(tokens, heads)](partial_acc, partial_m, partial_l, output, output.stride(0),
-                                                 output.stride(1), NUM_HEADS=heads, SPLITS=splits, L=rank)
+            combine_splits_kernel[(tokens, heads)](partial_acc, partial_m, partial_l, output, output.stride(0),
+                                                   output.stride(1), NUM_HEADS=heads, SPLITS=splits, HEAD_DIM=rank,
+                                                   HEAD_DIM_PADDED=rank)
         return output
 
     def _decode_splits(self, programs: int, device: torch.device) -> int:

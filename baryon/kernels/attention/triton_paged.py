@@ -195,7 +195,7 @@ if triton is not None:
                                              IEEE_DOT, FP8_KV)
         if FP8_KV:  # sum_j p_j (v8_j * v_scale) = v_scale * sum_j p_j v8_j
             acc = acc * tl.load(v_scale)
-        if SPLITS > 1:  # unnormalised partial results; _combine_splits_kernel merges them
+        if SPLITS > 1:  # unnormalised partial results; combine_splits_kernel merges them
             part = ((q_start + q_token) * NUM_HEADS + head) * SPLITS + split  # [BLOCK_M]
             tl.store(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_valid[:, None])
             tl.store(partial_m + part, m_i, mask=row_valid)
@@ -209,7 +209,7 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _combine_splits_kernel(partial_acc, partial_m, partial_l, output, stride_ot, stride_oh,
+    def combine_splits_kernel(partial_acc, partial_m, partial_l, output, stride_ot, stride_oh,
                                NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                HEAD_DIM_PADDED: tl.constexpr):
         """Merge one (token, head)'s per-split softmax partials into the output row."""
@@ -341,7 +341,7 @@ class TritonPagedAttention(AttentionBackend):
             SPLITS=splits, NUM_HEADS=self.num_heads, FP8_KV=fp8,
         )
         if splits > 1:
-            _combine_splits_kernel[(query.shape[0], self.num_heads)](
+            combine_splits_kernel[(query.shape[0], self.num_heads)](
                 partial_acc, partial_m, partial_l, output, output.stride(0), output.stride(1),
                 NUM_HEADS=self.num_heads, SPLITS=splits, HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=head_dim_padded)
         return output
