@@ -559,10 +559,8 @@ def engine_layout(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor 
         if all(a is not None for a in attn):
             layout[f"{p}.self_attn.qkv_proj"] = torch.cat(attn)
         for name in ("o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"):  # unfused
-            if f"{p}.self_attn.{name}.weight" in reference and f"{p}.self_attn.k_proj.weight" not in reference:
+            if f"{p}.self_attn.{name}.weight" in reference:
                 layout[f"{p}.self_attn.{name}"] = reference[f"{p}.self_attn.{name}.weight"]
-        if f"{p}.self_attn.k_proj.weight" in reference:
-            layout[f"{p}.self_attn.o_proj"] = reference[f"{p}.self_attn.o_proj.weight"]
         if f"{p}.self_attn.q_proj.weight" in reference and f"{p}.self_attn.k_proj.weight" not in reference:
             layout[f"{p}.self_attn.q_proj"] = reference[f"{p}.self_attn.q_proj.weight"]  # DeepSeek-V2-Lite
         for mlp in ("mlp", "mlp.shared_experts"):
