@@ -29,6 +29,15 @@ def _on_device(metadata: AttentionMetadata) -> AttentionMetadata:
     return metadata
 
 
+def _on_cpu(metadata: AttentionMetadata) -> AttentionMetadata:
+    import copy
+
+    metadata = copy.copy(metadata)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(metadata, name, getattr(metadata, name).cpu())
+    return metadata
+
+
 def _paged_case(gen, seqs, kv_lora_rank, rope_dim, block_size, num_blocks=128):
     """seqs: (cached, new) per sequence. Returns the cache with every prefix stored, metadata for
     the new tokens (slot_mapping of the new tokens), the new tokens' latents and every sequence's
@@ -104,6 +113,52 @@ def test_absorbed_mla_equals_attention_over_the_expanded_latent(seed, heads, kv_
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         torch.testing.assert_close(out[start:start + new], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
         start += new
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("heads,index_heads,index_dim,topk", [(4, 8, 32, 6), (16, 16, 64, 3), (3, 5, 24, 64)])
+def test_indexer_and_sparse_attention(seed, backend_name, heads, index_heads, index_dim, topk):
+    """The indexer's choice equals scoring every visible key by sum_h w_h relu(q_h . k / sqrt(I))
+    and keeping the topk best (all of them when fewer are visible); sparse attention over that
+    choice equals dense attention with every other key masked out."""
+    from baryon.kernels.attention.mla_indexer import TorchIndexer, TritonIndexer
+
+    if backend_name == "triton" and mla_triton.triton is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(seed)
+    rank, rope = 32, 8
+    seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (21, 13)]
+    cache, metadata, new_latents, full = _paged_case(gen, seqs, rank, rope + index_dim, 4)
+    metadata = _on_device(metadata)
+    cache = cache.to(DEVICE)
+    tokens = metadata.num_tokens
+    index_q = torch.randn(tokens, index_heads, index_dim, generator=gen)
+    weights = torch.randn(tokens, index_heads, generator=gen)
+    indexer = {"torch": TorchIndexer, "triton": TritonIndexer}[backend_name]
+    TorchMLAAttention(heads, rank, rope, 1.0).store(new_latents.to(DEVICE), cache, metadata.slot_mapping)
+    indices = indexer.forward(index_q.to(DEVICE), weights.to(DEVICE), cache, rank + rope, metadata, topk).cpu()
+    assert indices.shape == (tokens, min(topk, max(c + n for c, n in seqs)))
+    start, selected = 0, []
+    for (cached, new), latent in zip(seqs, full):
+        keys = latent[:, rank + rope:]
+        for j in range(new):
+            pos = cached + j
+            score = torch.einsum("h,hs->s", weights[start + j],
+                                 torch.relu(index_q[start + j] @ keys[: pos + 1].t() * index_dim ** -0.5))
+            want = set(score.topk(min(topk, pos + 1)).indices.tolist())
+            got = [int(i) for i in indices[start + j] if i >= 0]
+            assert len(got) == len(set(got)) and set(got) == want, (pos, got, want)
+        mask = torch.zeros(new, cached + new, dtype=torch.bool)
+        for j in range(new):
+            mask[j, [int(i) for i in indices[start + j] if i >= 0]] = True
+        selected.append(mask)
+        start += new
+    q_latent = torch.randn(tokens, heads, rank, generator=gen)
+    q_pe = torch.randn(tokens, heads, rope, generator=gen)
+    backend = {"torch": TorchMLAAttention, "triton": TritonMLAAttention}[backend_name](heads, rank, rope, 0.3)
+    out = backend.forward_sparse(q_latent.to(DEVICE), q_pe.to(DEVICE), cache, metadata, indices.to(DEVICE)).cpu()
+    expected = mla_attention_reference(q_latent, q_pe, cache.cpu(), _on_cpu(metadata), 0.3, selected)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_skips_padding_slots(seed):

@@ -205,15 +205,17 @@ def test_triton_split_kv_decode_matches_dense(seed, splits, with_sinks):
         torch.testing.assert_close(out[i:i + 1].cpu(), expected, atol=2e-3, rtol=2e-3)
 
 
-def test_deepseek_engine_greedy_parity_with_the_triton_mla_kernels(tmp_path, seed, monkeypatch):
-    """DeepSeek-V3 with the Triton MLA prologue and latent attention (interpreted on CPU): tokens
-    and logprobs of transformers through chunked prefill over a cached prefix and paged decode."""
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_deepseek_engine_greedy_parity_with_the_triton_mla_kernels(tmp_path, seed, monkeypatch, arch):
+    """DeepSeek-V3 and V3.2 with the Triton MLA prologue, latent attention and (V3.2) indexer and
+    sparse attention, interpreted on CPU: tokens and logprobs of transformers through chunked
+    prefill over a cached prefix and paged decode."""
     from baryon import LLM
     from conftest import make_checkpoint
 
-    for family in ("mla_attention", "mla_prologue", "rms_norm"):
+    for family in ("mla_attention", "mla_prologue", "mla_indexer", "rms_norm"):
         monkeypatch.setenv(f"BARYON_KERNEL_{family.upper()}", "triton")
-    path = make_checkpoint(tmp_path / "deepseek_v3", "deepseek_v3", seed=seed)
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed)
     llm = LLM(str(path), skip_tokenizer_init=True, device=DEVICE, dtype="float32", block_size=16,
               max_num_batched_tokens=12, kv_cache_memory_gib=0.01, enforce_eager=True)
     attn = llm.engine.core.runner.model.model.layers[0].self_attn.attn

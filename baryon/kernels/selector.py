@@ -42,6 +42,8 @@ _REGISTRY: dict[str, list[str]] = {
                   "baryon.kernels.attention.torch_paged:TorchPagedAttention"],
     "mla_attention": ["baryon.kernels.attention.mla_triton:TritonMLAAttention",
                       "baryon.kernels.attention.mla_torch:TorchMLAAttention"],
+    "mla_indexer": ["baryon.kernels.attention.mla_indexer:TritonIndexer",
+                    "baryon.kernels.attention.mla_indexer:TorchIndexer"],
     "mla_prologue": ["baryon.kernels.mla_prologue:TritonMLAPrologue", "baryon.kernels.mla_prologue:TorchMLAPrologue"],
     "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:CpuRMSNorm",
                  "baryon.kernels.norm:TorchRMSNorm"],

@@ -68,7 +68,7 @@ def _kv_scale_parameter() -> nn.Parameter:
 
 class PagedKVLayer(nn.Module):
     """A layer that owns a slice of the paged KV cache: the runner sizes and binds `kv_cache`
-    from `cache_shape`, and reads `backend.cuda_graph_safe` to decide on CUDA graphs."""
+    from `cache_shape`, and reads `cuda_graph_safe` to decide on CUDA graphs."""
 
     kv_cache: torch.Tensor | None
     backend: object
@@ -76,6 +76,11 @@ class PagedKVLayer(nn.Module):
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         raise NotImplementedError
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a decode step through this layer can be captured in a CUDA graph."""
+        return self.backend.cuda_graph_safe
 
 
 class Attention(PagedKVLayer):

@@ -1,8 +1,8 @@
 """The multi-head latent attention layer (DeepSeek V2 / V3): the prologue (kernels/mla_prologue.py:
 kv_a_layernorm, RoPE on the rope parts, the latent-cache write; one kernel on GPU), then attention
 over the paged latent cache in the weight-absorbed form (kernels/attention/mla_backend.py).
-DeepSeek-V3.2's sparse attention (an indexer picks each token's keys) runs the torch references of
-the selection and of attention (kernels/attention/mla_indexer.py, mla_torch.py).
+DeepSeek-V3.2's sparse attention: the indexer kernel picks each token's keys
+(kernels/attention/mla_indexer.py), the backend's forward_sparse attends to them.
 
 Its cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: one latent of L values and
 one shared rope key of R values per token, for all heads, where standard attention would keep
@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 
 from baryon.kernels.attention.mla_backend import store_latent
-from baryon.kernels.attention.mla_indexer import select_keys_reference
-from baryon.kernels.attention.mla_torch import mla_attention_reference
 from baryon.kernels.selector import select
 from baryon.layers.attention import PagedKVLayer
 from baryon.layers.forward_context import current_attn_metadata
@@ -37,13 +35,19 @@ class MLAAttention(PagedKVLayer):
         self.index_head_dim, self.index_topk = index_head_dim, index_topk
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
         backend = select("mla_attention", device, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
-                         rope_dim=qk_rope_head_dim, dtype=dtype, sparse=index_head_dim > 0)
+                         rope_dim=qk_rope_head_dim, dtype=dtype)
         self.backend = backend(num_heads, kv_lora_rank, qk_rope_head_dim, scale)
+        self.indexer = select("mla_indexer", device, dtype=dtype) if index_head_dim else None
         self.prologue = select("mla_prologue", device, rope_dim=qk_rope_head_dim, dtype=dtype)
         self.kv_cache: torch.Tensor | None = None  # bound by the runner
         # Set by absorb() once kv_b_proj has loaded (not checkpoint tensors: derived from it).
         self.register_buffer("w_uk", torch.empty(num_heads, qk_nope_head_dim, kv_lora_rank), persistent=False)
         self.register_buffer("w_uv", torch.empty(num_heads, v_head_dim, kv_lora_rank), persistent=False)
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        # The sparse path sizes its selection by the step's longest sequence: not capturable yet.
+        return self.backend.cuda_graph_safe and self.indexer is None
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, block_size, self.kv_lora_rank + self.rope_dim + self.index_head_dim)
@@ -76,7 +80,7 @@ class MLAAttention(PagedKVLayer):
             index_q, index_k, weights = index
             offset = self.kv_lora_rank + self.rope_dim
             store_latent(index_k, self.kv_cache, metadata.slot_mapping, offset)
-            selected = select_keys_reference(index_q, weights, self.kv_cache, offset, metadata, self.index_topk)
-            out_latent = mla_attention_reference(q_latent, q_pe, self.kv_cache, metadata, self.backend.scale, selected)
+            indices = self.indexer.forward(index_q, weights, self.kv_cache, offset, metadata, self.index_topk)
+            out_latent = self.backend.forward_sparse(q_latent, q_pe, self.kv_cache, metadata, indices)
         out = torch.bmm(out_latent.transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, T, V]
         return out.transpose(0, 1).reshape(q.shape[0], self.num_heads * self.v_head_dim)

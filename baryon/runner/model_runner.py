@@ -79,9 +79,10 @@ class ModelRunner:
         compilation = self.config.compilation
         if not uses_cuda_graphs(compilation.level, self.device, compilation.enforce_eager):
             return []
-        unsafe = sorted({a.backend.name for a in self.attention_layers if not a.backend.cuda_graph_safe})
+        unsafe = sorted({f"{type(a).__name__} ({a.backend.name})" for a in self.attention_layers
+                         if not a.cuda_graph_safe})
         if unsafe:
-            logger.info("CUDA graphs off: attention backend %s cannot be captured", unsafe)
+            logger.info("CUDA graphs off: attention layers %s cannot be captured", unsafe)
             return []
         return sorted(set(compilation.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)))
 

@@ -53,3 +53,9 @@ class MLABackend(Kernel):
     def forward(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         raise NotImplementedError
+
+    def forward_sparse(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                       metadata: AttentionMetadata, indices: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3.2: each token attends only to the keys at indices [T, K] (positions in its
+        sequence, -1 for none; mla_indexer.py chooses them) -> [T, H, L]."""
+        raise NotImplementedError

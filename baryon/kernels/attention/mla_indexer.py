@@ -1,39 +1,143 @@
-"""DeepSeek-V3.2's lightning indexer: which cached keys each new token's sparse attention reads
-(the torch reference).
+"""DeepSeek-V3.2's lightning indexer (family `mla_indexer`): which cached keys each new token's
+sparse attention reads.
 
 Each layer caches one index key per token (I values, after the latent in the cache row, see
-mla_backend.py). A new token at position p scores every visible key t <= p as
+mla_backend.py). A new token at position p scores every visible key t <= p of its sequence as
 
     index[t] = sum_h w[h] * relu(q_index[h] . k_index[t] / sqrt(I))       w = weights_proj(x) / sqrt(heads)
 
 and attends to the `topk` best (all of them while p + 1 <= topk: then it is dense attention).
+
+    scores   [T, S] float32, S = the step's longest sequence; -inf where a key is not visible
+    indices  [T, K] int32, K = min(topk, S): positions in the token's sequence, best first; -1 pads
+             the rows of tokens that see fewer than K keys
+
+Kernels: `triton` (one program per (token, 16-key tile): one dot of all heads' queries with the
+tile's keys; then torch.topk) and `torch`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.selector import Kernel
+from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+from baryon.transfer import to_device
 
 
-def select_keys_reference(index_q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, offset: int,
-                          metadata: AttentionMetadata, topk: int) -> list[torch.Tensor]:
-    """index_q [T, heads, I] (rotated), weights [T, heads] float32 (already divided by sqrt(heads)),
-    cache [num_blocks, block_size, row] with index keys in columns [offset, offset + I) -> per
-    sequence a [q_len, seq_len] bool mask of the selected keys."""
+def index_scores_reference(index_q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, offset: int,
+                           metadata: AttentionMetadata) -> torch.Tensor:
+    """index_q [T, heads, I] (rotated), weights [T, heads] float32 (divided by sqrt(heads)), cache
+    [num_blocks, block_size, row] with index keys in columns [offset, offset + I) -> [T, S]."""
     index_dim = index_q.shape[-1]
     block_size = cache.shape[1]
+    longest = int(metadata.seq_lens_cpu.max())
+    scores = torch.full((index_q.shape[0], longest), float("-inf"), dtype=torch.float32, device=index_q.device)
     starts = metadata.query_start_loc_cpu.tolist()
-    masks = []
     for i, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
         start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
         blocks = metadata.block_tables[i, : -(-seq_len // block_size)].long()
         keys = cache.index_select(0, blocks).view(-1, cache.shape[-1])[:seq_len, offset: offset + index_dim]
-        scores = torch.relu(torch.einsum("qhd,sd->qhs", index_q[start:end].float(), keys.float()) * index_dim ** -0.5)
-        index = torch.einsum("qh,qhs->qs", weights[start:end].float(), scores)  # [q, S]
+        per_head = torch.relu(torch.einsum("qhd,sd->qhs", index_q[start:end].float(), keys.float()) * index_dim ** -0.5)
+        index = torch.einsum("qh,qhs->qs", weights[start:end].float(), per_head)  # [q, S_i]
         positions = torch.arange(seq_len - (end - start), seq_len, device=index.device)
         visible = torch.arange(seq_len, device=index.device)[None, :] <= positions[:, None]
-        index = index.masked_fill(~visible, float("-inf"))
-        chosen = index.topk(min(topk, seq_len), dim=-1).indices  # [q, k]
-        masks.append(torch.zeros_like(visible).scatter_(1, chosen, True) & visible)
-    return masks
+        scores[start:end, :seq_len] = index.masked_fill(~visible, float("-inf"))
+    return scores
+
+
+def topk_indices(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [T, S] -> [T, min(topk, S)] int32 positions of the best visible keys (-1: none).
+    Equal scores (several keys whose every head's relu is 0 score exactly 0) go to the earlier
+    position, whatever S is: a stable sort, so the choice does not depend on the batch."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    k = min(topk, scores.shape[1])
+    return indices[:, :k].to(torch.int32).masked_fill(values[:, :k] == float("-inf"), -1)
+
+
+class TorchIndexer(Kernel):
+    name = "torch"
+
+    @staticmethod
+    def forward(index_q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, offset: int,
+                metadata: AttentionMetadata, topk: int) -> torch.Tensor:
+        return topk_indices(index_scores_reference(index_q, weights, cache, offset, metadata), topk)
+
+
+def token_sequences(metadata: AttentionMetadata) -> torch.Tensor:
+    """[T] int32 on the device: the sequence of each token of the step (built once per step)."""
+    key = "token_sequences"
+    if key not in metadata.backend_scratch:
+        q_lens = (metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]).long()
+        seqs = torch.repeat_interleave(torch.arange(len(q_lens), dtype=torch.int32), q_lens)
+        metadata.backend_scratch[key] = to_device(seqs, metadata.query_start_loc.device)
+    return metadata.backend_scratch[key]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _index_scores_kernel(index_q, weights, cache, scores, token_seq, block_tables, seq_lens, query_start_loc,
+                             stride_qt, stride_qh, stride_wt, stride_st, stride_cache_block, stride_cache_slot,
+                             stride_bt, offset, scale, HEADS: tl.constexpr, HEADS_P: tl.constexpr,
+                             DIM: tl.constexpr, DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
+                             IEEE_DOT: tl.constexpr):
+        token = tl.program_id(0)
+        tile = tl.program_id(1)
+        seq = tl.load(token_seq + token)
+        seq_len = tl.load(seq_lens + seq)
+        q_start = tl.load(query_start_loc + seq)
+        q_len = tl.load(query_start_loc + seq + 1) - q_start
+        pos = seq_len - q_len + (token - q_start)  # this token's position
+        key_pos = tile * TILE_N + tl.arange(0, TILE_N)
+        if tile * TILE_N < seq_len:
+            heads = tl.arange(0, HEADS_P)
+            dims = tl.arange(0, DIM_P)
+            head_valid = heads < HEADS
+            dim_valid = dims < DIM
+            q = tl.load(index_q + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                        mask=head_valid[:, None] & dim_valid[None, :], other=0.0)  # [HEADS_P, DIM_P]
+            w = tl.load(weights + token * stride_wt + heads, mask=head_valid, other=0.0).to(tl.float32)
+            key_valid = key_pos < seq_len
+            page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_valid, other=0)
+            slot = page.to(tl.int64) * stride_cache_block + (key_pos % PAGE) * stride_cache_slot
+            k = tl.load(cache + slot[:, None] + offset + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :],
+                        other=0.0)  # [TILE_N, DIM_P]
+            if IEEE_DOT:
+                dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                dots = tl.dot(q, tl.trans(k)).to(tl.float32)
+            per_head = tl.maximum(dots * scale, 0.0)  # [HEADS_P, TILE_N]
+            index = tl.sum(per_head * w[:, None], axis=0)  # [TILE_N]
+            index = tl.where(key_pos <= pos, index, float("-inf"))
+            tl.store(scores + token * stride_st + key_pos, index, mask=key_valid)
+
+
+class TritonIndexer(TritonKernel):
+    family = "mla_indexer"
+
+    @staticmethod
+    def forward(index_q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, offset: int,
+                metadata: AttentionMetadata, topk: int) -> torch.Tensor:
+        tokens, heads, dim = index_q.shape
+        longest = metadata.max_seq_len
+        scores = torch.full((tokens, longest), float("-inf"), dtype=torch.float32, device=index_q.device)
+        tile_n = 16
+        if tokens:
+            grid = (tokens, triton.cdiv(longest, tile_n))
+            _index_scores_kernel[grid](
+                index_q, weights, cache, scores, token_sequences(metadata), metadata.block_tables, metadata.seq_lens,
+                metadata.query_start_loc, index_q.stride(0), index_q.stride(1), weights.stride(0), scores.stride(0),
+                cache.stride(0), cache.stride(1), metadata.block_tables.stride(0), offset, dim ** -0.5,
+                HEADS=heads, HEADS_P=max(16, next_power_of_2(heads)), DIM=dim, DIM_P=max(16, next_power_of_2(dim)),
+                PAGE=cache.shape[1], TILE_N=tile_n, IEEE_DOT=index_q.dtype == torch.float32)
+        return topk_indices(scores, topk)
+
+    @classmethod
+    def cannot_implement_reason(cls, **_: Any) -> str | None:
+        return None

@@ -42,6 +42,19 @@ def mla_attention_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: t
     return out
 
 
+def mla_sparse_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                         metadata: AttentionMetadata, scale: float, indices: torch.Tensor) -> torch.Tensor:
+    """Attention over the keys in indices [T, K] (positions in each token's sequence; -1: none)."""
+    starts = metadata.query_start_loc_cpu.tolist()
+    selected = []
+    for i, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
+        chosen = indices[starts[i]: starts[i + 1]].long()
+        chosen = torch.where(chosen < 0, seq_len, chosen)  # -1 -> a spare column, dropped below
+        mask = torch.zeros(chosen.shape[0], seq_len + 1, dtype=torch.bool, device=indices.device)
+        selected.append(mask.scatter_(1, chosen, True)[:, :seq_len])
+    return mla_attention_reference(q_latent, q_pe, cache, metadata, scale, selected)
+
+
 class TorchMLAAttention(MLABackend):
     name = "torch"
 
@@ -52,3 +65,7 @@ class TorchMLAAttention(MLABackend):
     def forward(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         return mla_attention_reference(q_latent, q_pe, cache, metadata, self.scale)
+
+    def forward_sparse(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                       metadata: AttentionMetadata, indices: torch.Tensor) -> torch.Tensor:
+        return mla_sparse_reference(q_latent, q_pe, cache, metadata, self.scale, indices)

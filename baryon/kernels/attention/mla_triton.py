@@ -23,6 +23,7 @@ import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.attention.mla_backend import MLABackend
+from baryon.kernels.attention.mla_indexer import token_sequences
 from baryon.kernels.attention.triton_paged import combine_splits_kernel, query_tiles
 from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton, triton_unsupported_reason
 
@@ -46,12 +47,11 @@ if triton is not None:
         tl.store(cache + slot * stride_cache_slot + offs, row, mask=mask)
 
     @triton.jit
-    def _mla_tile(q_lat, q_pe, cache, block_tables, seq, start, last_pos, q_pos, m_i, l_i, acc,
+    def _mla_tile(q_lat, q_pe, cache, block_tables, seq, key_pos, key_valid, visible, m_i, l_i, acc,
                   lat_dims, pe_dims, pe_valid, scale, stride_cache_block, stride_cache_slot, stride_bt,
-                  L: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, IEEE_DOT: tl.constexpr):
-        """One TILE_N-token step of the online softmax over keys [start, start + TILE_N)."""
-        key_pos = start + tl.arange(0, TILE_N)
-        key_valid = key_pos < last_pos
+                  L: tl.constexpr, PAGE: tl.constexpr, IEEE_DOT: tl.constexpr):
+        """One step of the online softmax over the keys at positions key_pos [TILE_N] of sequence
+        `seq` (key_valid: which exist; visible [BLOCK_M, TILE_N]: which each row may attend to)."""
         page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_valid, other=0)
         slot = page.to(tl.int64) * stride_cache_block + (key_pos % PAGE) * stride_cache_slot  # [TILE_N]
         c_kv = tl.load(cache + slot[:, None] + lat_dims[None, :], mask=key_valid[:, None], other=0.0)  # [TILE_N, L]
@@ -63,7 +63,6 @@ if triton is not None:
         else:
             scores = tl.dot(q_lat, tl.trans(c_kv))
             scores = tl.dot(q_pe, tl.trans(k_pe), scores).to(tl.float32) * scale  # [BLOCK_M, TILE_N]
-        visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -128,15 +127,21 @@ if triton is not None:
         if INTERPRETED:  # the interpreter cannot take loaded values as range() bounds
             start = lo
             while start < hi:
-                m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, start, last_pos, q_pos, m_i, l_i,
-                                          acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
-                                          stride_cache_slot, stride_bt, L, PAGE, TILE_N, IEEE_DOT)
+                key_pos = start + tl.arange(0, TILE_N)
+                key_valid = key_pos < last_pos
+                visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+                m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, key_pos, key_valid, visible, m_i,
+                                          l_i, acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
+                                          stride_cache_slot, stride_bt, L, PAGE, IEEE_DOT)
                 start += TILE_N
         else:
             for start in range(lo, hi, TILE_N):
-                m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, start, last_pos, q_pos, m_i, l_i,
-                                          acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
-                                          stride_cache_slot, stride_bt, L, PAGE, TILE_N, IEEE_DOT)
+                key_pos = start + tl.arange(0, TILE_N)
+                key_valid = key_pos < last_pos
+                visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+                m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, key_pos, key_valid, visible, m_i,
+                                          l_i, acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
+                                          stride_cache_slot, stride_bt, L, PAGE, IEEE_DOT)
         if SPLITS > 1:  # unnormalised partials; combine_splits_kernel (triton_paged.py) merges them
             part = (token * NUM_HEADS + head) * SPLITS + split  # [BLOCK_M]
             tl.store(partial_acc + part[:, None].to(tl.int64) * L + lat_dims[None, :], acc, mask=row_valid[:, None])
@@ -145,6 +150,46 @@ if triton is not None:
             return
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(output + token[:, None] * stride_ot + head[:, None] * stride_oh + lat_dims[None, :],
+                 out.to(output.dtype.element_ty), mask=row_valid[:, None])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mla_sparse_kernel(q_lat_ptr, q_pe_ptr, cache, output, indices, token_seq, block_tables, scale,
+                           stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh, stride_it,
+                           stride_cache_block, stride_cache_slot, stride_bt, num_selected,
+                           NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, L: tl.constexpr,
+                           R: tl.constexpr, R_PADDED: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
+                           IEEE_DOT: tl.constexpr):
+        """Sparse attention (DeepSeek-V3.2): one token's BLOCK_H heads over the keys its indexer
+        selected (indices [T, K]: positions in its sequence, -1 for none), TILE_N at a time."""
+        token = tl.program_id(0)
+        head_block = tl.program_id(1)
+        seq = tl.load(token_seq + token)
+        rows = tl.arange(0, BLOCK_M)
+        head = head_block * BLOCK_H + rows
+        row_valid = (rows < BLOCK_H) & (head < NUM_HEADS)
+        lat_dims = tl.arange(0, L)
+        pe_dims = tl.arange(0, R_PADDED)
+        pe_valid = pe_dims < R
+        q_lat = tl.load(q_lat_ptr + token * stride_qlt + head[:, None] * stride_qlh + lat_dims[None, :],
+                        mask=row_valid[:, None], other=0.0)  # [BLOCK_M, L]
+        q_pe = tl.load(q_pe_ptr + token * stride_qpt + head[:, None] * stride_qph + pe_dims[None, :],
+                       mask=row_valid[:, None] & pe_valid[None, :], other=0.0)  # [BLOCK_M, R_PADDED]
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, L], tl.float32)
+        for j in range(0, num_selected, TILE_N):
+            jj = j + tl.arange(0, TILE_N)
+            key_pos = tl.load(indices + token.to(tl.int64) * stride_it + jj, mask=jj < num_selected, other=-1)
+            key_valid = key_pos >= 0
+            visible = key_valid[None, :] & (rows >= 0)[:, None]  # [BLOCK_M, TILE_N]
+            m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, tl.maximum(key_pos, 0), key_valid,
+                                      visible, m_i, l_i, acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
+                                      stride_cache_slot, stride_bt, L, PAGE, IEEE_DOT)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(output + token * stride_ot + head[:, None] * stride_oh + lat_dims[None, :],
                  out.to(output.dtype.element_ty), mask=row_valid[:, None])
 
 
@@ -163,10 +208,7 @@ class TritonMLAAttention(MLABackend):
         return triton_unsupported_reason(device, "mla_attention")
 
     @classmethod
-    def cannot_implement_reason(cls, kv_lora_rank: int = 512, rope_dim: int = 64, sparse: bool = False,
-                                **config: Any) -> str | None:
-        if sparse:
-            return "sparse attention over indexer-selected keys (DeepSeek-V3.2): the torch reference serves it"
+    def cannot_implement_reason(cls, kv_lora_rank: int = 512, rope_dim: int = 64, **config: Any) -> str | None:
         if kv_lora_rank < 16 or kv_lora_rank & (kv_lora_rank - 1):
             return f"kv_lora_rank {kv_lora_rank} (a power of two >= 16 is needed)"
         return None
@@ -215,6 +257,22 @@ class TritonMLAAttention(MLABackend):
             combine_splits_kernel[(tokens, heads)](partial_acc, partial_m, partial_l, output, output.stride(0),
                                                    output.stride(1), NUM_HEADS=heads, SPLITS=splits, HEAD_DIM=rank,
                                                    HEAD_DIM_PADDED=rank)
+        return output
+
+    def forward_sparse(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                       metadata: AttentionMetadata, indices: torch.Tensor) -> torch.Tensor:
+        tokens, heads, rank = q_latent.shape
+        output = torch.empty_like(q_latent)
+        if tokens == 0:
+            return output
+        block_h = min(next_power_of_2(heads), HEADS_PER_PROGRAM)
+        _mla_sparse_kernel[(tokens, triton.cdiv(heads, block_h))](
+            q_latent, q_pe, cache, output, indices, token_sequences(metadata), metadata.block_tables, self.scale,
+            q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), output.stride(0),
+            output.stride(1), indices.stride(0), cache.stride(0), cache.stride(1), metadata.block_tables.stride(0),
+            indices.shape[1], NUM_HEADS=heads, BLOCK_H=block_h, BLOCK_M=max(16, block_h), L=rank, R=self.rope_dim,
+            R_PADDED=max(16, next_power_of_2(self.rope_dim)), PAGE=cache.shape[1], TILE_N=32,
+            IEEE_DOT=q_latent.dtype == torch.float32, num_warps=8 if rank >= 256 else 4)
         return output
 
     def _decode_splits(self, programs: int, device: torch.device) -> int:
