@@ -53,13 +53,19 @@ def test_bf16_greedy_parity_with_transformers(tmp_path, seed, arch):
     assert matched / total >= 0.95, f"only {matched}/{total} greedy tokens agree with transformers in bf16"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+GPU_DEEPSEEK = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=128, qk_rope_head_dim=64,
+                    qk_nope_head_dim=64, v_head_dim=64, n_routed_experts=16, num_experts_per_tok=4,
+                    moe_intermediate_size=128)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
 def test_cuda_graphs_match_eager(tmp_path, seed, arch):
     """Decode steps replayed from CUDA graphs give the eager path's tokens (Triton attention; for
-    the MoE model, the Triton routing and expert kernels inside the graphs too)."""
+    the MoE model, the Triton routing and expert kernels inside the graphs too; for DeepSeek, the
+    MLA prologue and latent attention with KV splits)."""
+    extra = {"qwen3_moe": GPU_MOE, "deepseek_v3": GPU_DEEPSEEK}.get(arch, {})
     path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                           **(GPU_MOE if arch == "qwen3_moe" else {}))
+                           **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, **extra})
     prompts = random_prompts(11, 128, 3, 60, seed)  # 11 requests: padded to the 16 graph
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = []
@@ -68,7 +74,7 @@ def test_cuda_graphs_match_eager(tmp_path, seed, arch):
                   kv_cache_memory_gib=1, max_num_seqs=32)
         runner = llm.engine.core.runner
         assert (runner.graph_runner is None) == eager
-        assert {a.backend.name for a in runner.attention_layers} == {"triton"}
+        assert {a.backend.name for a in runner.attention_layers} == {"triton"}  # paged or latent
         if arch == "qwen3_moe":
             assert runner.model.model.layers[0].mlp.experts.method.kernel.name == "triton"
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

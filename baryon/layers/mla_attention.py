@@ -4,9 +4,9 @@ over the paged latent cache in the weight-absorbed form (kernels/attention/mla_b
 DeepSeek-V3.2's sparse attention: the indexer kernel picks each token's keys
 (kernels/attention/mla_indexer.py), the backend's forward_sparse attends to them.
 
-Its cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: one latent of L values and
-one shared rope key of R values per token, for all heads, where standard attention would keep
-2 x heads x head_dim. The up-projection kv_b_proj (L -> heads x (Dn + V)) is split after loading
+Its cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim (+ index_head_dim)]: one
+latent of L values and one shared rope key of R values per token, for all heads, where standard
+attention would keep 2 x heads x head_dim (V3.2: then the token's index key). The up-projection kv_b_proj (L -> heads x (Dn + V)) is split after loading
 into W_UK [H, Dn, L], folded into the queries, and W_UV [H, V, L], applied to the latent output.
 """
 
