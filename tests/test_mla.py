@@ -218,10 +218,13 @@ def test_mtp_layers_are_skipped(deepseek_v3, tmp_path, seed):
     assert out[0].outputs[0].token_ids == hf_greedy(deepseek_v3, prompt, 8)[0]
 
 
-def test_fp8_kv_cache_is_refused_by_name(deepseek_v3):
-    with pytest.raises(ValueError, match="latent attention"):
+@pytest.mark.parametrize("option", [dict(kv_cache_dtype="fp8"), dict(compilation_level=1)],
+                         ids=["fp8-kv-cache", "compiled"])
+def test_unsupported_options_are_refused_by_name(deepseek_v3, option):
+    with pytest.raises(ValueError, match="latent attention") as e:
         LLM(str(deepseek_v3), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01,
-            kv_cache_dtype="fp8")
+            **option)
+    assert next(iter(option)) in str(e.value)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

@@ -62,6 +62,10 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.model = load_model(config.model, self.device, config.seed)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedKVLayer)]
+        if config.compilation.level > 0 and not all(isinstance(a, Attention) for a in self.attention_layers):
+            raise ValueError(f"compilation_level={config.compilation.level} is not supported with multi-head latent "
+                             f"attention (DeepSeek) yet: use compilation_level=0 (the default; decode steps still "
+                             f"replay CUDA graphs)")
         self.forward = compile_forward(self.model, config.compilation.level)
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
