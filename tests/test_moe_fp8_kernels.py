@@ -86,12 +86,15 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _assert_matches_reference(got, expected, dtype):
     """The Triton kernel and the reference quantize the same values, but their float32 sums
     differ in order: now and then an intermediate element rounds to the neighbouring float8 value
-    (1/16 of it), so besides a tight norm a few elements may differ by more than the rest."""
+    (1/16 of it). With one token and 48 intermediate features that one step moves the token's
+    output norm by up to ~1% (CI saw 0.8%), so the bounds allow a few such steps; a wrong scale,
+    block or expert is off by tens of percent."""
     got, expected = got.float().cpu(), expected.float()
     scale = expected.abs().max().clamp(min=1e-6)
     tight = 1e-3 if dtype == torch.float32 else 1e-2
-    assert _relative_error(got, expected) < tight
-    torch.testing.assert_close(got / scale, expected / scale, atol=tight * 10, rtol=0)
+    bound = 30 * tight if dtype == torch.float32 else 3 * tight  # 3% either way
+    assert _relative_error(got, expected) < bound
+    torch.testing.assert_close(got / scale, expected / scale, atol=5e-2, rtol=0)
 
 
 @needs_triton
