@@ -38,6 +38,13 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     flat.index_copy_(0, slot_mapping, latent.to(flat.dtype))
 
 
+def sequence_rows(cache: torch.Tensor, metadata: AttentionMetadata, seq: int, seq_len: int) -> torch.Tensor:
+    """The cache rows of sequence `seq`'s first seq_len tokens, in order: [seq_len, row] (a gather
+    through its block table; for the torch references)."""
+    blocks = metadata.block_tables[seq, : -(-seq_len // cache.shape[1])].long()
+    return cache.index_select(0, blocks).view(-1, cache.shape[-1])[:seq_len]
+
+
 class MLABackend(Kernel):
     """One instance per MLA layer. forward(q_latent, q_pe, cache, metadata) -> [T, H, L]; the
     caller stores the step's latents first (`store`)."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.attention.mla_backend import sequence_rows
 from baryon.kernels.selector import Kernel
 from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
 from baryon.transfer import to_device
@@ -33,7 +34,6 @@ def index_scores_reference(index_q: torch.Tensor, weights: torch.Tensor, cache: 
     """index_q [T, heads, I] (rotated), weights [T, heads] float32 (divided by sqrt(heads)), cache
     [num_blocks, block_size, row] with index keys in columns [offset, offset + I) -> [T, S]."""
     index_dim = index_q.shape[-1]
-    block_size = cache.shape[1]
     longest = int(metadata.seq_lens_cpu.max())
     scores = torch.full((index_q.shape[0], longest), float("-inf"), dtype=torch.float32, device=index_q.device)
     starts = metadata.query_start_loc_cpu.tolist()
@@ -41,8 +41,7 @@ def index_scores_reference(index_q: torch.Tensor, weights: torch.Tensor, cache: 
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        blocks = metadata.block_tables[i, : -(-seq_len // block_size)].long()
-        keys = cache.index_select(0, blocks).view(-1, cache.shape[-1])[:seq_len, offset: offset + index_dim]
+        keys = sequence_rows(cache, metadata, i, seq_len)[:, offset: offset + index_dim]  # [S, I]
         per_head = torch.relu(torch.einsum("qhd,sd->qhs", index_q[start:end].float(), keys.float()) * index_dim ** -0.5)
         index = torch.einsum("qh,qhs->qs", weights[start:end].float(), per_head)  # [q, S_i]
         positions = torch.arange(seq_len - (end - start), seq_len, device=index.device)

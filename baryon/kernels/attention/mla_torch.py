@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
-from baryon.kernels.attention.mla_backend import MLABackend
+from baryon.kernels.attention.mla_backend import MLABackend, sequence_rows
 
 
 def mla_attention_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
@@ -21,15 +21,13 @@ def mla_attention_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: t
     and themselves (float32 scores, softmax and sum). selected (sparse attention, DeepSeek-V3.2):
     per sequence a [q_len, seq_len] bool mask of the keys each new token may attend to."""
     kv_lora_rank, rope_dim = q_latent.shape[-1], q_pe.shape[-1]
-    block_size = cache.shape[1]
     out = torch.empty_like(q_latent)
     starts = metadata.query_start_loc_cpu.tolist()
     for i, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        blocks = metadata.block_tables[i, : -(-seq_len // block_size)].long()
-        keys = cache.index_select(0, blocks).view(-1, cache.shape[-1])[:seq_len].float()  # [S, L + R]
+        keys = sequence_rows(cache, metadata, i, seq_len).float()  # [S, row]
         c_kv, k_pe = keys[:, :kv_lora_rank], keys[:, kv_lora_rank: kv_lora_rank + rope_dim]
         scores = (torch.einsum("thl,sl->ths", q_latent[start:end].float(), c_kv)
                   + torch.einsum("thr,sr->ths", q_pe[start:end].float(), k_pe)) * scale  # [q, H, S]

@@ -76,6 +76,18 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _mla_causal_step(q_lat, q_pe, cache, block_tables, seq, start, last_pos, q_pos, m_i, l_i, acc,
+                         lat_dims, pe_dims, pe_valid, scale, stride_cache_block, stride_cache_slot, stride_bt,
+                         L: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr, IEEE_DOT: tl.constexpr):
+        """The keys [start, start + TILE_N) below last_pos, each row seeing those <= its position."""
+        key_pos = start + tl.arange(0, TILE_N)
+        key_valid = key_pos < last_pos
+        visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
+        return _mla_tile(q_lat, q_pe, cache, block_tables, seq, key_pos, key_valid, visible, m_i, l_i, acc,
+                         lat_dims, pe_dims, pe_valid, scale, stride_cache_block, stride_cache_slot, stride_bt,
+                         L, PAGE, IEEE_DOT)
+
+    @triton.jit
     def _mla_kernel(q_lat_ptr, q_pe_ptr, cache, output, block_tables, seq_lens, query_start_loc, tile_seq, tile_q,
                     partial_acc, partial_m, partial_l, scale,
                     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh,
@@ -127,21 +139,15 @@ if triton is not None:
         if INTERPRETED:  # the interpreter cannot take loaded values as range() bounds
             start = lo
             while start < hi:
-                key_pos = start + tl.arange(0, TILE_N)
-                key_valid = key_pos < last_pos
-                visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
-                m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, key_pos, key_valid, visible, m_i,
-                                          l_i, acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
-                                          stride_cache_slot, stride_bt, L, PAGE, IEEE_DOT)
+                m_i, l_i, acc = _mla_causal_step(q_lat, q_pe, cache, block_tables, seq, start, last_pos, q_pos, m_i,
+                                                 l_i, acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
+                                                 stride_cache_slot, stride_bt, L, PAGE, TILE_N, IEEE_DOT)
                 start += TILE_N
         else:
             for start in range(lo, hi, TILE_N):
-                key_pos = start + tl.arange(0, TILE_N)
-                key_valid = key_pos < last_pos
-                visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
-                m_i, l_i, acc = _mla_tile(q_lat, q_pe, cache, block_tables, seq, key_pos, key_valid, visible, m_i,
-                                          l_i, acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
-                                          stride_cache_slot, stride_bt, L, PAGE, IEEE_DOT)
+                m_i, l_i, acc = _mla_causal_step(q_lat, q_pe, cache, block_tables, seq, start, last_pos, q_pos, m_i,
+                                                 l_i, acc, lat_dims, pe_dims, pe_valid, scale, stride_cache_block,
+                                                 stride_cache_slot, stride_bt, L, PAGE, TILE_N, IEEE_DOT)
         if SPLITS > 1:  # unnormalised partials; combine_splits_kernel (triton_paged.py) merges them
             part = (token * NUM_HEADS + head) * SPLITS + split  # [BLOCK_M]
             tl.store(partial_acc + part[:, None].to(tl.int64) * L + lat_dims[None, :], acc, mask=row_valid[:, None])
