@@ -115,16 +115,20 @@ def test_absorbed_mla_equals_attention_over_the_expanded_latent(seed, heads, kv_
         start += new
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "triton-sliced"])
 @pytest.mark.parametrize("heads,index_heads,index_dim,topk", [(4, 8, 32, 6), (16, 16, 64, 3), (3, 5, 24, 64)])
-def test_indexer_and_sparse_attention(seed, backend_name, heads, index_heads, index_dim, topk):
+def test_indexer_and_sparse_attention(seed, backend_name, heads, index_heads, index_dim, topk, monkeypatch):
     """The indexer's choice equals scoring every visible key by sum_h w_h relu(q_h . k / sqrt(I))
     and keeping the topk best (all of them when fewer are visible); sparse attention over that
-    choice equals dense attention with every other key masked out."""
+    choice equals dense attention with every other key masked out. triton-sliced: the scores held
+    for 3 tokens at a time."""
     from baryon.kernels.attention.mla_indexer import TorchIndexer, TritonIndexer
 
-    if backend_name == "triton" and mla_triton.triton is None:
+    if backend_name != "torch" and mla_triton.triton is None:
         pytest.skip("triton is not installed")
+    if backend_name == "triton-sliced":
+        monkeypatch.setattr(TritonIndexer, "max_scores", 3 * 34)  # 34 = the longest sequence below
+        backend_name = "triton"
     gen = torch.Generator().manual_seed(seed)
     rank, rope = 32, 8
     seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (21, 13)]
@@ -145,9 +149,14 @@ def test_indexer_and_sparse_attention(seed, backend_name, heads, index_heads, in
             pos = cached + j
             score = torch.einsum("h,hs->s", weights[start + j],
                                  torch.relu(index_q[start + j] @ keys[: pos + 1].t() * index_dim ** -0.5))
-            want = set(score.topk(min(topk, pos + 1)).indices.tolist())
             got = [int(i) for i in indices[start + j] if i >= 0]
-            assert len(got) == len(set(got)) and set(got) == want, (pos, got, want)
+            assert len(got) == len(set(got)) == min(topk, pos + 1), (pos, got)
+            # The topk best up to float rounding: a kernel summing in another order may swap a
+            # near-tie at the boundary, never a clearly better key for a worse one.
+            kth = score.topk(min(topk, pos + 1)).values[-1]
+            tol = 1e-5 * float(score.abs().max()) + 1e-6
+            rest = [k for k in range(pos + 1) if k not in got]
+            assert all(score[k] >= kth - tol for k in got) and all(score[k] <= kth + tol for k in rest), (pos, got)
         mask = torch.zeros(new, cached + new, dtype=torch.bool)
         for j in range(new):
             mask[j, [int(i) for i in indices[start + j] if i >= 0]] = True

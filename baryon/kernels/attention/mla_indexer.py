@@ -83,10 +83,11 @@ if triton is not None:
     @triton.jit
     def _index_scores_kernel(index_q, weights, cache, scores, token_seq, block_tables, seq_lens, query_start_loc,
                              stride_qt, stride_qh, stride_wt, stride_st, stride_cache_block, stride_cache_slot,
-                             stride_bt, offset, scale, HEADS: tl.constexpr, HEADS_P: tl.constexpr,
+                             stride_bt, offset, scale, first_token, HEADS: tl.constexpr, HEADS_P: tl.constexpr,
                              DIM: tl.constexpr, DIM_P: tl.constexpr, PAGE: tl.constexpr, TILE_N: tl.constexpr,
                              IEEE_DOT: tl.constexpr):
-        token = tl.program_id(0)
+        row = tl.program_id(0)  # of this chunk's scores
+        token = first_token + row
         tile = tl.program_id(1)
         seq = tl.load(token_seq + token)
         seq_len = tl.load(seq_lens + seq)
@@ -114,28 +115,36 @@ if triton is not None:
             per_head = tl.maximum(dots * scale, 0.0)  # [HEADS_P, TILE_N]
             index = tl.sum(per_head * w[:, None], axis=0)  # [TILE_N]
             index = tl.where(key_pos <= pos, index, float("-inf"))
-            tl.store(scores + token * stride_st + key_pos, index, mask=key_valid)
+            tl.store(scores + row * stride_st + key_pos, index, mask=key_valid)
 
 
 class TritonIndexer(TritonKernel):
     family = "mla_indexer"
+    # Scores are held for at most this many (token, key) pairs at once (256 MB of float32): a long
+    # prefill chunk over a long context is scored and reduced to its top-k a slice of tokens at a time.
+    max_scores = 1 << 26
 
-    @staticmethod
-    def forward(index_q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, offset: int,
+    @classmethod
+    def forward(cls, index_q: torch.Tensor, weights: torch.Tensor, cache: torch.Tensor, offset: int,
                 metadata: AttentionMetadata, topk: int) -> torch.Tensor:
         tokens, heads, dim = index_q.shape
         longest = metadata.max_seq_len
-        scores = torch.full((tokens, longest), float("-inf"), dtype=torch.float32, device=index_q.device)
         tile_n = 16
-        if tokens:
-            grid = (tokens, triton.cdiv(longest, tile_n))
-            _index_scores_kernel[grid](
+        rows = max(1, cls.max_scores // longest)  # tokens per slice
+        chosen = []
+        for first in range(0, tokens, rows):
+            count = min(rows, tokens - first)
+            scores = torch.full((count, longest), float("-inf"), dtype=torch.float32, device=index_q.device)
+            _index_scores_kernel[(count, triton.cdiv(longest, tile_n))](
                 index_q, weights, cache, scores, token_sequences(metadata), metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, index_q.stride(0), index_q.stride(1), weights.stride(0), scores.stride(0),
-                cache.stride(0), cache.stride(1), metadata.block_tables.stride(0), offset, dim ** -0.5,
+                cache.stride(0), cache.stride(1), metadata.block_tables.stride(0), offset, dim ** -0.5, first,
                 HEADS=heads, HEADS_P=max(16, next_power_of_2(heads)), DIM=dim, DIM_P=max(16, next_power_of_2(dim)),
                 PAGE=cache.shape[1], TILE_N=tile_n, IEEE_DOT=index_q.dtype == torch.float32)
-        return topk_indices(scores, topk)
+            chosen.append(topk_indices(scores, topk))
+        if not chosen:
+            return torch.empty(0, min(topk, longest), dtype=torch.int32, device=index_q.device)
+        return torch.cat(chosen)
 
     @classmethod
     def cannot_implement_reason(cls, **_: Any) -> str | None:
