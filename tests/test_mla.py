@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from baryon import LLM, SamplingParams
 from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.attention.mla_backend import store_latent
 from baryon.kernels.attention import mla_triton
 from baryon.kernels.attention.mla_torch import TorchMLAAttention, mla_attention_reference
 from baryon.kernels.attention.mla_triton import TritonMLAAttention
@@ -99,7 +100,7 @@ def test_absorbed_mla_equals_attention_over_the_expanded_latent(seed, heads, kv_
                                                                                       scale)
     if kind == "decode-split":
         backend.num_kv_splits = 4
-    backend.store(new_latents.to(DEVICE), cache, metadata.slot_mapping)
+    store_latent(new_latents.to(DEVICE), cache, metadata.slot_mapping)
     q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)
     out_latent = backend.forward(q_latent.to(DEVICE), q_pe.to(DEVICE), cache, metadata).cpu()
     out = torch.einsum("thl,hvl->thv", out_latent, w_uv)
@@ -139,7 +140,7 @@ def test_indexer_and_sparse_attention(seed, backend_name, heads, index_heads, in
     index_q = torch.randn(tokens, index_heads, index_dim, generator=gen)
     weights = torch.randn(tokens, index_heads, generator=gen)
     indexer = {"torch": TorchIndexer, "triton": TritonIndexer}[backend_name]
-    TorchMLAAttention(heads, rank, rope, 1.0).store(new_latents.to(DEVICE), cache, metadata.slot_mapping)
+    store_latent(new_latents.to(DEVICE), cache, metadata.slot_mapping)
     indices = indexer.forward(index_q.to(DEVICE), weights.to(DEVICE), cache, rank + rope, metadata, topk).cpu()
     assert indices.shape == (tokens, min(topk, max(c + n for c, n in seqs)))
     start, selected = 0, []
@@ -175,7 +176,7 @@ def test_reference_skips_padding_slots(seed):
     cache, metadata, latents, _ = _paged_case(gen, [(3, 2)], 8, 4, 4)
     before = cache.clone()
     metadata.slot_mapping[1] = -1
-    TorchMLAAttention(2, 8, 4, 1.0).store(latents, cache, metadata.slot_mapping)
+    store_latent(latents, cache, metadata.slot_mapping)
     changed = (cache != before).any(dim=-1).nonzero().tolist()
     slot = int(metadata.slot_mapping[0])
     assert changed == [[slot // 4, slot % 4]]

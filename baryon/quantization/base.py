@@ -76,9 +76,9 @@ DENSE = DenseLinearMethod()
 class ActivationQuantizedLinearMethod(LinearMethod):
     """FP8 / INT8 layers: after loading, `self.weights` holds what `self.kernel.prepare` made;
     a forward quantizes the activations (`quantize_input`) and runs the kernel. Decode batches
-    (at most `gemv.max_m` rows) skip the activation quantization: the weight-only GEMV (family
-    `w8_gemv`) reads the 8-bit weight `gemv_weight` [N, K] with `gemv_scale` (rowwise [N] or
-    `gemv_block` scales) and multiplies the activations as they are. With the torch kernel (CPU)
+    (at most `gemv.max_m` rows) of methods that chose a GEMV skip the activation quantization:
+    the weight-only GEMV (family `w8_gemv`) reads the 8-bit weight `gemv_weight` [N, K] with its
+    rowwise scales `gemv_scale` [N] and multiplies the activations as they are. With the torch kernel (CPU)
     the weight is dequantized and multiplies the float activations instead."""
 
     kernel: type
@@ -86,16 +86,14 @@ class ActivationQuantizedLinearMethod(LinearMethod):
     gemv: type | None = None
     gemv_weight: torch.Tensor
     gemv_scale: torch.Tensor
-    gemv_block: tuple[int, int] | None = None
 
-    def select_gemv(self, block: tuple[int, int] | None) -> None:
+    def select_gemv(self) -> None:
         """Picks the decode GEMV for this device and dtype (none where only the torch one runs:
         the layer's own path is as good there)."""
         from baryon.kernels.selector import select
 
-        gemv = select("w8_gemv", torch.get_default_device(), block=block, dtype=torch.get_default_dtype())
+        gemv = select("w8_gemv", torch.get_default_device(), dtype=torch.get_default_dtype())
         self.gemv = gemv if gemv.name != "torch" else None
-        self.gemv_block = block
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (quantized [M, K], scales as the kernel reads them)."""
@@ -106,7 +104,7 @@ class ActivationQuantizedLinearMethod(LinearMethod):
             return F.linear(x, self.kernel.dequantize(self.weights).to(x.dtype), bias)
         x2 = x.reshape(-1, x.shape[-1])
         if self.gemv is not None and x2.shape[0] <= self.gemv.max_m:
-            out = self.gemv.forward(x2, self.gemv_weight, self.gemv_scale, self.gemv_block, bias)
+            out = self.gemv.forward(x2, self.gemv_weight, self.gemv_scale, None, bias)
         else:
             x_q, x_scale = self.quantize_input(x2)
             out = self.kernel.forward(x_q, x_scale, self.weights, x.dtype, bias)

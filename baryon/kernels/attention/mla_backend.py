@@ -47,15 +47,12 @@ def sequence_rows(cache: torch.Tensor, metadata: AttentionMetadata, seq: int, se
 
 class MLABackend(Kernel):
     """One instance per MLA layer. forward(q_latent, q_pe, cache, metadata) -> [T, H, L]; the
-    caller stores the step's latents first (`store`)."""
+    caller has stored the step's latents first (the mla_prologue kernel, or `store_latent`)."""
 
     cuda_graph_safe: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
         self.num_heads, self.kv_lora_rank, self.rope_dim, self.scale = num_heads, kv_lora_rank, rope_dim, scale
-
-    def store(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_latent(latent, cache, slot_mapping)
 
     def forward(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

@@ -35,18 +35,6 @@ PREFILL_ROWS = 32  # BLOCK_Q x BLOCK_H rows of a prefill tile ([32, L] float32 a
 if triton is not None:
 
     @triton.jit
-    def _store_latent_kernel(latent, cache, slot_mapping, stride_lt, stride_cache_slot,
-                             WIDTH: tl.constexpr, WIDTH_PADDED: tl.constexpr):
-        token = tl.program_id(0)
-        slot = tl.load(slot_mapping + token)
-        if slot < 0:
-            return
-        offs = tl.arange(0, WIDTH_PADDED)
-        mask = offs < WIDTH
-        row = tl.load(latent + token * stride_lt + offs, mask=mask)
-        tl.store(cache + slot * stride_cache_slot + offs, row, mask=mask)
-
-    @triton.jit
     def _mla_tile(q_lat, q_pe, cache, block_tables, seq, key_pos, key_valid, visible, m_i, l_i, acc,
                   lat_dims, pe_dims, pe_valid, scale, stride_cache_block, stride_cache_slot, stride_bt,
                   L: tl.constexpr, PAGE: tl.constexpr, IEEE_DOT: tl.constexpr):
@@ -218,13 +206,6 @@ class TritonMLAAttention(MLABackend):
         if kv_lora_rank < 16 or kv_lora_rank & (kv_lora_rank - 1):
             return f"kv_lora_rank {kv_lora_rank} (a power of two >= 16 is needed)"
         return None
-
-    def store(self, latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        tokens, width = latent.shape
-        if tokens == 0:
-            return
-        _store_latent_kernel[(tokens,)](latent, cache, slot_mapping, latent.stride(0), cache.stride(1),
-                                        WIDTH=width, WIDTH_PADDED=next_power_of_2(width))
 
     def forward(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
