@@ -5,7 +5,7 @@ table `baryon/kernels/moe/tile_configs.py` reads. Routing is uniform over the ex
 random weights give). Candidates compile in parallel worker processes first (Triton's disk
 cache), then are timed one by one in this process.
 
-    python benchmarks/tune_moe.py --experts 128 --hidden 2048 --inter 768 --top-k 8 [--out FILE]
+    python benchmarks/tune_moe.py --experts 128 --hidden 2048 --inter 768 --top-k 8 [--batches 1 64 ...] [--out FILE]
 
 Prints one JSON line per batch size (each mode's best time) and a table last.
 """
@@ -90,7 +90,7 @@ def _compile_worker(args, worker: int, workers: int) -> None:
     """Run every candidate this worker owns once at every batch size (fills Triton's cache)."""
     device = torch.device("cuda")
     w13, w2 = _weights(args, device)
-    jobs = [(tokens, mode, cfg) for tokens in BATCHES for mode, cfg in _candidates(tokens)]
+    jobs = [(tokens, mode, cfg) for tokens in args.batches for mode, cfg in _candidates(tokens)]
     for tokens, mode, cfg in jobs[worker::workers]:
         problem = _problem(args, tokens, device)
         try:
@@ -119,7 +119,7 @@ def tune(args) -> dict:
     print(json.dumps({"compiled_in_s": round(time.time() - start, 1)}), flush=True)
     w13, w2 = _weights(args, device)
     table, rows = {}, []
-    for tokens in BATCHES:
+    for tokens in args.batches:
         problem = _problem(args, tokens, device)
         layouts = _layouts(args, problem[3], device)
         num_pairs = problem[3].numel()
@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=768)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES,
+                        help="batch sizes to tune (a step takes the entry at or above its size)")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--out", default=None, help="table file to update (default: the one for this GPU)")
     args = parser.parse_args()
