@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|quant|mla]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -171,6 +171,44 @@ def moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -
             print(json.dumps(results_extra), flush=True)
 
 
+def mxfp4_moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """GPT-OSS-20B's MoE layer (32 experts, top-4, hidden 2880, intermediate 2880, biases, clamped
+    SwiGLU): the MXFP4 expert kernels (packed weights: 4.25 bits a value) and the bf16 kernels on
+    the same experts dequantized, at decode batches and a prefill chunk; uniform routing."""
+    from baryon.kernels.moe.expert_activation import ExpertActivation
+    from baryon.kernels.quant.mxfp4 import GROUP, dequantize_mxfp4
+
+    experts, top_k, hidden, inter = (8, 4, 256, 256) if small else (32, 4, 2880, 2880)
+    gen = torch.Generator().manual_seed(0)
+
+    def packed(n: int, k: int):
+        blocks = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.int32).to(device, torch.uint8)
+        return blocks, torch.full((experts, n, k // GROUP), 120, device=device, dtype=torch.uint8)
+
+    w13, w13_s = packed(2 * inter, hidden)
+    w2, w2_s = packed(hidden, inter)
+    extras = dict(w13_bias=torch.zeros(experts, 2 * inter, device=device, dtype=dtype),
+                  w2_bias=torch.zeros(experts, hidden, device=device, dtype=dtype),
+                  activation=ExpertActivation("clamped_swiglu"))
+    w13_f, w2_f = dequantize_mxfp4(w13, w13_s, dtype), dequantize_mxfp4(w2, w2_s, dtype)
+    mx = selector.select("fused_moe_mxfp4", device, dtype=dtype, hidden=hidden, inter=inter)
+    dense = selector.select("fused_moe", device, dtype=dtype, hidden=hidden, inter=inter, device_type=device.type,
+                            biased=True, activation="clamped_swiglu")
+    for tokens in (1, 4, 16, 64, 8192 // (16 if small else 1)):
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+        ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k].to(device, torch.int32)
+        weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
+        shape = f"tokens={tokens} E={experts} top{top_k} H={hidden} I={inter}"
+        read = ids.unique().numel() * 3 * hidden * inter
+        us = record(f"fused_moe_mxfp4.{mx.name}", shape,
+                    lambda: mx.forward(x, w13, w2, w13_s, w2_s, weights, ids, **extras))
+        dense_us = record(f"fused_moe.{dense.name} (the same experts in {str(dtype).split('.')[1]})", shape,
+                          lambda: dense.forward(x, w13_f, w2_f, weights, ids, **extras))
+        print(json.dumps({"mxfp4_expert_GB_per_s": round(read * 17 / 32 / us / 1e3, 1),
+                          "bf16_expert_GB_per_s": round(read * 2 / dense_us / 1e3, 1),
+                          "mxfp4_TFLOP_per_s": round(6 * tokens * top_k * hidden * inter / us / 1e6, 1)}), flush=True)
+
+
 QUANT_SCHEMES = ("dense", "fp8-channel", "fp8-block", "w8a8", "w4a16")
 
 
@@ -236,7 +274,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe", "quant", "mla"], help="just these kernel families")
+    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla"], help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
     args = parser.parse_args()
@@ -256,6 +294,9 @@ def main() -> None:
 
     if args.only == "moe":
         moe_kernels(record, device, dtype, args.small)
+        return
+    if args.only == "mxfp4":
+        mxfp4_moe_kernels(record, device, dtype, args.small)
         return
     if args.only == "quant":
         quant_kernels(record, device, dtype, args.small)

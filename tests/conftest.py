@@ -58,6 +58,7 @@ def hf_classes(arch: str):
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
         "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }[arch]
 
 
@@ -65,7 +66,8 @@ ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                  "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
-                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32"}
+                 "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
+                 "GptOssForCausalLM": "gpt_oss"}
 # Tiny mixtures of experts: few experts of a small intermediate size.
 MOE_BASE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -84,6 +86,11 @@ MOE_BASE = {
                          kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                          num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1,
                          index_n_heads=8, index_head_dim=32, index_topk=6),
+    # GPT-OSS: 8 experts of 32 (top-2), sinks, sliding window 8 on even layers, YaRN as published.
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 64,
+                                     "rope_theta": 150000.0}),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                      first_k_dense_replace=1),
 }
@@ -99,6 +106,10 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
+        if arch == "gpt_oss":  # its expert and attention biases start at zero: give them values
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(0.0, 0.1)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path

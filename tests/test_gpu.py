@@ -58,12 +58,16 @@ GPU_DEEPSEEK = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank
                     moe_intermediate_size=128)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+GPU_GPT_OSS = dict(num_local_experts=8, num_experts_per_tok=4, sliding_window=16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_cuda_graphs_match_eager(tmp_path, seed, arch):
     """Decode steps replayed from CUDA graphs give the eager path's tokens (Triton attention; for
     the MoE model, the Triton routing and expert kernels inside the graphs too; for DeepSeek, the
-    MLA prologue and latent attention with KV splits)."""
-    extra = {"qwen3_moe": GPU_MOE, "deepseek_v3": GPU_DEEPSEEK}.get(arch, {})
+    MLA prologue and latent attention with KV splits; for GPT-OSS, sinks, a 16-token window and
+    biased clamped-SwiGLU experts)."""
+    extra = {"qwen3_moe": GPU_MOE, "deepseek_v3": GPU_DEEPSEEK, "gpt_oss": GPU_GPT_OSS}.get(arch, {})
     path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
                            **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, **extra})
     prompts = random_prompts(11, 128, 3, 60, seed)  # 11 requests: padded to the 16 graph
@@ -75,7 +79,7 @@ def test_cuda_graphs_match_eager(tmp_path, seed, arch):
         runner = llm.engine.core.runner
         assert (runner.graph_runner is None) == eager
         assert {a.backend.name for a in runner.attention_layers} == {"triton"}  # paged or latent
-        if arch == "qwen3_moe":
+        if arch in ("qwen3_moe", "gpt_oss"):
             assert runner.model.model.layers[0].mlp.experts.method.kernel.name == "triton"
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])

@@ -65,6 +65,11 @@ CASES = [
     ("deepseekv32-sparse-top6", "deepseek_v32", dict(routed_scaling_factor=2.5, norm_topk_prob=True)),
     ("deepseekv32-top16-yarn", "deepseek_v32", dict(index_topk=16, num_hidden_layers=3, index_n_heads=16,
                                                     rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    # GPT-OSS: sinks, biases, clamped SwiGLU experts; 5-20-token prompts + 32 new against windows of 8 / 4.
+    ("gptoss-window8-top2", "gpt_oss", dict()),
+    ("gptoss-window4-16experts-clamped", "gpt_oss", dict(
+        sliding_window=4, num_local_experts=16, num_experts_per_tok=4, swiglu_limit=0.5, num_hidden_layers=3,
+        num_key_value_heads=1, layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
 ]
 
 

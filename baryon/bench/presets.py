@@ -51,6 +51,23 @@ PRESETS: dict[str, dict] = {
         rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", seq_aux=True, tie_word_embeddings=False,
         topk_group=1, topk_method="greedy", torch_dtype="bfloat16", use_cache=True, v_head_dim=128,
         vocab_size=102400),
+    # openai/gpt-oss-20b (../shared/configs/gpt-oss-20b.json): 24 layers alternating a 128-token
+    # sliding window and full attention (64 heads of 64, 8 KV heads, sinks), 32 MXFP4 experts (top-4)
+    "gpt-oss-20b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", attention_bias=True, attention_dropout=0.0,
+        eos_token_id=200002, experts_per_token=4, head_dim=64, hidden_act="silu", hidden_size=2880,
+        initial_context_length=4096, initializer_range=0.02, intermediate_size=2880,
+        layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+        num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24, num_key_value_heads=8,
+        num_local_experts=32, output_router_logits=False, pad_token_id=199999,
+        quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                        "model.embed_tokens", "lm_head"],
+                             "quant_method": "mxfp4"},
+        rms_norm_eps=1e-05,
+        rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                      "rope_type": "yarn", "truncate": False},
+        rope_theta=150000, router_aux_loss_coef=0.9, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
+        torch_dtype="bfloat16", use_cache=True, vocab_size=201088),
 }
 
 
@@ -75,7 +92,7 @@ def _write_synthetic_tokenizer(folder: str, config: dict) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0",
-                                   bos_token=f"t{config['bos_token_id']}", eos_token=f"t{config['eos_token_id']}")
+                                   bos_token=f"t{config.get('bos_token_id', config['eos_token_id'])}", eos_token=f"t{config['eos_token_id']}")
     fast.save_pretrained(folder)
 
 

@@ -63,6 +63,8 @@ _REGISTRY: dict[str, list[str]] = {
     "fused_moe": ["baryon.kernels.moe.experts_triton:TritonFusedExperts",
                   "baryon.kernels.moe.experts_grouped_mm:GroupedMMFusedExperts",
                   "baryon.kernels.moe.experts_torch:TorchFusedExperts"],
+    "fused_moe_mxfp4": ["baryon.kernels.moe.experts_triton:TritonMxfp4FusedExperts",
+                        "baryon.kernels.moe.experts_torch:TorchMxfp4FusedExperts"],
     "fused_moe_fp8": ["baryon.kernels.moe.experts_triton:TritonFp8FusedExperts",
                       "baryon.kernels.moe.experts_torch:TorchFp8FusedExperts"],
 }

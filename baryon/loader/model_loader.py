@@ -104,7 +104,7 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
     names = CheckpointNames(model, config.hf_config)
     for name, bits in packable_bits(config.model_path).items():
         target = names.target(name)
-        if target is not None and target.expert_id is None:
+        if target is not None and target.expert_id is None and not target.all_experts:
             sources[target.param][name] = bits
     modules, packed = dict(model.named_modules()), set()
     head = getattr(model, "lm_head", None)
@@ -148,17 +148,20 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {type(model).__name__} "
                                   f"has no parameter {target.param!r}")
-        if target.loaded_key in loaded[target.param]:
+        keys = param.expected_shards if target.all_experts else {target.loaded_key}
+        if keys & loaded[target.param]:
             raise WeightLoadError(f"tensor {name!r} in {file} is loaded twice")
         try:
             with torch.no_grad():
-                if target.expert_id is None:
+                if target.convert is not None:
+                    tensor = target.convert(tensor)
+                if target.expert_id is None and not target.all_experts:
                     param.weight_loader(param, tensor, target.shard_id)
                 else:
                     param.weight_loader(param, tensor, target.shard_id, target.expert_id)
         except ValueError as e:
             raise WeightLoadError(f"tensor {name!r} in {file}: {e}") from e
-        loaded[target.param].add(target.loaded_key)
+        loaded[target.param] |= keys
     if skipped:
         logger.info("skipped %d tensors of the layers past num_hidden_layers (multi-token prediction)", skipped)
     missing = [_missing_description(name, p, loaded[name], names) for name, p in params.items()
@@ -195,6 +198,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.copy_(torch.arange(columns, device=param.device) * groups // columns)
         elif name.endswith(".bias"):
             param.zero_()
+        elif "scale" in name.rpartition(".")[2] and param.dtype == torch.uint8:
+            param.fill_(120)  # e8m0 scales (MXFP4): 2^-7, random codes then spread like std-0.02 weights
         elif "scale" in name.rpartition(".")[2]:
             param.fill_(0.005)
         elif param.dtype in (torch.int32, torch.int8, torch.uint8, torch.int64):

@@ -10,6 +10,10 @@ A model class may declare:
   each fills (`{"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}`): a tensor
   `<prefix>.experts.<e>.<projection>.<suffix>` loads into `<prefix>.experts.w13_<suffix>`
   (w1, w3) or `<prefix>.experts.w2_<suffix>` as expert e;
+- `stacked_expert_tensors`: checkpoints that publish each MoE layer's experts in one tensor
+  (GPT-OSS: `<prefix>.experts.gate_up_proj`, `..._bias`, `..._blocks`, `..._scales`): tensor
+  name -> (the FusedMoE parameter, a function from the published layout to the stacked one
+  [experts, gate rows then up rows, ...], or None when they agree);
 - `extra_layers_config_key`: a config field counting layers stored past `num_hidden_layers`
   (GLM's multi-token-prediction layers, `num_nextn_predict_layers`) that are skipped at load.
 
@@ -21,6 +25,7 @@ and `self_attn.k_proj.output_scale` (older FP8 exports).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +33,7 @@ from torch import nn
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<projection>[^.]+)\.(?P<suffix>.+)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<tensor>[^.]+)$")
 _KV_SCALE = re.compile(r"^(?P<prefix>.*\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
 
 
@@ -36,6 +42,8 @@ class Target:
     param: str  # parameter name in the model
     shard_id: Any = None  # which part of a fused parameter (None: all of it)
     expert_id: int | None = None  # expert parameters: the global expert id
+    all_experts: bool = False  # a tensor of every expert of a layer (shard_id "w13" or "w2")
+    convert: Callable | None = None  # published layout -> the parameter's, before loading
 
     @property
     def loaded_key(self) -> Any:
@@ -48,6 +56,7 @@ class CheckpointNames:
         self.packed = getattr(model, "packed_modules_mapping", {})
         self.renames = getattr(model, "weights_mapping", {})
         self.projections = getattr(model, "expert_projections", {})
+        self.stacked = getattr(model, "stacked_expert_tensors", {})
         key = getattr(model, "extra_layers_config_key", None)
         first = getattr(hf_config, "num_hidden_layers", 0)
         self.skipped_layers = range(first, first + (int(getattr(hf_config, key, 0) or 0) if key else 0))
@@ -62,6 +71,10 @@ class CheckpointNames:
         kv_scale = _KV_SCALE.match(name)
         if kv_scale:
             return Target(f"{kv_scale['prefix']}.attn.{kv_scale['kv'] or kv_scale['proj']}_scale")
+        stacked = _STACKED.match(name)
+        if stacked and stacked["tensor"] in self.stacked:
+            param, convert = self.stacked[stacked["tensor"]]
+            return Target(f"{stacked['prefix']}.{param}", param.split("_")[0], None, True, convert)
         expert = _EXPERT.match(name)
         if expert and expert["projection"] in self.projections:
             shard = self.projections[expert["projection"]]

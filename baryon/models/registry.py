@@ -18,6 +18,7 @@ _MODELS: dict[str, str] = {
     "DeepseekV2ForCausalLM": "baryon.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "baryon.models.deepseek_v2:DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "baryon.models.deepseek_v32:DeepseekV32ForCausalLM",
+    "GptOssForCausalLM": "baryon.models.gpt_oss:GptOssForCausalLM",
 }
 
 

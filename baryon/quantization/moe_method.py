@@ -12,6 +12,10 @@ from baryon.kernels.selector import select
 class MoEMethod:
     """Creates the layer's expert parameters and runs the experts on routed tokens."""
 
+    # Whether apply() adds the layer's expert biases and applies its activation (other methods
+    # run SiLU-and-mul experts without biases only; FusedMoE refuses the rest by name).
+    biases_and_activations = False
+
     def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
         """Parameter name -> parameter (without loaders; the layer attaches its own)."""
         raise NotImplementedError
@@ -29,13 +33,25 @@ class MoEMethod:
         raise NotImplementedError
 
 
+def expert_extras(layer: nn.Module) -> dict:
+    """The keyword arguments of a biased or non-SiLU layer for the expert kernels (none otherwise,
+    so kernels without them keep their signature)."""
+    if not layer.has_bias and layer.activation.kind == "silu":
+        return {}
+    return {"w13_bias": getattr(layer, "w13_bias", None), "w2_bias": getattr(layer, "w2_bias", None),
+            "activation": layer.activation}
+
+
 class UnquantizedMoEMethod(MoEMethod):
     """Float expert weights: w13 [local experts, 2 * inter, hidden] (gate rows, then up rows) and
     w2 [local experts, hidden, inter], multiplied by the `fused_moe` kernel the selector picks."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> None:
+    biases_and_activations = True
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int,
+                 biased: bool = False, activation: str = "silu") -> None:
         self.kernel = select("fused_moe", device, dtype=dtype, hidden=hidden_size, inter=intermediate_size,
-                             device_type=device.type)
+                             device_type=device.type, biased=biased, activation=activation)
 
     @staticmethod
     def float_weights(experts: int, hidden: int, inter: int) -> dict[str, nn.Parameter]:
@@ -48,7 +64,7 @@ class UnquantizedMoEMethod(MoEMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         return self.kernel.forward(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                                   layer.expert_start, layer.num_experts)
+                                   layer.expert_start, layer.num_experts, **expert_extras(layer))
 
     def dequantize(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.w13_weight.float(), layer.w2_weight.float()

@@ -35,7 +35,10 @@ class GroupedMMFusedExperts(Kernel):
 
     @classmethod
     def cannot_implement_reason(cls, dtype: torch.dtype = torch.bfloat16, hidden: int = 16, inter: int = 16,
-                                device_type: str = "cuda", **config) -> str | None:
+                                device_type: str = "cuda", biased: bool = False, activation: str = "silu",
+                                **config) -> str | None:
+        if biased or activation != "silu":
+            return "no expert biases or activations other than SiLU"
         if device_type == "cuda" and dtype != torch.bfloat16:
             return f"dtype {dtype} (CUDA grouped GEMMs take bfloat16)"
         if hidden % 8 or inter % 8:

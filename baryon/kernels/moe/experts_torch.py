@@ -7,26 +7,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from baryon.kernels.moe.expert_activation import SILU, ExpertActivation
 from baryon.kernels.quant.act_quant import FP8, fp8_to_float, quantize_per_group_reference
 from baryon.kernels.selector import Kernel
 
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor, expert_start: int = 0) -> torch.Tensor:
+                            topk_ids: torch.Tensor, expert_start: int = 0, w13_bias: torch.Tensor | None = None,
+                            w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
     """x: [num_tokens, hidden]; w13: [num_local_experts, 2 * inter, hidden] (gate rows, then up
     rows); w2: [num_local_experts, hidden, inter]; topk_weights: [num_tokens, top_k] float32;
     topk_ids: [num_tokens, top_k] global expert ids, this rank's experts being expert_start ..
-    expert_start + num_local_experts - 1 (others contribute nothing).
+    expert_start + num_local_experts - 1 (others contribute nothing); w13_bias [num_local_experts,
+    2 * inter] / w2_bias [num_local_experts, hidden] or None (GPT-OSS has both).
 
-    Returns [num_tokens, hidden] = sum over k of weight_k * w2[e_k] @ (silu(gate_k) * up_k)."""
+    Returns [num_tokens, hidden] = sum over k of weight_k * (w2[e_k] @ act(gate_k, up_k) + b2[e_k])."""
     out = torch.zeros_like(x)
     local = topk_ids.long() - expert_start  # [num_tokens, top_k]
     num_local = w13.shape[0]
     inter = w2.shape[2]
     for expert in torch.unique(local[(local >= 0) & (local < num_local)]).tolist():
         token_idx, k_idx = torch.where(local == expert)
-        gate, up = F.linear(x[token_idx], w13[expert]).split(inter, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])  # [tokens of this expert, hidden]
+        gate_up = F.linear(x[token_idx], w13[expert], None if w13_bias is None else w13_bias[expert])
+        gate, up = gate_up.split(inter, dim=-1)
+        y = F.linear(activation(gate, up), w2[expert], None if w2_bias is None else w2_bias[expert])
         out.index_add_(0, token_idx, (y * topk_weights[token_idx, k_idx, None]).to(out.dtype))
     return out
 
@@ -36,8 +40,11 @@ class TorchFusedExperts(Kernel):
 
     @staticmethod
     def forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
-        return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_start)
+                topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None,
+                w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                activation: ExpertActivation = SILU) -> torch.Tensor:
+        return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_start, w13_bias, w2_bias,
+                                       activation)
 
 
 # FP8 experts with block weight scales (DeepSeek-V3, Qwen3-*-FP8): w13 float8_e4m3fn [E, 2I, H]
@@ -123,3 +130,32 @@ class TorchFp8FusedExperts(Kernel):
                 expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
         return fused_experts_fp8_dequant(x, w13, w2, w13_scale, w2_scale, tuple(block), topk_weights, topk_ids,
                                          expert_start, num_experts)
+
+
+# MXFP4 experts (GPT-OSS): w13_blocks uint8 [E, 2I, H / 2] with w13_scales uint8 [E, 2I, H / 32],
+# w2_blocks [E, H, I / 2] with w2_scales [E, H, I / 32] (kernels/quant/mxfp4.py has the format).
+
+
+def fused_experts_mxfp4_reference(x: torch.Tensor, w13_blocks: torch.Tensor, w2_blocks: torch.Tensor,
+                                  w13_scales: torch.Tensor, w2_scales: torch.Tensor, topk_weights: torch.Tensor,
+                                  topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None,
+                                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                                  activation: ExpertActivation = SILU) -> torch.Tensor:
+    """The experts dequantized to x.dtype (exact: a power-of-two scale times a 4-bit code), then
+    the float reference: what the Triton MXFP4 kernels compute, up to summation order."""
+    from baryon.kernels.quant.mxfp4 import dequantize_mxfp4
+
+    w13 = dequantize_mxfp4(w13_blocks, w13_scales, x.dtype)
+    w2 = dequantize_mxfp4(w2_blocks, w2_scales, x.dtype)
+    return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_start, w13_bias, w2_bias, activation)
+
+
+class TorchMxfp4FusedExperts(Kernel):
+    """MXFP4 experts on any device: dequantized per call (a reference; the CPU path of MXFP4
+    checkpoints dequantizes once at load instead, `quantization/mxfp4.py`)."""
+
+    name = "torch"
+
+    @staticmethod
+    def forward(*args, **kwargs) -> torch.Tensor:
+        return fused_experts_mxfp4_reference(*args, **kwargs)

@@ -31,13 +31,15 @@ is added to the float32 accumulator.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
 from baryon.kernels.activation import TritonSiluAndMul
 from baryon.kernels.moe.align import align_pairs_triton
 from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
-from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, fp8_block_tiles, tile_configs
+from baryon.kernels.moe.expert_activation import SILU, ExpertActivation
+from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, default_tiles, fp8_block_tiles, tile_configs
 from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.selector import select
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
@@ -45,21 +47,55 @@ from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
 if triton is not None:
 
     @triton.jit
+    def _mxfp4_to_float(packed, scale, dtype: tl.constexpr):
+        """packed [R, C] uint8 (two e2m1 codes a byte, the low nibble first) with scale [R, 2C]
+        uint8 (e8m0: 2^(s - 127), one per value) -> [R, 2C] in dtype, exact (a power-of-two
+        scale times one of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}). The codes become float32 bit
+        patterns: sign to bit 31, exponent e (2 bits) -> e + 126, mantissa bit -> bit 22; e = 0
+        is 0 or 0.5."""
+        codes = tl.join(packed & 0xF, packed >> 4).to(tl.uint32)  # [R, C, 2]
+        codes = tl.reshape(codes, [packed.shape[0], 2 * packed.shape[1]])
+        e = (codes >> 1) & 3
+        m = codes & 1
+        bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23)) | ((codes & 8) << 28)
+        factor = (scale.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        return (bits.to(tl.float32, bitcast=True) * factor).to(dtype)
+
+    @triton.jit
+    def _activate(gate, up, ACT: tl.constexpr, alpha, limit):
+        """expert_activation.ExpertActivation with code ACT, in float32."""
+        if ACT == 0:
+            return gate / (1.0 + tl.exp(-gate)) * up
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+
+    @triton.jit
     def _expert_tile(x, stride_xm, a_rows, row_mask, w_expert, stride_wn, stride_wk, offs_n, n_mask, N, K,
                      up_offset, a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
+                     b_expert, alpha, limit,
                      GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                     FP8: tl.constexpr, SCALE_BN: tl.constexpr):
+                     FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """[BLOCK_M, BLOCK_N] float32: rows a_rows of x times columns offs_n of the expert's weight
-        (w_expert[n, k]); with GATED, silu(that) * (the same with the columns up_offset further,
-        weight rows offs_n + N).
+        (w_expert[n, k]) plus its bias b_expert[n] (HAS_BIAS); with GATED, act(that, the same
+        with the columns up_offset further, weight rows offs_n + N).
 
         FP8: x and the weight are float8 with block scales, BLOCK_K being the scales' block width:
         each K tile's dot is multiplied by a_scale[row, kb] (per row, kb-th group of x's row) and
-        ws_expert[n // SCALE_BN, kb] (per weight row) before it is added (float32)."""
+        ws_expert[n // SCALE_BN, kb] (per weight row) before it is added (float32).
+        MXFP4: the weight is packed e2m1 (w_expert[n, k // 2] bytes) with e8m0 scales
+        ws_expert[n, k // 32], dequantized in registers to x's dtype before each dot."""
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+        if MXFP4:
+            offs_kp = tl.arange(0, BLOCK_K // 2)
+            w_ptrs = w_expert + offs_n[:, None].to(tl.int64) * stride_wn + offs_kp[None, :] * stride_wk  # [BN, BK/2]
+            mx_ptrs = ws_expert + offs_n[:, None].to(tl.int64) * stride_wsn + (offs_k[None, :] // 32) * stride_wsk
+            mx_up_offset = N.to(tl.int64) * stride_wsn
+        else:
+            w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if FP8:
@@ -67,12 +103,19 @@ if triton is not None:
             ws_ptrs = ws_expert + (offs_n // SCALE_BN) * stride_wsn  # [BN]
             ws_up_ptrs = ws_expert + ((offs_n + N) // SCALE_BN) * stride_wsn
         for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            if MXFP4:
+                wk_mask = n_mask[:, None] & (offs_kp < (K - k0) // 2)[None, :]
+                s_mask = n_mask[:, None] & k_mask[None, :]
+                w = tl.trans(_mxfp4_to_float(tl.load(w_ptrs, mask=wk_mask, other=0),
+                                             tl.load(mx_ptrs, mask=s_mask, other=0), a.dtype))
+            elif EVEN_K:
                 w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
             else:
-                k_mask = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if FP8:
                 s_a = tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None]
@@ -82,7 +125,10 @@ if triton is not None:
             else:
                 acc = tl.dot(a, w, acc)
             if GATED:
-                if EVEN_K:
+                if MXFP4:
+                    w_up = tl.trans(_mxfp4_to_float(tl.load(w_ptrs + up_offset, mask=wk_mask, other=0),
+                                                    tl.load(mx_ptrs + mx_up_offset, mask=s_mask, other=0), a.dtype))
+                elif EVEN_K:
                     w_up = tl.load(w_ptrs + up_offset, mask=n_mask[None, :], other=0.0)
                 else:
                     w_up = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -93,13 +139,21 @@ if triton is not None:
                 else:
                     acc_up = tl.dot(a, w_up, acc_up)
             a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
+            if MXFP4:
+                w_ptrs += (BLOCK_K // 2) * stride_wk
+                mx_ptrs += (BLOCK_K // 32) * stride_wsk
+            else:
+                w_ptrs += BLOCK_K * stride_wk
             if FP8:
                 as_ptrs += stride_ask
                 ws_ptrs += stride_wsk
                 ws_up_ptrs += stride_wsk
+        if HAS_BIAS:
+            acc += tl.load(b_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(b_expert + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            acc = _activate(acc, acc_up, ACT, alpha, limit)
         return acc
 
     @triton.jit
@@ -110,15 +164,16 @@ if triton is not None:
                  acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
     @triton.jit
-    def _moe_pairs_kernel(x, w, out, topk_ids, topk_weights, a_scale, w_scale, N, K, expert_start, num_local,
+    def _moe_pairs_kernel(x, w, out, topk_ids, topk_weights, a_scale, w_scale, bias, N, K, expert_start, num_local,
                           stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                          stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+                          stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, alpha, limit,
                           ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          FP8: tl.constexpr, SCALE_BN: tl.constexpr):
+                          FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Program (pair, column tile): one row times its expert's weight columns, as a GEMV on
-        the CUDA cores (a decode step of a few tokens: every program has work). FP8: block
-        scales as in _expert_tile."""
+        the CUDA cores (a decode step of a few tokens: every program has work). FP8, MXFP4,
+        bias and activation as in _expert_tile."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -127,8 +182,15 @@ if triton is not None:
             return
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x + (pair // ROWS_PER_X).to(tl.int64) * stride_xm + offs_k
-        w_ptrs = (w + local_expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-                  + offs_k[None, :] * stride_wk)  # [BN, BK]
+        w_base = w + local_expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        if MXFP4:
+            offs_kp = tl.arange(0, BLOCK_K // 2)
+            w_ptrs = w_base + offs_kp[None, :] * stride_wk  # [BN, BK/2] bytes
+            mx_ptrs = (w_scale + local_expert.to(tl.int64) * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
+                       + (offs_k[None, :] // 32) * stride_wsk)  # [BN, BK]
+            mx_up_offset = N.to(tl.int64) * stride_wsn
+        else:
+            w_ptrs = w_base + offs_k[None, :] * stride_wk  # [BN, BK]
         up_offset = N.to(tl.int64) * stride_wn
         acc = tl.zeros([BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_N], tl.float32)
@@ -140,9 +202,16 @@ if triton is not None:
             k_mask = offs_k < K - k0
             if EVEN_K:
                 a = tl.load(a_ptrs).to(tl.float32)
-                wt = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             else:
                 a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            if MXFP4:
+                wk_mask = n_mask[:, None] & (offs_kp < (K - k0) // 2)[None, :]
+                s_mask = n_mask[:, None] & k_mask[None, :]
+                wt = _mxfp4_to_float(tl.load(w_ptrs, mask=wk_mask, other=0), tl.load(mx_ptrs, mask=s_mask, other=0),
+                                     tl.float32)
+            elif EVEN_K:
+                wt = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            else:
                 wt = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             if FP8:
                 s_a = tl.load(as_ptr)
@@ -150,7 +219,10 @@ if triton is not None:
             else:
                 acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
             if GATED:
-                if EVEN_K:
+                if MXFP4:
+                    wu = _mxfp4_to_float(tl.load(w_ptrs + up_offset, mask=wk_mask, other=0),
+                                         tl.load(mx_ptrs + mx_up_offset, mask=s_mask, other=0), tl.float32)
+                elif EVEN_K:
                     wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None], other=0.0)
                 else:
                     wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -160,13 +232,22 @@ if triton is not None:
                 else:
                     acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
             a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
+            if MXFP4:
+                w_ptrs += (BLOCK_K // 2) * stride_wk
+                mx_ptrs += (BLOCK_K // 32) * stride_wsk
+            else:
+                w_ptrs += BLOCK_K * stride_wk
             if FP8:
                 as_ptr += stride_ask
                 ws_ptrs += stride_wsk
                 ws_up_ptrs += stride_wsk
+        if HAS_BIAS:
+            b_expert = bias + local_expert.to(tl.int64) * stride_be
+            acc += tl.load(b_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if GATED:
+                acc_up += tl.load(b_expert + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATED:
-            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+            acc = _activate(acc, acc_up, ACT, alpha, limit)
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_weights + pair)
         tl.store(out + pair.to(tl.int64) * stride_om + offs_n, acc.to(out.dtype.element_ty), mask=n_mask)
@@ -190,10 +271,11 @@ if triton is not None:
     @triton.jit
     def _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
                        offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
-                       a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
+                       a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk, b_expert, alpha, limit,
                        ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
-                       EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr):
+                       EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
+                       MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Rows first_row .. first_row + BLOCK_M - 1 of the expert's pairs (`pairs` holds the first
         tile's, found with the count)."""
         if first_row > 0:
@@ -201,17 +283,19 @@ if triton is not None:
         row_mask = first_row + tl.arange(0, BLOCK_M) < count
         acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk, offs_n,
                            n_mask, N, K, up_offset, a_scale, stride_asm, stride_ask, ws_expert, stride_wsn,
-                           stride_wsk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, FP8, SCALE_BN)
+                           stride_wsk, b_expert, alpha, limit, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, FP8,
+                           SCALE_BN, MXFP4, HAS_BIAS, ACT)
         _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
 
     @triton.jit
-    def _moe_scan_kernel(x, w, out, topk_ids, topk_weights, a_scale, w_scale, num_pairs, N, K, expert_start,
+    def _moe_scan_kernel(x, w, out, topk_ids, topk_weights, a_scale, w_scale, bias, num_pairs, N, K, expert_start,
                          stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                         stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+                         stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, alpha, limit,
                          ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCAN: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, SCALE_BN: tl.constexpr, INTERPRETED: tl.constexpr):
+                         FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
         """Program (local expert, column tile): every pair routed to that expert. Row of x for pair
         p: p // ROWS_PER_X (the token for gate/up, the pair itself for down)."""
         local_expert = tl.program_id(0)
@@ -223,32 +307,34 @@ if triton is not None:
             return
         w_expert = w + local_expert.to(tl.int64) * stride_we
         ws_expert = w_scale + local_expert.to(tl.int64) * stride_wse
+        b_expert = bias + local_expert.to(tl.int64) * stride_be
         up_offset = N.to(tl.int64) * stride_wn
         first_row = 0
         if INTERPRETED:  # the interpreter cannot loop to a loaded bound: the same loop as a while
             while first_row < count:
                 _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
                                offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
-                               a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
-                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
-                               FP8, SCALE_BN)
+                               a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk, b_expert, alpha,
+                               limit, ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
+                               FP8, SCALE_BN, MXFP4, HAS_BIAS, ACT)
                 first_row += BLOCK_M
         else:
             for first_row in range(0, count, BLOCK_M):
                 _scan_row_tile(first_row, pairs, count, x, w_expert, out, topk_ids, topk_weights, num_pairs, expert,
                                offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
-                               a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
-                               ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
-                               FP8, SCALE_BN)
+                               a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk, b_expert, alpha,
+                               limit, ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
+                               FP8, SCALE_BN, MXFP4, HAS_BIAS, ACT)
 
     @triton.jit
-    def _moe_sorted_kernel(x, w, out, sorted_pairs, block_experts, num_padded, topk_weights, a_scale, w_scale,
+    def _moe_sorted_kernel(x, w, out, sorted_pairs, block_experts, num_padded, topk_weights, a_scale, w_scale, bias,
                            num_pairs, N, K, num_blocks_m, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                           stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+                           stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, alpha, limit,
                            ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                           FP8: tl.constexpr, SCALE_BN: tl.constexpr):
+                           FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Program (row tile, column tile) over the sorted, padded pairs; GROUP_M row tiles share
         their column tiles in launch order (the standard tile swizzle)."""
         pid = tl.program_id(0)
@@ -268,7 +354,8 @@ if triton is not None:
         acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w + local_expert * stride_we,
                            stride_wn, stride_wk, offs_n, n_mask, N, K, N.to(tl.int64) * stride_wn,
                            a_scale, stride_asm, stride_ask, w_scale + local_expert * stride_wse, stride_wsn,
-                           stride_wsk, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, FP8, SCALE_BN)
+                           stride_wsk, bias + local_expert * stride_be, alpha, limit, GATED, BLOCK_M, BLOCK_N,
+                           BLOCK_K, EVEN_K, IEEE, FP8, SCALE_BN, MXFP4, HAS_BIAS, ACT)
         _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
 
 
@@ -298,61 +385,73 @@ def sum_topk(y: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_per_x: int, gated: bool,
             topk_weights: torch.Tensor | None, cfg: TileConfig, layout,
-            fp8: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+            fp8: tuple[torch.Tensor, torch.Tensor, int] | None = None, mxfp4_scale: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> None:
     """One grouped GEMM: out[p, :n] for every pair p, from rows of x and the expert weights w
-    [experts, (2 if gated else 1) * n, K]. fp8: (x_scale [rows of x, ceil(K / bk)], w_scale
-    [experts, ceil(rows of w / bn), ceil(K / bk)], bn) for float8 x and w with block scales,
-    cfg.block_k being bk."""
-    num_local, K = w.shape[0], w.shape[2]
-    if fp8 is None:  # no scales: the pointers are never read
-        a_scale, w_scale, scale_bn = x, w, 1
-        scale_strides = (0, 0, 0, 0, 0)
-    else:
+    [experts, (2 if gated else 1) * n, K], plus bias [experts, (2 if gated else 1) * n] if given;
+    gated: the activation of the gate and up columns. fp8: (x_scale [rows of x, ceil(K / bk)],
+    w_scale [experts, ceil(rows of w / bn), ceil(K / bk)], bn) for float8 x and w with block
+    scales, cfg.block_k being bk. mxfp4_scale: w is packed MXFP4 [experts, rows, K / 2] uint8
+    with these e8m0 scales [experts, rows, K / 32]."""
+    num_local, K = w.shape[0], w.shape[2] * (2 if mxfp4_scale is not None else 1)
+    a_scale, w_scale, scale_bn = x, w, 1  # pointers never read without scales
+    a_strides, w_strides = (0, 0), (0, 0, 0)
+    if fp8 is not None:
         a_scale, w_scale, scale_bn = fp8
-        scale_strides = (a_scale.stride(0), a_scale.stride(1), w_scale.stride(0), w_scale.stride(1),
-                         w_scale.stride(2))
-    fp8_args = dict(FP8=fp8 is not None, SCALE_BN=scale_bn)
+        a_strides, w_strides = a_scale.stride(), w_scale.stride()
+    elif mxfp4_scale is not None:
+        w_scale, w_strides = mxfp4_scale, mxfp4_scale.stride()
+    bias_arg = bias if bias is not None else out
+    extra = dict(FP8=fp8 is not None, SCALE_BN=scale_bn, MXFP4=mxfp4_scale is not None, HAS_BIAS=bias is not None,
+                 ACT=activation.code)
     common = dict(ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                  IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args)
+                  IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     weights = topk_weights if topk_weights is not None else out
-    strides = (x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), *scale_strides)
+    strides = (x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), *a_strides, *w_strides,
+               bias.stride(0) if bias is not None else 0, activation.alpha, activation.limit)
     if layout[0] == "pairs":
         _, topk_ids, expert_start = layout
         grid = (topk_ids.numel(), triton.cdiv(n, cfg.block_n))
-        _moe_pairs_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, n, K, expert_start, num_local,
-                                *strides, ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
-                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8_args)
+        _moe_pairs_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, bias_arg, n, K, expert_start,
+                                num_local, *strides, ROWS_PER_X=rows_per_x, GATED=gated,
+                                MUL_WEIGHT=topk_weights is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                **extra)
     elif layout[0] == "scan":
         _, topk_ids, expert_start = layout
         grid = (num_local, triton.cdiv(n, cfg.block_n))
-        _moe_scan_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, topk_ids.numel(), n, K,
+        _moe_scan_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, bias_arg, topk_ids.numel(), n, K,
                                expert_start, *strides, SCAN=cfg.scan, INTERPRETED=INTERPRETED, **common)
     else:
         _, sorted_pairs, block_experts, num_padded, num_pairs = layout
         blocks_m = block_experts.shape[0]
         grid = (blocks_m * triton.cdiv(n, cfg.block_n),)
         _moe_sorted_kernel[grid](x, w, out, sorted_pairs, block_experts, num_padded, weights, a_scale, w_scale,
-                                 num_pairs, n, K, blocks_m, *strides, GROUP_M=cfg.group_m, **common)
+                                 bias_arg, num_pairs, n, K, blocks_m, *strides, GROUP_M=cfg.group_m, **common)
 
 
 def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, expert_start: int, num_experts: int | None, tiles: MoETiles,
-                     dtype: torch.dtype, fp8: tuple | None = None) -> torch.Tensor:
+                     dtype: torch.dtype, fp8: tuple | None = None, mxfp4: tuple | None = None,
+                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                     activation: ExpertActivation = SILU) -> torch.Tensor:
     """The gate/up and down GEMMs in tiles' layout, the intermediate and each pair's output in
     dtype, then the sum over k. fp8: (x_scale, w13_scale, w2_scale, (bn, bk), act_quant kernel)
     when x, w13 and w2 are float8 with block scales; the intermediate is quantized like x (per
-    row, 1 x bk groups) before the down GEMM."""
+    row, 1 x bk groups) before the down GEMM. mxfp4: (w13_scale, w2_scale) e8m0 scales when
+    w13 and w2 are packed MXFP4 (the activations stay as they are)."""
     num_tokens = x.shape[0]
     hidden, top_k = w2.shape[1], topk_ids.shape[1]
-    num_local, inter = w13.shape[0], w2.shape[2]
+    num_local, inter = w13.shape[0], w2.shape[2] * (2 if mxfp4 is not None else 1)
     num_pairs = num_tokens * top_k
     inter_out = torch.empty(num_pairs, inter, dtype=dtype, device=x.device)
     # Pairs routed to another rank's experts are never written: they must read as zeros.
     partial = num_experts is not None and num_experts != num_local
     y = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=dtype, device=x.device)
     up_cfg, down_cfg = tiles.up, tiles.down
+    if activation != SILU and not up_cfg.fuse_act:  # only SiLU has a separate kernel
+        up_cfg = replace(up_cfg, fuse_act=True)
     if tiles.mode in ("pairs", "scan"):
         up_layout = down_layout = (tiles.mode, topk_ids, expert_start)
     else:
@@ -363,16 +462,17 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if fp8 is not None:
         x_scale, w13_scale, w2_scale, (block_n, block_k), quant = fp8
         up_fp8 = (x_scale, w13_scale, block_n)
+    w13_mx, w2_mx = mxfp4 if mxfp4 is not None else (None, None)
     if up_cfg.fuse_act:
-        _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout, up_fp8)
+        _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias, activation)
     else:  # gate/up product [pairs, 2 * inter] to memory, then SiLU-and-mul
         gate_up = (torch.zeros if partial else torch.empty)(num_pairs, 2 * inter, dtype=dtype, device=x.device)
-        _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout, up_fp8)
+        _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias)
         inter_out = TritonSiluAndMul.forward(gate_up)
     if fp8 is not None:
         inter_out, inter_scale = quant.per_group(inter_out, block_k, FP8)
         down_fp8 = (inter_scale, w2_scale, block_n)
-    _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout, down_fp8)
+    _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout, down_fp8, w2_mx, w2_bias)
     return sum_topk(y, num_tokens, top_k)
 
 
@@ -387,10 +487,13 @@ class TritonFusedExperts(TritonKernel):
 
     @staticmethod
     def forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
+                topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None,
+                w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                activation: ExpertActivation = SILU) -> torch.Tensor:
         """x: [num_tokens, hidden]; w13: [local experts, 2 * inter, hidden]; w2: [local experts,
         hidden, inter]; topk_weights / topk_ids: [num_tokens, top_k] (float32 / int32 global ids);
-        num_experts: the global expert count. Returns [num_tokens, hidden]."""
+        num_experts: the global expert count; biases [local experts, 2 * inter] / [local experts,
+        hidden] or None. Returns [num_tokens, hidden]."""
         num_tokens, hidden = x.shape
         top_k = topk_ids.shape[1]
         num_local, inter = w13.shape[0], w2.shape[2]
@@ -399,9 +502,13 @@ class TritonFusedExperts(TritonKernel):
         topk_ids = topk_ids.contiguous()
         topk_weights = topk_weights.contiguous()
         tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, x.dtype, x.device)
-        if tiles.mode == "grouped_mm":  # measured faster at this size (tile_configs)
-            return GroupedMMFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
-        return _grouped_experts(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype)
+        plain = w13_bias is None and w2_bias is None and activation == SILU
+        if tiles.mode == "grouped_mm":
+            if plain:  # measured faster at this size (tile_configs)
+                return GroupedMMFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
+            tiles = default_tiles(num_local, num_tokens * top_k)  # no biases in torch's grouped GEMM
+        return _grouped_experts(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype,
+                                w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
 
 
 @functools.lru_cache(maxsize=None)
@@ -462,3 +569,41 @@ class TritonFp8FusedExperts(TritonKernel):
                                 num_local, num_tokens * top_k, block_k, block_n)
         return _grouped_experts(x_q, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype,
                                 (x_scale, w13_scale, w2_scale, (block_n, block_k), quant))
+
+
+class TritonMxfp4FusedExperts(TritonKernel):
+    """MXFP4 experts (GPT-OSS): the bf16 layouts and tiles with the weights read packed (4.25 bits
+    a value) and dequantized in registers into the activations' dtype before each dot (Hopper has
+    no FP4 tensor cores); activations stay unquantized. Reference:
+    `experts_torch.fused_experts_mxfp4_reference`."""
+
+    family = "fused_moe_mxfp4"
+
+    @classmethod
+    def cannot_implement_reason(cls, dtype: torch.dtype = torch.bfloat16, hidden: int = 32, inter: int = 32,
+                                **config) -> str | None:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"dtype {dtype}"
+        if hidden % 32 or inter % 32:
+            return f"hidden {hidden} / intermediate {inter} are not multiples of 32 (the MXFP4 scale groups)"
+        return None
+
+    @staticmethod
+    def forward(x: torch.Tensor, w13_blocks: torch.Tensor, w2_blocks: torch.Tensor, w13_scales: torch.Tensor,
+                w2_scales: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int = 0,
+                num_experts: int | None = None, w13_bias: torch.Tensor | None = None,
+                w2_bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> torch.Tensor:
+        """x: [num_tokens, hidden]; w13_blocks uint8 [local experts, 2 * inter, hidden / 2] with
+        w13_scales uint8 [local experts, 2 * inter, hidden / 32]; w2_blocks [local experts,
+        hidden, inter / 2] with w2_scales [local experts, hidden, inter / 32]; the rest as
+        TritonFusedExperts.forward. Returns [num_tokens, hidden] in x.dtype."""
+        num_tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        num_local, inter = w13_blocks.shape[0], 2 * w2_blocks.shape[2]
+        tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, x.device)
+        if tiles.mode == "grouped_mm":
+            tiles = default_tiles(num_local, num_tokens * top_k)
+        return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
+                                topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
+                                mxfp4=(w13_scales, w2_scales), w13_bias=w13_bias, w2_bias=w2_bias,
+                                activation=activation)

@@ -1,4 +1,4 @@
-"""The router ("gate"): router logits = x @ weight.T, then each token's top-k experts and their
+"""The router ("gate"): router logits = x @ weight.T (+ bias), then each token's top-k experts and their
 weights (the `moe_routing` kernel). Its module names follow the checkpoints: `gate.weight` and,
 for DeepSeek-V3 / GLM-4.5, `gate.e_score_correction_bias`."""
 
@@ -16,10 +16,11 @@ from baryon.layers.linear import ReplicatedLinear, copy_checked
 class Router(ReplicatedLinear):
     quantizable = False
     def __init__(self, hidden_size: int, routing: RoutingConfig, correction_bias: bool = False,
-                 float32_logits: bool = False) -> None:
+                 float32_logits: bool = False, bias: bool = False) -> None:
         """float32_logits: compute the logits in float32 (DeepSeek-V3 and GLM-4.5 routers do; the
-        weight is then kept in float32), else in the model dtype (softmax is float32 either way)."""
-        super().__init__(hidden_size, routing.num_experts, bias=False)
+        weight is then kept in float32), else in the model dtype (softmax is float32 either way).
+        bias: the logits have a bias (GPT-OSS's `router.bias`)."""
+        super().__init__(hidden_size, routing.num_experts, bias=bias)
         self.routing = routing
         self.float32_logits = float32_logits
         if float32_logits:
@@ -38,7 +39,7 @@ class Router(ReplicatedLinear):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, expert ids int32)."""
         if self.float32_logits:
-            logits = F.linear(x.float(), self.weight)  # [num_tokens, num_experts]
+            logits = F.linear(x.float(), self.weight, None if self.bias is None else self.bias.float())
         else:
-            logits = self.method.apply(self, x, None)
+            logits = self.method.apply(self, x, self.bias)  # [num_tokens, num_experts]
         return self.kernel.forward(logits, self.routing, self.e_score_correction_bias)
