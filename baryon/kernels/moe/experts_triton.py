@@ -47,19 +47,30 @@ from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
 if triton is not None:
 
     @triton.jit
-    def _mxfp4_to_float(packed, scale, dtype: tl.constexpr):
-        """packed [R, C] uint8 (two e2m1 codes a byte, the low nibble first) with scale [R, 2C]
-        uint8 (e8m0: 2^(s - 127), one per value) -> [R, 2C] in dtype, exact (a power-of-two
-        scale times one of +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}). The codes become float32 bit
-        patterns: sign to bit 31, exponent e (2 bits) -> e + 126, mantissa bit -> bit 22; e = 0
-        is 0 or 0.5."""
-        codes = tl.join(packed & 0xF, packed >> 4).to(tl.uint32)  # [R, C, 2]
-        codes = tl.reshape(codes, [packed.shape[0], 2 * packed.shape[1]])
-        e = (codes >> 1) & 3
-        m = codes & 1
-        bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23)) | ((codes & 8) << 28)
-        factor = (scale.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-        return (bits.to(tl.float32, bitcast=True) * factor).to(dtype)
+    def _e2m1_to_float(codes):
+        """e2m1 codes (0..15 in uint8; bit 3 the sign) -> float32 value / 2^14, exactly: the code
+        as an fp16 bit pattern (sign to bit 15, exponent and mantissa bits to bits 9-11; code 1
+        lands on the fp16 subnormal 2^-15, which conversions keep). _e8m0_to_float returns the
+        2^14 back with each scale."""
+        c = codes.to(tl.uint16)
+        return (((c & 7) << 9) | ((c & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _e8m0_to_float(scales):
+        """e8m0 scales (uint8) -> 2^(s - 127) * 2^14 in float32 (see _e2m1_to_float)."""
+        return (scales.to(tl.uint32) << 23).to(tl.float32, bitcast=True) * 16384.0
+
+    @triton.jit
+    def _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, dtype: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A K tile of packed weights w_ptrs [BN, BK / 32, 16] (bytes) with scales s_ptrs [BN, BK / 32]
+        -> (even-k values, odd-k values), each [BN, BK / 2] in dtype: column j holds k = 2j and
+        2j + 1 of the tile (exact)."""
+        packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & byte_mask[None, :, :], other=0)
+        scale = _e8m0_to_float(tl.load(s_ptrs, mask=n_mask[:, None] & group_mask[None, :], other=0))[:, :, None]
+        even = tl.reshape(_e2m1_to_float(packed & 0xF) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+        odd = tl.reshape(_e2m1_to_float(packed >> 4) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+        return even, odd
 
     @triton.jit
     def _activate(gate, up, ACT: tl.constexpr, alpha, limit):
@@ -86,68 +97,72 @@ if triton is not None:
         each K tile's dot is multiplied by a_scale[row, kb] (per row, kb-th group of x's row) and
         ws_expert[n // SCALE_BN, kb] (per weight row) before it is added (float32).
         MXFP4: the weight is packed e2m1 (w_expert[n, k // 2] bytes) with e8m0 scales
-        ws_expert[n, k // 32], dequantized in registers to x's dtype before each dot."""
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        if MXFP4:
-            offs_kp = tl.arange(0, BLOCK_K // 2)
-            w_ptrs = w_expert + offs_n[:, None].to(tl.int64) * stride_wn + offs_kp[None, :] * stride_wk  # [BN, BK/2]
-            mx_ptrs = ws_expert + offs_n[:, None].to(tl.int64) * stride_wsn + (offs_k[None, :] // 32) * stride_wsk
-            mx_up_offset = N.to(tl.int64) * stride_wsn
-        else:
-            w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
+        ws_expert[n, k // 32], dequantized in registers to x's dtype: the low nibbles (even k)
+        and the high nibbles (odd k) each meet their half of x's columns in a dot of BLOCK_K / 2."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if FP8:
-            as_ptrs = a_scale + a_rows.to(tl.int64) * stride_asm  # [BM]
-            ws_ptrs = ws_expert + (offs_n // SCALE_BN) * stride_wsn  # [BN]
-            ws_up_ptrs = ws_expert + ((offs_n + N) // SCALE_BN) * stride_wsn
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            if MXFP4:
-                wk_mask = n_mask[:, None] & (offs_kp < (K - k0) // 2)[None, :]
-                s_mask = n_mask[:, None] & k_mask[None, :]
-                w = tl.trans(_mxfp4_to_float(tl.load(w_ptrs, mask=wk_mask, other=0),
-                                             tl.load(mx_ptrs, mask=s_mask, other=0), a.dtype))
-            elif EVEN_K:
-                w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
-            else:
-                w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            if FP8:
-                s_a = tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None]
-                acc += tl.dot(a, w) * (s_a * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :])
-            elif IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w, acc)
-            if GATED:
-                if MXFP4:
-                    w_up = tl.trans(_mxfp4_to_float(tl.load(w_ptrs + up_offset, mask=wk_mask, other=0),
-                                                    tl.load(mx_ptrs + mx_up_offset, mask=s_mask, other=0), a.dtype))
-                elif EVEN_K:
-                    w_up = tl.load(w_ptrs + up_offset, mask=n_mask[None, :], other=0.0)
-                else:
-                    w_up = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                if FP8:
-                    acc_up += tl.dot(a, w_up) * (s_a * tl.load(ws_up_ptrs, mask=n_mask, other=0.0)[None, :])
-                elif IEEE:
-                    acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
-                else:
-                    acc_up = tl.dot(a, w_up, acc_up)
-            a_ptrs += BLOCK_K
-            if MXFP4:
+        if MXFP4:
+            offs_kp = tl.arange(0, BLOCK_K // 2)
+            offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
+            a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + 2 * offs_kp[None, :]  # [BM, BK/2]: even k
+            byte = offs_g[:, None] * 16 + offs_b[None, :]  # [BK/32, 16]: the bytes of a K tile, by scale group
+            w_ptrs = w_expert + offs_n[:, None, None].to(tl.int64) * stride_wn + byte[None, :, :] * stride_wk
+            s_ptrs = ws_expert + offs_n[:, None].to(tl.int64) * stride_wsn + offs_g[None, :] * stride_wsk
+            s_up_offset = N.to(tl.int64) * stride_wsn
+            for k0 in range(0, K, BLOCK_K):
+                pair_mask = row_mask[:, None] & (offs_kp < (K - k0) // 2)[None, :]
+                a = tl.load(a_ptrs, mask=pair_mask, other=0.0)
+                a_odd = tl.load(a_ptrs + 1, mask=pair_mask, other=0.0)
+                byte_mask, group_mask = byte < (K - k0) // 2, offs_g < (K - k0) // 32
+                w, w_odd = _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, a.dtype, BLOCK_N, BLOCK_K)
+                acc = _dot_halves(a, a_odd, w, w_odd, acc, IEEE)
+                if GATED:
+                    w, w_odd = _mxfp4_halves(w_ptrs + up_offset, s_ptrs + s_up_offset, n_mask, byte_mask,
+                                             group_mask, a.dtype, BLOCK_N, BLOCK_K)
+                    acc_up = _dot_halves(a, a_odd, w, w_odd, acc_up, IEEE)
+                a_ptrs += BLOCK_K
                 w_ptrs += (BLOCK_K // 2) * stride_wk
-                mx_ptrs += (BLOCK_K // 32) * stride_wsk
-            else:
-                w_ptrs += BLOCK_K * stride_wk
+                s_ptrs += (BLOCK_K // 32) * stride_wsk
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+            w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
             if FP8:
-                as_ptrs += stride_ask
-                ws_ptrs += stride_wsk
-                ws_up_ptrs += stride_wsk
+                as_ptrs = a_scale + a_rows.to(tl.int64) * stride_asm  # [BM]
+                ws_ptrs = ws_expert + (offs_n // SCALE_BN) * stride_wsn  # [BN]
+                ws_up_ptrs = ws_expert + ((offs_n + N) // SCALE_BN) * stride_wsn
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                    w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+                else:
+                    k_mask = offs_k < K - k0
+                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                if FP8:
+                    s_a = tl.load(as_ptrs, mask=row_mask, other=0.0)[:, None]
+                    acc += tl.dot(a, w) * (s_a * tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :])
+                elif IEEE:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+                if GATED:
+                    if EVEN_K:
+                        w_up = tl.load(w_ptrs + up_offset, mask=n_mask[None, :], other=0.0)
+                    else:
+                        w_up = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                    if FP8:
+                        acc_up += tl.dot(a, w_up) * (s_a * tl.load(ws_up_ptrs, mask=n_mask, other=0.0)[None, :])
+                    elif IEEE:
+                        acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                    else:
+                        acc_up = tl.dot(a, w_up, acc_up)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K * stride_wk
+                if FP8:
+                    as_ptrs += stride_ask
+                    ws_ptrs += stride_wsk
+                    ws_up_ptrs += stride_wsk
         if HAS_BIAS:
             acc += tl.load(b_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -157,11 +172,39 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _dot_halves(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
+        """acc + a_even @ w_even.T + a_odd @ w_odd.T (the two halves of a K tile)."""
+        if IEEE:
+            acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
+            return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")
+        return tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even), acc))
+
+    @triton.jit
     def _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT: tl.constexpr):
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_weights + pairs, mask=row_mask, other=0.0)[:, None]
         tl.store(out + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                  acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, BLOCK_K: tl.constexpr):
+        """[BN] float32: one row of x (x_row) times MXFP4 weight rows (w_ptrs [BN, BK / 32, 16]
+        bytes, s_ptrs [BN, BK / 32] scales, both at k = 0): per scale group, the products of the
+        codes with x summed first, then scaled once."""
+        offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
+        k_even = 2 * (offs_g[:, None] * 16 + offs_b[None, :])  # [BK/32, 16]: k of each byte's low nibble
+        acc = tl.zeros([w_ptrs.shape[0]], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = k_even < K - k0
+            a = tl.load(x_row + k0 + k_even, mask=k_mask, other=0.0).to(tl.float32)
+            a_odd = tl.load(x_row + k0 + k_even + 1, mask=k_mask, other=0.0).to(tl.float32)
+            packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
+            part = _e2m1_to_float(packed & 0xF) * a[None, :, :] + _e2m1_to_float(packed >> 4) * a_odd[None, :, :]
+            scale = _e8m0_to_float(tl.load(s_ptrs, mask=n_mask[:, None] & (offs_g * 32 < K - k0)[None, :], other=0))
+            acc += tl.sum(tl.sum(part, axis=2) * scale, axis=1)
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 32
+        return acc
 
     @triton.jit
     def _moe_pairs_kernel(x, w, out, topk_ids, topk_weights, a_scale, w_scale, bias, N, K, expert_start, num_local,
@@ -172,75 +215,67 @@ if triton is not None:
                           FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
                           HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Program (pair, column tile): one row times its expert's weight columns, as a GEMV on
-        the CUDA cores (a decode step of a few tokens: every program has work). FP8, MXFP4,
-        bias and activation as in _expert_tile."""
+        the CUDA cores (a decode step of a few tokens: every program has work). FP8, MXFP4 (packed
+        rows with unit stride along k), bias and activation as in _expert_tile."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         local_expert = tl.load(topk_ids + pair) - expert_start
         if (local_expert < 0) | (local_expert >= num_local):
             return
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x + (pair // ROWS_PER_X).to(tl.int64) * stride_xm + offs_k
-        w_base = w + local_expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        if MXFP4:
-            offs_kp = tl.arange(0, BLOCK_K // 2)
-            w_ptrs = w_base + offs_kp[None, :] * stride_wk  # [BN, BK/2] bytes
-            mx_ptrs = (w_scale + local_expert.to(tl.int64) * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
-                       + (offs_k[None, :] // 32) * stride_wsk)  # [BN, BK]
-            mx_up_offset = N.to(tl.int64) * stride_wsn
-        else:
-            w_ptrs = w_base + offs_k[None, :] * stride_wk  # [BN, BK]
+        x_row = x + (pair // ROWS_PER_X).to(tl.int64) * stride_xm
+        w_rows = w + local_expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
         up_offset = N.to(tl.int64) * stride_wn
-        acc = tl.zeros([BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_N], tl.float32)
-        if FP8:
-            as_ptr = a_scale + (pair // ROWS_PER_X).to(tl.int64) * stride_asm
-            ws_ptrs = w_scale + local_expert.to(tl.int64) * stride_wse + (offs_n // SCALE_BN) * stride_wsn
-            ws_up_ptrs = w_scale + local_expert.to(tl.int64) * stride_wse + ((offs_n + N) // SCALE_BN) * stride_wsn
-        for k0 in range(0, K, BLOCK_K):
-            k_mask = offs_k < K - k0
-            if EVEN_K:
-                a = tl.load(a_ptrs).to(tl.float32)
-            else:
-                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            if MXFP4:
-                wk_mask = n_mask[:, None] & (offs_kp < (K - k0) // 2)[None, :]
-                s_mask = n_mask[:, None] & k_mask[None, :]
-                wt = _mxfp4_to_float(tl.load(w_ptrs, mask=wk_mask, other=0), tl.load(mx_ptrs, mask=s_mask, other=0),
-                                     tl.float32)
-            elif EVEN_K:
-                wt = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            else:
-                wt = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if FP8:
-                s_a = tl.load(as_ptr)
-                acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1) * (s_a * tl.load(ws_ptrs, mask=n_mask, other=0.0))
-            else:
-                acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+        if MXFP4:
+            offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
+            w_ptrs = w_rows[:, :, None] + (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]  # [BN, BK/32, 16]
+            s_ptrs = (w_scale + local_expert.to(tl.int64) * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
+                      + offs_g[None, :])  # [BN, BK/32]
+            acc = _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, BLOCK_K)
             if GATED:
-                if MXFP4:
-                    wu = _mxfp4_to_float(tl.load(w_ptrs + up_offset, mask=wk_mask, other=0),
-                                         tl.load(mx_ptrs + mx_up_offset, mask=s_mask, other=0), tl.float32)
-                elif EVEN_K:
-                    wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None], other=0.0)
-                else:
-                    wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                if FP8:
-                    acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1) * (
-                        s_a * tl.load(ws_up_ptrs, mask=n_mask, other=0.0))
-                else:
-                    acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
-            a_ptrs += BLOCK_K
-            if MXFP4:
-                w_ptrs += (BLOCK_K // 2) * stride_wk
-                mx_ptrs += (BLOCK_K // 32) * stride_wsk
-            else:
-                w_ptrs += BLOCK_K * stride_wk
+                acc_up = _gemv_mxfp4(x_row, w_ptrs + up_offset, s_ptrs + N.to(tl.int64) * stride_wsn, n_mask, K,
+                                     BLOCK_K)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_row + offs_k
+            w_ptrs = w_rows + offs_k[None, :] * stride_wk  # [BN, BK]
+            acc = tl.zeros([BLOCK_N], tl.float32)
             if FP8:
-                as_ptr += stride_ask
-                ws_ptrs += stride_wsk
-                ws_up_ptrs += stride_wsk
+                as_ptr = a_scale + (pair // ROWS_PER_X).to(tl.int64) * stride_asm
+                ws_ptrs = w_scale + local_expert.to(tl.int64) * stride_wse + (offs_n // SCALE_BN) * stride_wsn
+                ws_up_ptrs = (w_scale + local_expert.to(tl.int64) * stride_wse
+                              + ((offs_n + N) // SCALE_BN) * stride_wsn)
+            for k0 in range(0, K, BLOCK_K):
+                k_mask = offs_k < K - k0
+                if EVEN_K:
+                    a = tl.load(a_ptrs).to(tl.float32)
+                    wt = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                    wt = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                if FP8:
+                    s_a = tl.load(as_ptr)
+                    acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1) * (
+                        s_a * tl.load(ws_ptrs, mask=n_mask, other=0.0))
+                else:
+                    acc += tl.sum(wt.to(tl.float32) * a[None, :], axis=1)
+                if GATED:
+                    if EVEN_K:
+                        wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None], other=0.0)
+                    else:
+                        wu = tl.load(w_ptrs + up_offset, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                    if FP8:
+                        acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1) * (
+                            s_a * tl.load(ws_up_ptrs, mask=n_mask, other=0.0))
+                    else:
+                        acc_up += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K * stride_wk
+                if FP8:
+                    as_ptr += stride_ask
+                    ws_ptrs += stride_wsk
+                    ws_up_ptrs += stride_wsk
         if HAS_BIAS:
             b_expert = bias + local_expert.to(tl.int64) * stride_be
             acc += tl.load(b_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)
