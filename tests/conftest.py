@@ -110,6 +110,8 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
             for name, param in model.named_parameters():
                 if name.endswith("bias"):
                     param.normal_(0.0, 0.1)
+                elif name.endswith("experts.gate_up_proj"):  # past the SwiGLU limit (7) now and then
+                    param.mul_(4.0)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path

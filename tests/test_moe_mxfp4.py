@@ -124,3 +124,27 @@ def test_triton_mxfp4_experts_match_reference(seed, monkeypatch, layout, name, t
         *(t.to(DEVICE) for t in (x, *local, weights, ids)), expert_start=half, num_experts=experts,
         w13_bias=b13[half:].to(DEVICE), w2_bias=b2[half:].to(DEVICE), activation=CLAMPED)
     torch.testing.assert_close(got.cpu().float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
+@needs_triton
+def test_triton_dequantization_is_exact(seed):
+    gen = torch.Generator().manual_seed(seed)
+    blocks, scales = _random_mxfp4(gen, 3, 24, 160)  # rows of 80 bytes: a partial chunk
+    for dtype in (torch.float32, torch.bfloat16):
+        got = experts_triton.dequantize_mxfp4_triton(blocks.to(DEVICE), scales.to(DEVICE), dtype)
+        assert torch.equal(got.cpu(), dequantize_mxfp4(blocks, scales, dtype))
+
+
+@needs_triton
+def test_large_batches_take_the_dequantized_path(seed, monkeypatch):
+    """From MXFP4_DEQUANTIZE_MIN_TOKENS tokens the experts are dequantized and the float kernels run."""
+    monkeypatch.setattr(experts_triton, "MXFP4_DEQUANTIZE_MIN_TOKENS", 5)
+    gen = torch.Generator().manual_seed(seed)
+    x, weights, ids, b13, b2 = _case(gen, 9, 4, 2, 64, 32, torch.float32)
+    packed = (*_random_mxfp4(gen, 4, 64, 64), *_random_mxfp4(gen, 4, 64, 32))
+    packed = (packed[0], packed[2], packed[1], packed[3])  # w13_blocks, w2_blocks, w13_scales, w2_scales
+    expected = fused_experts_mxfp4_reference(x, *packed, weights, ids, 0, None, b13, b2, CLAMPED)
+    got = experts_triton.TritonMxfp4FusedExperts.forward(*(t.to(DEVICE) for t in (x, *packed, weights, ids)),
+                                                         w13_bias=b13.to(DEVICE), w2_bias=b2.to(DEVICE),
+                                                         activation=CLAMPED)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)

@@ -27,7 +27,8 @@ from baryon.layers.linear import QKVParallelLinear, RowParallelLinear, copy_chec
 from baryon.layers.rotary import get_rope
 from baryon.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
 
-SWIGLU_ALPHA = 1.702  # not in the published config: the value of the reference implementation
+# Not in every config (the published one has swiglu_limit only): the reference implementation's values.
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 class GptOssAttention(nn.Module):
@@ -80,6 +81,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
         experts, top_k = config.num_local_experts, config.num_experts_per_tok
         router = Router(config.hidden_size, RoutingConfig(experts, top_k, renormalize=True), bias=True)
         activation = ExpertActivation("clamped_swiglu", getattr(config, "swiglu_alpha", SWIGLU_ALPHA),
-                                      config.swiglu_limit)
+                                      getattr(config, "swiglu_limit", SWIGLU_LIMIT))
         return SparseMoeBlock(router, FusedMoE(experts, top_k, config.hidden_size, config.intermediate_size,
                                                bias=True, activation=activation))

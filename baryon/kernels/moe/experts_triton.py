@@ -606,6 +606,39 @@ class TritonFp8FusedExperts(TritonKernel):
                                 (x_scale, w13_scale, w2_scale, (block_n, block_k), quant))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _dequantize_mxfp4_kernel(blocks, scales, out, row_bytes, BLOCK: tl.constexpr):
+        """Program (row, chunk of BLOCK bytes): out[row, 2j], out[row, 2j + 1] = the low and high
+        codes of byte j times its group's scale (contiguous rows)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_bytes
+        packed = tl.load(blocks + row * row_bytes + offs, mask=mask, other=0)
+        scale = _e8m0_to_float(tl.load(scales + row * (row_bytes // 16) + offs // 16, mask=mask, other=0))
+        out_row = out + row * (2 * row_bytes) + 2 * offs
+        tl.store(out_row, (_e2m1_to_float(packed & 0xF) * scale).to(out.dtype.element_ty), mask=mask)
+        tl.store(out_row + 1, (_e2m1_to_float(packed >> 4) * scale).to(out.dtype.element_ty), mask=mask)
+
+
+def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [..., K / 2] uint8 with scales [..., K / 32] (contiguous) -> [..., K] in dtype, exact
+    (`kernels/quant/mxfp4.dequantize_mxfp4` on the GPU, without its temporaries)."""
+    row_bytes = blocks.shape[-1]
+    out = torch.empty(*blocks.shape[:-1], 2 * row_bytes, dtype=dtype, device=blocks.device)
+    rows = blocks.numel() // row_bytes
+    block = min(1024, triton.next_power_of_2(row_bytes))
+    _dequantize_mxfp4_kernel[(rows, triton.cdiv(row_bytes, block))](blocks, scales, out, row_bytes, BLOCK=block)
+    return out
+
+
+# From this many tokens a step dequantizes the layer's experts to the activations' dtype (one pass
+# over them, ~2 GB for GPT-OSS-20B's 32 experts in bf16, freed after the layer) and runs the float
+# kernels: the in-register decode costs every row tile again, so large batches pay it many times.
+MXFP4_DEQUANTIZE_MIN_TOKENS = 1024
+
+
 class TritonMxfp4FusedExperts(TritonKernel):
     """MXFP4 experts (GPT-OSS): the bf16 layouts and tiles with the weights read packed (4.25 bits
     a value) and dequantized in registers into the activations' dtype before each dot (Hopper has
@@ -635,6 +668,11 @@ class TritonMxfp4FusedExperts(TritonKernel):
         num_tokens, hidden = x.shape
         top_k = topk_ids.shape[1]
         num_local, inter = w13_blocks.shape[0], 2 * w2_blocks.shape[2]
+        if num_tokens >= MXFP4_DEQUANTIZE_MIN_TOKENS:
+            w13 = dequantize_mxfp4_triton(w13_blocks, w13_scales, x.dtype)
+            w2 = dequantize_mxfp4_triton(w2_blocks, w2_scales, x.dtype)
+            return TritonFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts,
+                                              w13_bias, w2_bias, activation)
         tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, x.device)
         if tiles.mode == "grouped_mm":
             tiles = default_tiles(num_local, num_tokens * top_k)
