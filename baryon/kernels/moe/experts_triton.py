@@ -188,21 +188,25 @@ if triton is not None:
 
     @triton.jit
     def _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, BLOCK_K: tl.constexpr):
-        """[BN] float32: one row of x (x_row) times MXFP4 weight rows (w_ptrs [BN, BK / 32, 16]
-        bytes, s_ptrs [BN, BK / 32] scales, both at k = 0): per scale group, the products of the
-        codes with x summed first, then scaled once."""
-        offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
-        k_even = 2 * (offs_g[:, None] * 16 + offs_b[None, :])  # [BK/32, 16]: k of each byte's low nibble
+        """[BN] float32: one row of x (x_row) times MXFP4 weight rows read as int32 words (w_ptrs
+        [BN, BK / 32, 4]: word w of scale group g holds the codes of k = 32g + 8w + i in its
+        nibble i) with scales s_ptrs [BN, BK / 32], both at k = 0: per group, the products of the
+        codes with x are summed first, then scaled once. Words rather than bytes: a quarter of the
+        load instructions (measured 36 against 54 us for 33 MB on an H100)."""
+        G: tl.constexpr = BLOCK_K // 32
+        offs_g = tl.arange(0, G)
+        word = offs_g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
         acc = tl.zeros([w_ptrs.shape[0]], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_mask = k_even < K - k0
-            a = tl.load(x_row + k0 + k_even, mask=k_mask, other=0.0).to(tl.float32)
-            a_odd = tl.load(x_row + k0 + k_even + 1, mask=k_mask, other=0.0).to(tl.float32)
-            packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
-            part = _e2m1_to_float(packed & 0xF) * a[None, :, :] + _e2m1_to_float(packed >> 4) * a_odd[None, :, :]
+            k_mask = word * 8 < K - k0
+            words = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
+            part = tl.zeros(words.shape, tl.float32)
+            for i in tl.static_range(8):
+                a = tl.load(x_row + k0 + word * 8 + i, mask=k_mask, other=0.0).to(tl.float32)
+                part += _e2m1_to_float((words >> (4 * i)) & 0xF) * a[None, :, :]
             scale = _e8m0_to_float(tl.load(s_ptrs, mask=n_mask[:, None] & (offs_g * 32 < K - k0)[None, :], other=0))
             acc += tl.sum(tl.sum(part, axis=2) * scale, axis=1)
-            w_ptrs += BLOCK_K // 2
+            w_ptrs += BLOCK_K // 8
             s_ptrs += BLOCK_K // 32
         return acc
 
@@ -215,8 +219,8 @@ if triton is not None:
                           FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
                           HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Program (pair, column tile): one row times its expert's weight columns, as a GEMV on
-        the CUDA cores (a decode step of a few tokens: every program has work). FP8, MXFP4 (packed
-        rows with unit stride along k), bias and activation as in _expert_tile."""
+        the CUDA cores (a decode step of a few tokens: every program has work). FP8, bias and
+        activation as in _expert_tile; MXFP4 weights are read as int32 words (_gemv_mxfp4)."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -227,9 +231,9 @@ if triton is not None:
         w_rows = w + local_expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
         up_offset = N.to(tl.int64) * stride_wn
         acc_up = tl.zeros([BLOCK_N], tl.float32)
-        if MXFP4:
-            offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
-            w_ptrs = w_rows[:, :, None] + (offs_g[:, None] * 16 + offs_b[None, :])[None, :, :]  # [BN, BK/32, 16]
+        if MXFP4:  # w: the packed rows as int32 words (stride_wn in words)
+            offs_g = tl.arange(0, BLOCK_K // 32)
+            w_ptrs = w_rows[:, :, None] + (offs_g[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]  # [BN, BK/32, 4]
             s_ptrs = (w_scale + local_expert.to(tl.int64) * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
                       + offs_g[None, :])  # [BN, BK/32]
             acc = _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, BLOCK_K)
@@ -448,6 +452,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_pe
     if layout[0] == "pairs":
         _, topk_ids, expert_start = layout
         grid = (topk_ids.numel(), triton.cdiv(n, cfg.block_n))
+        if mxfp4_scale is not None:  # the GEMV reads the packed rows as int32 words
+            w = w.view(torch.int32)
+            strides = (strides[0], w.stride(0), w.stride(1), w.stride(2), *strides[4:])
         _moe_pairs_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, bias_arg, n, K, expert_start,
                                 num_local, *strides, ROWS_PER_X=rows_per_x, GATED=gated,
                                 MUL_WEIGHT=topk_weights is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -639,6 +646,11 @@ def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: t
 MXFP4_DEQUANTIZE_MIN_TOKENS = 1024
 
 
+# The MXFP4 GEMV's tile (pairs layout: decode steps of a few tokens), the best of BLOCK_N 16-64,
+# BLOCK_K 256-512, 4-8 warps on an H100 (36 us for 23,040 x 2,880 packed: 0.98 TB/s).
+MXFP4_GEMV_TILE = TileConfig(block_m=1, block_n=16, block_k=256, num_warps=4)
+
+
 class TritonMxfp4FusedExperts(TritonKernel):
     """MXFP4 experts (GPT-OSS): the bf16 layouts and tiles with the weights read packed (4.25 bits
     a value) and dequantized in registers into the activations' dtype before each dot (Hopper has
@@ -676,6 +688,8 @@ class TritonMxfp4FusedExperts(TritonKernel):
         tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, x.device)
         if tiles.mode == "grouped_mm":
             tiles = default_tiles(num_local, num_tokens * top_k)
+        if tiles.mode == "pairs":
+            tiles = MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE)
         return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
                                 topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
                                 mxfp4=(w13_scales, w2_scales), w13_bias=w13_bias, w2_bias=w2_bias,
