@@ -61,6 +61,18 @@ if triton is not None:
         return (scales.to(tl.uint32) << 23).to(tl.float32, bitcast=True) * 16384.0
 
     @triton.jit
+    def _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, dtype: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A K tile of packed weights w_ptrs [BN, BK / 32, 16] (bytes) with scales s_ptrs [BN, BK / 32]
+        -> (even-k values, odd-k values), each [BN, BK / 2] in dtype: column j holds k = 2j and
+        2j + 1 of the tile (exact)."""
+        packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & byte_mask[None, :, :], other=0)
+        scale = _e8m0_to_float(tl.load(s_ptrs, mask=n_mask[:, None] & group_mask[None, :], other=0))[:, :, None]
+        even = tl.reshape(_e2m1_to_float(packed & 0xF) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+        odd = tl.reshape(_e2m1_to_float(packed >> 4) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+        return even, odd
+
+    @triton.jit
     def _activate(gate, up, ACT: tl.constexpr, alpha, limit):
         """expert_activation.ExpertActivation with code ACT, in float32."""
         if ACT == 0:
@@ -84,42 +96,32 @@ if triton is not None:
         FP8: x and the weight are float8 with block scales, BLOCK_K being the scales' block width:
         each K tile's dot is multiplied by a_scale[row, kb] (per row, kb-th group of x's row) and
         ws_expert[n // SCALE_BN, kb] (per weight row) before it is added (float32).
-        MXFP4: the weight is packed e2m1, read as int32 words (w_expert[n, k // 8], nibble k % 8)
-        with e8m0 scales ws_expert[n, k // 32], dequantized in registers to x's dtype: nibble i of
-        a K tile's words meets x's columns k = 8c + i in a dot of BLOCK_K / 8 (BLOCK_K >= 128)."""
+        MXFP4: the weight is packed e2m1 (w_expert[n, k // 2] bytes) with e8m0 scales
+        ws_expert[n, k // 32], dequantized in registers to x's dtype: the low nibbles (even k)
+        and the high nibbles (odd k) each meet their half of x's columns in a dot of BLOCK_K / 2."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if MXFP4:  # w: packed rows as int32 words; 8 dots of BLOCK_K / 8, one per nibble of the words
-            W: tl.constexpr = BLOCK_K // 8
-            col = tl.arange(0, W)  # word of the K tile; its nibble i holds k = 8 col + i
-            a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + 8 * col[None, :]  # [BM, W]
-            w_ptrs = w_expert + offs_n[:, None].to(tl.int64) * stride_wn + col[None, :]  # [BN, W]
-            s_ptrs = ws_expert + offs_n[:, None].to(tl.int64) * stride_wsn + (col // 4)[None, :] * stride_wsk
+        if MXFP4:
+            offs_kp = tl.arange(0, BLOCK_K // 2)
+            offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
+            a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + 2 * offs_kp[None, :]  # [BM, BK/2]: even k
+            byte = offs_g[:, None] * 16 + offs_b[None, :]  # [BK/32, 16]: the bytes of a K tile, by scale group
+            w_ptrs = w_expert + offs_n[:, None, None].to(tl.int64) * stride_wn + byte[None, :, :] * stride_wk
+            s_ptrs = ws_expert + offs_n[:, None].to(tl.int64) * stride_wsn + offs_g[None, :] * stride_wsk
             s_up_offset = N.to(tl.int64) * stride_wsn
             for k0 in range(0, K, BLOCK_K):
-                word_mask = col * 8 < K - k0
-                a_mask = row_mask[:, None] & word_mask[None, :]
-                w_mask = n_mask[:, None] & word_mask[None, :]
-                words = tl.load(w_ptrs, mask=w_mask, other=0)
-                scale = _e8m0_to_float(tl.load(s_ptrs, mask=w_mask, other=0))
+                pair_mask = row_mask[:, None] & (offs_kp < (K - k0) // 2)[None, :]
+                a = tl.load(a_ptrs, mask=pair_mask, other=0.0)
+                a_odd = tl.load(a_ptrs + 1, mask=pair_mask, other=0.0)
+                byte_mask, group_mask = byte < (K - k0) // 2, offs_g < (K - k0) // 32
+                w, w_odd = _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, a.dtype, BLOCK_N, BLOCK_K)
+                acc = _dot_halves(a, a_odd, w, w_odd, acc, IEEE)
                 if GATED:
-                    words_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0)
-                    scale_up = _e8m0_to_float(tl.load(s_ptrs + s_up_offset, mask=w_mask, other=0))
-                for i in tl.static_range(8):
-                    a = tl.load(a_ptrs + i, mask=a_mask, other=0.0)
-                    w = tl.trans((_e2m1_to_float((words >> (4 * i)) & 0xF) * scale).to(a.dtype))
-                    if IEEE:
-                        acc = tl.dot(a, w, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, w, acc)
-                    if GATED:
-                        w = tl.trans((_e2m1_to_float((words_up >> (4 * i)) & 0xF) * scale_up).to(a.dtype))
-                        if IEEE:
-                            acc_up = tl.dot(a, w, acc_up, input_precision="ieee")
-                        else:
-                            acc_up = tl.dot(a, w, acc_up)
+                    w, w_odd = _mxfp4_halves(w_ptrs + up_offset, s_ptrs + s_up_offset, n_mask, byte_mask,
+                                             group_mask, a.dtype, BLOCK_N, BLOCK_K)
+                    acc_up = _dot_halves(a, a_odd, w, w_odd, acc_up, IEEE)
                 a_ptrs += BLOCK_K
-                w_ptrs += W
+                w_ptrs += (BLOCK_K // 2) * stride_wk
                 s_ptrs += (BLOCK_K // 32) * stride_wsk
         else:
             offs_k = tl.arange(0, BLOCK_K)
@@ -168,6 +170,14 @@ if triton is not None:
         if GATED:
             acc = _activate(acc, acc_up, ACT, alpha, limit)
         return acc
+
+    @triton.jit
+    def _dot_halves(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
+        """acc + a_even @ w_even.T + a_odd @ w_odd.T (the two halves of a K tile)."""
+        if IEEE:
+            acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
+            return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")
+        return tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even), acc))
 
     @triton.jit
     def _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT: tl.constexpr):
@@ -428,9 +438,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_pe
     if fp8 is not None:
         a_scale, w_scale, scale_bn = fp8
         a_strides, w_strides = a_scale.stride(), w_scale.stride()
-    elif mxfp4_scale is not None:  # the kernels read the packed rows as int32 words
+    elif mxfp4_scale is not None:
         w_scale, w_strides = mxfp4_scale, mxfp4_scale.stride()
-        w = w.view(torch.int32)
     bias_arg = bias if bias is not None else out
     extra = dict(FP8=fp8 is not None, SCALE_BN=scale_bn, MXFP4=mxfp4_scale is not None, HAS_BIAS=bias is not None,
                  ACT=activation.code)
@@ -443,6 +452,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_pe
     if layout[0] == "pairs":
         _, topk_ids, expert_start = layout
         grid = (topk_ids.numel(), triton.cdiv(n, cfg.block_n))
+        if mxfp4_scale is not None:  # the GEMV reads the packed rows as int32 words
+            w = w.view(torch.int32)
+            strides = (strides[0], w.stride(0), w.stride(1), w.stride(2), *strides[4:])
         _moe_pairs_kernel[grid](x, w, out, topk_ids, weights, a_scale, w_scale, bias_arg, n, K, expert_start,
                                 num_local, *strides, ROWS_PER_X=rows_per_x, GATED=gated,
                                 MUL_WEIGHT=topk_weights is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -678,9 +690,6 @@ class TritonMxfp4FusedExperts(TritonKernel):
             tiles = default_tiles(num_local, num_tokens * top_k)
         if tiles.mode == "pairs":
             tiles = MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE)
-        elif min(tiles.up.block_k, tiles.down.block_k) < 128:  # tensor-core dots of BLOCK_K / 8 >= 16
-            tiles = MoETiles(tiles.mode, replace(tiles.up, block_k=max(tiles.up.block_k, 128)),
-                             replace(tiles.down, block_k=max(tiles.down.block_k, 128)))
         return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
                                 topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
                                 mxfp4=(w13_scales, w2_scales), w13_bias=w13_bias, w2_bias=w2_bias,
