@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from baryon.server.reasoning import REASONING_PARSERS  # plain data: no server imports
+
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
@@ -28,6 +30,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="Jinja chat template (a file or the template itself) for tokenizers without one, "
                              "or to replace theirs")
+    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="Split chat replies into reasoning_content and content (default: harmony for "
+                             "GPT-OSS, none otherwise)")
     server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                         help="Log level of the HTTP server (access log at info)")
     add_engine_args(parser)

@@ -101,8 +101,13 @@ async def _run_http(args: argparse.Namespace, config: EngineConfig, client, toke
     from baryon.server.metrics import ServerMetrics
     from baryon.server.serving import ServerContext
 
+    from baryon.server.reasoning import default_reasoning_parser
+
+    reasoning_parser = args.reasoning_parser or default_reasoning_parser(
+        getattr(config.model.hf_config, "model_type", None))
     ctx = ServerContext(config=config, client=client, inputs=InputProcessor(config, tokenizer, chat_template),
-                        metrics=ServerMetrics(client, model_names[0]), model_names=model_names)
+                        metrics=ServerMetrics(client, model_names[0]), model_names=model_names,
+                        reasoning_parser=reasoning_parser)
     app = build_app(ctx, api_key)
     loop = asyncio.get_running_loop()
 

@@ -36,6 +36,7 @@ class ServerContext:
     inputs: InputProcessor
     metrics: ServerMetrics
     model_names: list[str]  # the first is the one responses name
+    reasoning_parser: str | None = None  # chat replies split into reasoning and content (reasoning.py)
 
     @property
     def model_name(self) -> str:

@@ -2,11 +2,14 @@
 
 Without max_completion_tokens (or its old name max_tokens) a reply may fill the context.
 Streams send, per choice, a first chunk with the assistant role, then one chunk whenever the
-choice has new tokens, the last one carrying its finish_reason.
+choice has new tokens, the last one carrying its finish_reason. With a reasoning parser
+(`--reasoning-parser`, GPT-OSS by default) replies carry `reasoning_content` beside `content`,
+and stream deltas carry either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,7 @@ from baryon.sampling_params import SamplingParams
 from baryon.server.errors import bad_request
 from baryon.server.logprobs import chat_logprobs
 from baryon.server.protocol import ChatCompletionRequest
+from baryon.server.reasoning import ReasoningCursor, split_harmony
 from baryon.server.sampling import build_sampling_params
 from baryon.server.serving import (ChoiceCursor, ServerContext, generate_merged, json_response, new_id, now,
                                    stop_string_holdback, stream_chunk, streaming_response, unless_disconnected, usage)
@@ -51,6 +55,8 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
         request, ctx.config, ctx.inputs.tokenizer is not None,
         max_tokens=ctx.inputs.max_tokens(ids, requested, None, limit_name), logprobs=top_logprobs,
         renamed={"max_tokens": limit_name, "logprobs": "top_logprobs"})
+    if ctx.reasoning_parser is not None:  # its markers are special tokens: keep them in the text
+        params = dataclasses.replace(params, skip_special_tokens=False)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return _Plan(new_id("chatcmpl"), ids, params, top_logprobs, include_usage)
 
@@ -70,11 +76,18 @@ def _logprobs(ctx: ServerContext, plan: _Plan, sample: CompletionOutput, start: 
                          ctx.inputs.tokenizer)
 
 
+def _message(ctx: ServerContext, text: str) -> dict:
+    if ctx.reasoning_parser is None:
+        return {"role": "assistant", "content": text}
+    reasoning, content = split_harmony(text, finished=True)
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+
+
 async def _complete(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> Response:
     final = None
     async for _, output in outputs:
         final = output
-    choices = [{"index": sample.index, "message": {"role": "assistant", "content": sample.text},
+    choices = [{"index": sample.index, "message": _message(ctx, sample.text),
                 "logprobs": _logprobs(ctx, plan, sample, 0, len(sample.token_ids)),
                 "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
                for sample in final.outputs]
@@ -93,6 +106,7 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
     def chunk(choices: list[dict], **extra: Any) -> bytes:
         return stream_chunk(plan.request_id, "chat.completion.chunk", created, ctx.model_name, plan.include_usage, choices, **extra)
 
+    reasoning: dict[int, ReasoningCursor] = {}
     async for _, output in outputs:
         for sample in output.outputs:
             cursor = cursors.setdefault(sample.index, ChoiceCursor())
@@ -105,7 +119,12 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
             text, start, end = delta
             if cursor.finished:
                 completion_tokens += len(sample.token_ids)
-            yield chunk([{"index": sample.index, "delta": {"content": text} if text else {},
+            if ctx.reasoning_parser is None:
+                fields = {"content": text} if text else {}
+            else:  # the parts of the reply sent so far, split again
+                fields = reasoning.setdefault(sample.index, ReasoningCursor()).advance(
+                    sample.text[:cursor.text_sent], cursor.finished)
+            yield chunk([{"index": sample.index, "delta": fields,
                           "logprobs": _logprobs(ctx, plan, sample, start, end),
                           "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}])
     if plan.include_usage:

@@ -1,0 +1,120 @@
+"""Reasoning parsers: harmony replies (GPT-OSS) split into reasoning_content and content, whole or
+streamed in pieces; and the server's chat route on a harmony-templated tiny model whose greedy
+reply is a fixed harmony exchange (a "bigram machine": each token's embedding picks the next
+token through the LM head, the decoder layers add nothing)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+import torch
+
+from baryon.server.reasoning import ReasoningCursor, default_reasoning_parser, split_harmony
+
+REPLY = ("<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
+         "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>")
+
+
+def test_split_a_whole_reply():
+    assert split_harmony(REPLY, finished=True) == ("The user greets; answer briefly.", "Hello there!")
+    assert split_harmony("no markers at all", finished=True) == ("", "no markers at all")
+    tool = ("<|channel|>analysis<|message|>need weather<|end|><|start|>assistant<|channel|>commentary "
+            "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
+    assert split_harmony(tool, finished=True) == ("need weather", "")  # a tool call is neither
+    preamble = "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>final<|message|>Done"
+    assert split_harmony(preamble, finished=True) == ("", "Checking.Done")
+    assert default_reasoning_parser("gpt_oss") == "harmony" and default_reasoning_parser("llama") is None
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_streamed_pieces_add_up_to_the_whole(seed, trial):
+    """Cut the reply anywhere (inside markers too): the deltas never contain marker text and add
+    up to the whole reply's split."""
+    rng = random.Random(seed + trial)
+    cuts = sorted(rng.sample(range(1, len(REPLY)), 12)) + [len(REPLY)]
+    cursor, reasoning, content = ReasoningCursor(), "", ""
+    for end in cuts:
+        delta = cursor.advance(REPLY[:end], finished=end == len(REPLY))
+        for part in delta.values():
+            assert "<|" not in part and "|>" not in part
+        reasoning += delta.get("reasoning_content", "")
+        content += delta.get("content", "")
+    assert (reasoning, content) == split_harmony(REPLY, finished=True)
+
+
+# The bigram machine's vocabulary: the prompt's words, then the reply's tokens in order. The
+# markers are special tokens; their second occurrences are plain words with the same text, so
+# every token of the reply has one successor.
+PROMPT_WORDS = ["t0", "hi", "user", "system", "assistant"]
+REPLY_TOKENS = ["<|channel|>", "analysis", "<|message|>", "Greet", "ing.", "<|end|>", "<|start|>",
+                "assistant_", "<|channel|>_", "final", "<|message|>_", "Hello", "!", "<|return|>"]
+SECOND = {"assistant_": "assistant", "<|channel|>_": "<|channel|>", "<|message|>_": "<|message|>"}
+SPECIAL = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def _bigram_machine(path) -> None:
+    """A tiny Llama whose greedy continuation of "... assistant" is REPLY_TOKENS, with a word-level
+    tokenizer that decodes without spaces (the second markers: words of the markers' text) and the
+    harmony-like chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = PROMPT_WORDS + [t for t in REPLY_TOKENS if t not in SPECIAL]
+    vocab = {w: i for i, w in enumerate(words)}
+    for token in SPECIAL:
+        vocab[token] = len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(f"{second}", text) for second, text in SECOND.items()]
+                                          + [decoders.Fuse()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="<|return|>",
+                                   additional_special_tokens=[t for t in SPECIAL if t != "<|return|>"])
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+    size = 64
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=size, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False, eos_token_id=vocab["<|return|>"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        embed = torch.linalg.qr(torch.randn(size, size))[0][: len(vocab)] * size ** 0.5  # orthogonal rows
+        model.model.embed_tokens.weight.copy_(embed)
+        model.model.layers[0].self_attn.o_proj.weight.zero_()  # the layer adds nothing to the residual
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        head = torch.zeros(len(vocab), size)
+        chain = ["assistant"] + REPLY_TOKENS
+        for current, following in zip(chain, chain[1:]):
+            head[vocab[following]] = embed[vocab[current]] / size ** 0.5 * 10
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
+
+
+def test_server_chat_separates_reasoning_from_content(tmp_path):
+    from test_server import ServerProcess
+
+    _bigram_machine(tmp_path)
+    proc = ServerProcess(tmp_path, "--reasoning-parser", "harmony", "--max-model-len", "128").wait_ready()
+    try:
+        body = {"model": str(tmp_path), "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                "max_tokens": 32}
+        reply = httpx.post(f"{proc.url}/v1/chat/completions", json=body, timeout=60).json()
+        message = reply["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Greeting.", "Hello!")
+        assert reply["choices"][0]["finish_reason"] == "stop"
+        reasoning = content = ""
+        with httpx.stream("POST", f"{proc.url}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    reasoning += delta.get("reasoning_content") or ""
+                    content += delta.get("content") or ""
+        assert (reasoning, content) == ("Greeting.", "Hello!")
+    finally:
+        proc.stop()
