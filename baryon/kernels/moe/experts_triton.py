@@ -82,6 +82,19 @@ if triton is not None:
         return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
 
     @triton.jit
+    def _epilogue(acc, acc_up, b_expert, offs_n, n_mask, N, alpha, limit, GATED: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+        """acc ([BN] or [BM, BN]) plus the expert's bias b_expert[offs_n] (HAS_BIAS); with GATED,
+        act(that, acc_up plus b_expert[N + offs_n])."""
+        if HAS_BIAS:
+            acc += tl.load(b_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if GATED:
+                acc_up += tl.load(b_expert + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            acc = _activate(acc, acc_up, ACT, alpha, limit)
+        return acc
+
+    @triton.jit
     def _expert_tile(x, stride_xm, a_rows, row_mask, w_expert, stride_wn, stride_wk, offs_n, n_mask, N, K,
                      up_offset, a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk,
                      b_expert, alpha, limit,
@@ -163,13 +176,7 @@ if triton is not None:
                     as_ptrs += stride_ask
                     ws_ptrs += stride_wsk
                     ws_up_ptrs += stride_wsk
-        if HAS_BIAS:
-            acc += tl.load(b_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(b_expert + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc = _activate(acc, acc_up, ACT, alpha, limit)
-        return acc
+        return _epilogue(acc, acc_up, b_expert, offs_n, n_mask, N, alpha, limit, GATED, HAS_BIAS, ACT)
 
     @triton.jit
     def _dot_halves(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
@@ -280,13 +287,8 @@ if triton is not None:
                     as_ptr += stride_ask
                     ws_ptrs += stride_wsk
                     ws_up_ptrs += stride_wsk
-        if HAS_BIAS:
-            b_expert = bias + local_expert.to(tl.int64) * stride_be
-            acc += tl.load(b_expert + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            if GATED:
-                acc_up += tl.load(b_expert + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if GATED:
-            acc = _activate(acc, acc_up, ACT, alpha, limit)
+        acc = _epilogue(acc, acc_up, bias + local_expert.to(tl.int64) * stride_be, offs_n, n_mask, N, alpha, limit,
+                        GATED, HAS_BIAS, ACT)
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_weights + pair)
         tl.store(out + pair.to(tl.int64) * stride_om + offs_n, acc.to(out.dtype.element_ty), mask=n_mask)
