@@ -251,6 +251,51 @@ def test_expert_parallel_rank_keeps_its_slice(seed, ep_size, rank):
     assert out[1:].abs().sum(dim=1).gt(0).any()
 
 
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
+def test_stacked_expert_tensors_load_on_an_expert_parallel_rank(seed, mxfp4):
+    """GPT-OSS publishes each layer's experts in one tensor ([experts, gate rows then up rows, ...]
+    once the model has converted them): rank 1 of 2 keeps its experts' slices, biases included
+    (MXFP4 blocks and scales too, dequantized at load on CPU), and the layer equals the float
+    reference on its experts."""
+    from baryon.kernels.moe.expert_activation import ExpertActivation
+    from baryon.kernels.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from baryon.quantization.mxfp4 import Mxfp4MoEMethod
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = 64, 32
+    w13 = torch.randn(NUM_EXPERTS, 2 * inter, hidden, generator=gen) / 8
+    w2 = torch.randn(NUM_EXPERTS, hidden, inter, generator=gen) / 6
+    b13, b2 = torch.randn(NUM_EXPERTS, 2 * inter, generator=gen), torch.randn(NUM_EXPERTS, hidden, generator=gen)
+    activation = ExpertActivation("clamped_swiglu", limit=1.0)
+    with torch.device("cpu"):
+        layer = FusedMoE(NUM_EXPERTS, TOP_K, hidden, inter, ep_size=2, ep_rank=1, bias=True, activation=activation)
+        if mxfp4:
+            layer.use_method(Mxfp4MoEMethod())
+    tensors = {"w13_bias": b13, "w2_bias": b2}
+    if mxfp4:
+        (w13_blocks, w13_scales), (w2_blocks, w2_scales) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+        tensors.update(w13_blocks=w13_blocks, w13_scales=w13_scales, w2_blocks=w2_blocks, w2_scales=w2_scales)
+        w13, w2 = dequantize_mxfp4(w13_blocks, w13_scales), dequantize_mxfp4(w2_blocks, w2_scales)
+    else:
+        tensors.update(w13_weight=w13, w2_weight=w2)
+    for name, tensor in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, tensor, name.split("_")[0], None)
+    with pytest.raises(ValueError, match="first dimension should be the 8 experts"):
+        layer.w2_bias.weight_loader(layer.w2_bias, b2[:4], "w2", None)
+    layer.method.process_weights_after_loading(layer)
+    mine = slice(NUM_EXPERTS // 2, NUM_EXPERTS)
+    assert torch.equal(layer.w13_bias, b13[mine]) and torch.equal(layer.w2_bias, b2[mine])
+    held13, held2 = layer.method.dequantize(layer)
+    assert torch.equal(held13, w13[mine]) and torch.equal(held2, w2[mine])
+    x = torch.randn(12, hidden, generator=gen)
+    ids = torch.rand(12, NUM_EXPERTS, generator=gen).argsort(dim=1)[:, :TOP_K].to(torch.int32)
+    weights = torch.rand(12, TOP_K, generator=gen).softmax(dim=1)
+    expected = fused_experts_reference(x, w13[mine], w2[mine], weights, ids, NUM_EXPERTS // 2, b13[mine], b2[mine],
+                                       activation)
+    torch.testing.assert_close(layer(x, weights, ids), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_expert_weight_loader_rejects_bad_shard_and_expert_ids(seed):
     weights = random_experts(torch.Generator().manual_seed(seed))
     with torch.device("cpu"):
