@@ -163,7 +163,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
             raise WeightLoadError(f"tensor {name!r} in {file}: {e}") from e
         loaded[target.param] |= keys
     if skipped:
-        logger.info("skipped %d tensors of the layers past num_hidden_layers (multi-token prediction)", skipped)
+        logger.info("skipped %d tensors of layers this model does not hold (multi-token prediction: the main "
+                    "model's or the draft's)", skipped)
     missing = [_missing_description(name, p, loaded[name], names) for name, p in params.items()
                if not p.expected_shards <= loaded[name]]
     if missing:

@@ -15,7 +15,9 @@ A model class may declare:
   name -> (the FusedMoE parameter, a function from the published layout to the stacked one
   [experts, gate rows then up rows, ...], or None when they agree);
 - `extra_layers_config_key`: a config field counting layers stored past `num_hidden_layers`
-  (GLM's multi-token-prediction layers, `num_nextn_predict_layers`) that are skipped at load.
+  (GLM's multi-token-prediction layers, `num_nextn_predict_layers`) that are skipped at load;
+- `only_layers`: the layer indices a model loads, every other tensor skipped (DeepSeek's MTP
+  layers loaded as a draft model of their own).
 
 FP8 KV-cache scales load into the attention layer (`<prefix>.self_attn.attn.k_scale` / `v_scale`)
 under both published names: `self_attn.k_scale` (compressed-tensors' kv_cache_scheme, ModelOpt)
@@ -60,6 +62,7 @@ class CheckpointNames:
         key = getattr(model, "extra_layers_config_key", None)
         first = getattr(hf_config, "num_hidden_layers", 0)
         self.skipped_layers = range(first, first + (int(getattr(hf_config, key, 0) or 0) if key else 0))
+        self.only_layers = getattr(model, "only_layers", None)
 
     def target(self, name: str) -> Target | None:
         """Where checkpoint tensor `name` loads; None for a tensor that is skipped."""
@@ -67,6 +70,8 @@ class CheckpointNames:
             name = name.replace(old, new)
         layer = _LAYER.match(name)
         if layer and int(layer.group(1)) in self.skipped_layers:
+            return None
+        if self.only_layers is not None and not (layer and int(layer.group(1)) in self.only_layers):
             return None
         kv_scale = _KV_SCALE.match(name)
         if kv_scale:
