@@ -1,7 +1,7 @@
 """Reasoning parsers: harmony replies (GPT-OSS) split into reasoning_content and content, whole or
-streamed in pieces; and the server's chat route on a harmony-templated tiny model whose greedy
-reply is a fixed harmony exchange (a "bigram machine": each token's embedding picks the next
-token through the LM head, the decoder layers add nothing)."""
+streamed in pieces; and the server's chat route on a harmony-templated tiny GPT-OSS model (the
+parser on by default) whose greedy reply is a fixed harmony exchange (a "bigram machine": each
+token's embedding picks the next token through the LM head, the decoder layer adds nothing)."""
 
 from __future__ import annotations
 
@@ -58,11 +58,12 @@ TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['con
 
 
 def _bigram_machine(path) -> None:
-    """A tiny Llama whose greedy continuation of "... assistant" is REPLY_TOKENS, with a word-level
+    """A tiny GPT-OSS whose greedy continuation of "... assistant" is REPLY_TOKENS, with a word-level
     tokenizer that decodes without spaces (the second markers: words of the markers' text) and the
-    harmony-like chat template."""
+    harmony-like chat template. Its attention output and expert down projections are zero, so the
+    residual stream stays the token's embedding, which the LM head maps to the next token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import GptOssConfig, GptOssForCausalLM, PreTrainedTokenizerFast
 
     words = PROMPT_WORDS + [t for t in REPLY_TOKENS if t not in SPECIAL]
     vocab = {w: i for i, w in enumerate(words)}
@@ -77,16 +78,19 @@ def _bigram_machine(path) -> None:
     fast.chat_template = TEMPLATE
     fast.save_pretrained(path)
     size = 64
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=size, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, eos_token_id=vocab["<|return|>"])
+    config = GptOssConfig(vocab_size=len(vocab), hidden_size=size, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=128,
+                          tie_word_embeddings=False, eos_token_id=vocab["<|return|>"], pad_token_id=0)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = GptOssForCausalLM(config).eval()
     with torch.no_grad():
         embed = torch.linalg.qr(torch.randn(size, size))[0][: len(vocab)] * size ** 0.5  # orthogonal rows
         model.model.embed_tokens.weight.copy_(embed)
-        model.model.layers[0].self_attn.o_proj.weight.zero_()  # the layer adds nothing to the residual
-        model.model.layers[0].mlp.down_proj.weight.zero_()
+        layer = model.model.layers[0]
+        for param in (layer.self_attn.o_proj.weight, layer.self_attn.o_proj.bias, layer.mlp.experts.down_proj,
+                      layer.mlp.experts.down_proj_bias):
+            param.zero_()  # the layer adds nothing to the residual stream
         head = torch.zeros(len(vocab), size)
         chain = ["assistant"] + REPLY_TOKENS
         for current, following in zip(chain, chain[1:]):
@@ -99,7 +103,7 @@ def test_server_chat_separates_reasoning_from_content(tmp_path):
     from test_server import ServerProcess
 
     _bigram_machine(tmp_path)
-    proc = ServerProcess(tmp_path, "--reasoning-parser", "harmony", "--max-model-len", "128").wait_ready()
+    proc = ServerProcess(tmp_path, "--max-model-len", "128").wait_ready()  # GPT-OSS: harmony by default
     try:
         body = {"model": str(tmp_path), "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
                 "max_tokens": 32}
