@@ -11,6 +11,7 @@ special tokens kept. A reply without any channel marker is all content.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 REASONING_PARSERS = ("harmony",)
@@ -34,48 +35,70 @@ def _complete_prefix(text: str) -> str:
     return text
 
 
+def _messages(text: str, position: int) -> Iterator[tuple[int, str | None, int, int, bool]]:
+    """From `position` on: (where the message's <|channel|> is, "reasoning_content", "content" or
+    None (a tool call), body start, body end, whether the body has ended) of each message whose
+    header is complete."""
+    while (channel := text.find(_CHANNEL, position)) >= 0:
+        message = text.find(_MESSAGE, channel)
+        if message < 0:
+            return
+        header = text[channel + len(_CHANNEL):message].split()
+        start = message + len(_MESSAGE)
+        ends = [i for i in (text.find(marker, start) for marker in _BODY_ENDS) if i >= 0]
+        end = min(ends, default=len(text))
+        name = header[0] if header else ""
+        part = None
+        if name == "analysis":
+            part = "reasoning_content"
+        elif name == "final" or (name == "commentary" and not any(h.startswith("to=") for h in header)):
+            part = "content"
+        yield channel, part, start, end, bool(ends)
+        position = end
+
+
+def _is_plain(text: str) -> bool:
+    return _CHANNEL not in text and _MESSAGE not in text
+
+
 def split_harmony(text: str, finished: bool) -> tuple[str, str]:
     """(reasoning, content) of a harmony reply so far. While it is being generated, a message
     header not yet closed by <|message|> and a partial marker at the end are left out, so each
     call's result extends the previous one's."""
     if not finished:
         text = _complete_prefix(text)
-    if _CHANNEL not in text and _MESSAGE not in text:
+    if _is_plain(text):
         return "", text
-    reasoning, content = [], []
-    position = 0
-    while (channel := text.find(_CHANNEL, position)) >= 0:
-        message = text.find(_MESSAGE, channel)
-        if message < 0:
-            break
-        header = text[channel + len(_CHANNEL):message].split()
-        start = message + len(_MESSAGE)
-        ends = [i for i in (text.find(marker, start) for marker in _BODY_ENDS) if i >= 0]
-        end = min(ends, default=len(text))
-        name = header[0] if header else ""
-        if name == "analysis":
-            reasoning.append(text[start:end])
-        elif name == "final" or (name == "commentary" and not any(h.startswith("to=") for h in header)):
-            content.append(text[start:end])
-        position = end
-    return "".join(reasoning), "".join(content)
+    parts: dict[str | None, list[str]] = {"reasoning_content": [], "content": [], None: []}
+    for _, part, start, end, _ in _messages(text, 0):
+        parts[part].append(text[start:end])
+    return "".join(parts["reasoning_content"]), "".join(parts["content"])
 
 
 @dataclass
 class ReasoningCursor:
-    """What a streamed choice has sent of each part."""
+    """Where a streamed choice is: the first message whose body has not ended (its <|channel|> in
+    the text) and how much of that body was sent. Each call reads only from there, so a long
+    reply costs a stream time proportional to its length, not its square."""
 
-    reasoning_sent: int = 0
-    content_sent: int = 0
+    position: int = 0
+    sent: int = 0
 
     def advance(self, text: str, finished: bool) -> dict[str, str]:
         """The delta fields ({"reasoning_content": ..., "content": ...}, those with new text)."""
-        reasoning, content = split_harmony(text, finished)
-        delta = {}
-        if len(reasoning) > self.reasoning_sent:
-            delta["reasoning_content"] = reasoning[self.reasoning_sent:]
-        if len(content) > self.content_sent:
-            delta["content"] = content[self.content_sent:]
-        self.reasoning_sent, self.content_sent = max(self.reasoning_sent, len(reasoning)), \
-            max(self.content_sent, len(content))
+        if not finished:
+            text = _complete_prefix(text)
+        if self.position == 0 and _is_plain(text):  # no message yet: plain text is content
+            delta = {"content": text[self.sent:]} if len(text) > self.sent else {}
+            self.sent = max(self.sent, len(text))
+            return delta
+        delta: dict[str, str] = {}
+        for channel, part, start, end, ended in _messages(text, self.position):
+            if channel != self.position:  # a new message: nothing of it sent yet
+                self.position, self.sent = channel, 0
+            if part is not None and end - start > self.sent:
+                delta[part] = delta.get(part, "") + text[start + self.sent:end]
+            self.sent = max(self.sent, end - start)
+            if ended:
+                self.position, self.sent = end, 0
         return delta
