@@ -59,6 +59,7 @@ _REGISTRY: dict[str, list[str]] = {
     "int8_linear": ["baryon.kernels.quant.int8_gemm:TritonInt8Linear", "baryon.kernels.quant.int8_gemm:TorchInt8Linear"],
     "w4a16_linear": ["baryon.kernels.quant.w4a16:TritonW4A16Linear", "baryon.kernels.quant.w4a16:TorchW4A16Linear"],
     "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling:TorchSampling"],
+    "rejection_sampling": ["baryon.kernels.rejection_sampling_triton:TritonRejectionSampling", "baryon.kernels.rejection_sampling:TorchRejectionSampling"],
     "moe_routing": ["baryon.kernels.moe.routing:TritonRouting", "baryon.kernels.moe.routing:TorchRouting"],
     "fused_moe": ["baryon.kernels.moe.experts_triton:TritonFusedExperts",
                   "baryon.kernels.moe.experts_grouped_mm:GroupedMMFusedExperts",

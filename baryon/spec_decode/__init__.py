@@ -1,0 +1,1 @@
+"""Speculative decoding: the rejection sampler that verifies draft tokens against the target model."""
