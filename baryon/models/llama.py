@@ -81,6 +81,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # EAGLE-3 target: the layers whose incoming hidden state (hidden + residual; id num_layers: the
+    # last layer's output before the final norm) each forward leaves in `aux_hidden_states`,
+    # concatenated in layer order [num_tokens, len(ids) * hidden]. Empty: nothing is collected.
+    aux_hidden_state_layers: tuple[int, ...] = ()
+
     def __init__(self, config: Any, build_attention: Callable[[Any, int], nn.Module],
                  build_mlp: Callable[[Any, int], nn.Module]) -> None:
         super().__init__()
@@ -91,10 +96,25 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        if self.aux_hidden_state_layers:
+            hidden_states, residual = self._layers_collecting_aux(positions, hidden_states)
+        else:
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def _layers_collecting_aux(self, positions: torch.Tensor,
+                               hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux, residual = [], None
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                aux.append(hidden_states if residual is None else hidden_states + residual)
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if len(self.layers) in self.aux_hidden_state_layers:
+            aux.append(hidden_states + residual)
+        self.aux_hidden_states = torch.cat(aux, dim=-1)  # [num_tokens, len(aux) * hidden]
+        return hidden_states, residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -19,7 +19,10 @@ _MODELS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "baryon.models.deepseek_v2:DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM": "baryon.models.deepseek_v32:DeepseekV32ForCausalLM",
     "GptOssForCausalLM": "baryon.models.gpt_oss:GptOssForCausalLM",
-    # not a published architecture: a checkpoint's MTP layers as a draft (deepseek_mtp.mtp_draft_config)
+    # EAGLE-3 draft heads (speculative decoding), under both published architecture names
+    "LlamaForCausalLMEagle3": "baryon.models.eagle3:Eagle3LlamaForCausalLM",
+    "Eagle3LlamaForCausalLM": "baryon.models.eagle3:Eagle3LlamaForCausalLM",
+    # not a published architecture: a checkpoint's MTP layers as a draft (config.mtp_draft_config)
     "DeepseekMTP": "baryon.models.deepseek_mtp:DeepseekMTP",
 }
 
