@@ -7,7 +7,9 @@ reads: `ModelConfig`, `CacheConfig`, `SchedulerConfig`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +70,11 @@ class EngineArgs:
     compilation_level: int | None = _arg(
         None, "0 eager, 1 dynamo (eager backend), 2 inductor, 3 inductor + CUDA graphs "
               "(default: the fastest measured for the platform, see README)")
+    speculative_config: str | dict | None = _arg(
+        None, "Speculative decoding, a JSON object (or dict) as vLLM takes it: {\"method\": \"ngram\" | "
+              "\"draft_model\" | \"eagle3\" | \"mtp\", \"num_speculative_tokens\": k, \"model\": draft "
+              "checkpoint (draft_model, eagle3), \"prompt_lookup_min\"/\"prompt_lookup_max\": n-gram sizes "
+              "(ngram)}")
 
 
 @dataclass
@@ -117,6 +124,24 @@ class SchedulerConfig:
     max_model_len: int
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str  # one of SPECULATIVE_METHODS
+    num_speculative_tokens: int  # k: draft tokens proposed per request and step
+    draft: ModelConfig | None  # the draft model (draft_model, eagle3; mtp: the checkpoint's MTP layers)
+    prompt_lookup_min: int  # ngram: the shortest suffix matched
+    prompt_lookup_max: int  # ngram: the longest suffix matched
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a request needs past its verified tokens: the draft's own steps write there."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -125,6 +150,7 @@ class EngineConfig:
     compilation: CompilationConfig
     device: torch.device
     seed: int
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -161,8 +187,9 @@ class EngineConfig:
         compilation = CompilationConfig(enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                                         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
                                         level=_resolve_compilation_level(args.compilation_level, device))
+        speculative = _resolve_speculative(args, model)
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
-                   seed=args.seed)
+                   seed=args.seed, speculative=speculative)
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -212,6 +239,93 @@ def _resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={name!r} is invalid: accepted {list(KV_CACHE_DTYPES)}.")
     return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
+def _parse_speculative(value: str | dict) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not valid JSON ({e}); give an object such as "
+                             f'{{"method": "ngram", "num_speculative_tokens": 4}}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown key(s) {unknown}; accepted: {list(_SPECULATIVE_KEYS)}")
+    return value
+
+
+def _resolve_speculative(args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
+    if args.speculative_config is None:
+        return None
+    spec = _parse_speculative(args.speculative_config)
+    method = spec.get("method")
+    if method is None:  # as vLLM: a draft checkpoint means a draft model, else prompt lookup
+        method = "draft_model" if spec.get("model") else "ngram"
+    method = {"deepseek_mtp": "mtp", "eagle-3": "eagle3", "draft": "draft_model"}.get(method, method)
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method={method!r} is not supported; accepted: {list(SPECULATIVE_METHODS)}")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+        raise ValueError(f"speculative_config num_speculative_tokens={k!r} is invalid: give an integer in [1, 16]")
+    lookup_max = spec.get("prompt_lookup_max", 4 if method == "ngram" else 0)
+    lookup_min = spec.get("prompt_lookup_min", min(2, lookup_max) if method == "ngram" else 0)
+    if method == "ngram":
+        for name, n in (("prompt_lookup_min", lookup_min), ("prompt_lookup_max", lookup_max)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"speculative_config {name}={n!r} is invalid: give an integer >= 1")
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min={lookup_min} exceeds prompt_lookup_max={lookup_max}")
+    elif "prompt_lookup_min" in spec or "prompt_lookup_max" in spec:
+        raise ValueError(f"prompt_lookup_min/max apply to method 'ngram' only, not {method!r}")
+    draft = _draft_model_config(method, spec.get("model"), args, target)
+    return SpeculativeConfig(method, k, draft, lookup_min, lookup_max)
+
+
+def _draft_model_config(method: str, name: Any, args: EngineArgs, target: ModelConfig) -> ModelConfig | None:
+    if method == "ngram":
+        if name is not None:
+            raise ValueError("speculative_config method 'ngram' takes no draft model; drop 'model'")
+        return None
+    if method == "mtp":
+        if name is not None and name != target.model:
+            raise ValueError("speculative_config method 'mtp' drafts with the target checkpoint's own MTP layers; "
+                             "drop 'model' (or give the target's)")
+        return mtp_draft_config(target)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"speculative_config method {method!r} needs 'model': the draft checkpoint "
+                         f"(folder or Hugging Face repo id)")
+    path = resolve_model_path(name, None, args.download_dir)
+    if is_gguf(path):
+        raise ValueError(f"a GGUF draft model ({name}) is not supported; give a safetensors checkpoint")
+    hf_config = _load_hf_config(path, args.trust_remote_code)
+    if method == "draft_model" and hf_config.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {name} has vocab_size {hf_config.vocab_size} but the target has "
+                         f"{target.vocab_size}; a draft must share the target's tokenizer")
+    if method == "eagle3" and hf_config.vocab_size != target.vocab_size:
+        raise ValueError(f"the EAGLE-3 head {name} has vocab_size {hf_config.vocab_size} but the target has "
+                         f"{target.vocab_size}; the head must be trained for this target")
+    draft_len = model_context_length(hf_config)
+    if method == "eagle3" and (draft_len or 0) < target.max_model_len:
+        # A head is trained on short contexts; its RoPE extends as the target's does.
+        hf_config.max_position_embeddings = target.max_model_len
+    if method == "draft_model" and draft_len is not None and draft_len < target.max_model_len:
+        raise ValueError(f"the draft model {name} has a context of {draft_len} tokens, shorter than "
+                         f"max_model_len={target.max_model_len}; use max_model_len <= {draft_len}")
+    return dataclasses.replace(target, model=name, model_path=path, tokenizer_path=None, hf_config=hf_config,
+                               quantization=None)
+
+
+def mtp_draft_config(config: ModelConfig) -> ModelConfig:
+    """The main model's config, loading the checkpoint's multi-token-prediction layers as a
+    `DeepseekMTP` model (models/deepseek_mtp.py)."""
+    if not getattr(config.hf_config, "num_nextn_predict_layers", 0):
+        raise ValueError(f"{config.model} has no multi-token prediction layers (num_nextn_predict_layers is "
+                         f"0 or absent in config.json)")
+    hf_config = copy.copy(config.hf_config)
+    hf_config.architectures = ["DeepseekMTP"]
+    return dataclasses.replace(config, hf_config=hf_config)
 
 
 def _resolve_compilation_level(requested: int | None, device: torch.device) -> int:

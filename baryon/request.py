@@ -47,6 +47,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     generator: torch.Generator | None = None  # the request's own RNG when it has a seed
+    # Draft tokens proposed to follow all_token_ids, verified by the next step (speculative decoding).
+    spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
 

@@ -12,12 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from baryon.config import ModelConfig
+from baryon.config import ModelConfig, mtp_draft_config
 from baryon.layers.attention import PagedKVLayer
 from baryon.layers.forward_context import forward_context
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.loader.model_loader import load_model
-from baryon.models.deepseek_mtp import mtp_draft_config
 from conftest import hf_classes, make_checkpoint
 
 

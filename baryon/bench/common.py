@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from typing import Any
@@ -26,6 +27,12 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
     kwargs = engine_kwargs(args)
     if args.model in PRESETS:
         kwargs.update(model=resolve_model(args.model), load_format="dummy", skip_tokenizer_init=True)
+    spec = kwargs.get("speculative_config")
+    if spec is not None:  # a draft model may be a preset too
+        spec = json.loads(spec) if isinstance(spec, str) else dict(spec)
+        if spec.get("model") in PRESETS:
+            spec["model"] = resolve_model(spec["model"])
+        kwargs["speculative_config"] = spec
     start = time.perf_counter()
     llm = LLM(**kwargs)
     return llm, time.perf_counter() - start

@@ -8,7 +8,8 @@ tokenizing, detokenizing, stop strings — belongs to the frontend, which may ab
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +22,8 @@ from baryon.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOut
 from baryon.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
+
+SPEC_LOG_INTERVAL_S = 10.0  # how often speculative decoding's acceptance is logged
 
 
 @dataclass
@@ -50,6 +53,47 @@ def check_prompt(config: EngineConfig, prompt_token_ids: list[int]) -> None:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding totals since start (vLLM's spec_decode metrics)."""
+
+    num_speculative_tokens: int  # k
+    num_drafts: int = 0  # verifications of a request with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at each depth
+
+    last_log_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def log_every(self, interval_s: float) -> None:
+        now = time.monotonic()
+        if self.num_drafts and now - self.last_log_time >= interval_s:
+            self.last_log_time = now
+            logger.info("speculative decoding: acceptance rate %.3f, mean accepted length %.2f, %d draft "
+                        "tokens, accepted per position %s", self.acceptance_rate, self.mean_accepted_length,
+                        self.num_draft_tokens, self.accepted_per_position)
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verification yields: the accepted drafts plus the target's own token."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class _InFlight:
     scheduled: list[tuple[Request, int]]
     step: LaunchedStep
@@ -61,10 +105,13 @@ class EngineCore:
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, spec.num_lookahead_slots if spec else 0)
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._prompt_logprobs: dict[str, list[RawLogprobs]] = {}
         self._in_flight: _InFlight | None = None  # the launched step not yet read back
+        self.num_steps = 0  # steps launched since start
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -90,6 +137,7 @@ class EngineCore:
             if request is not None:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
                 self._prompt_logprobs.pop(request_id, None)
+                self.runner.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._in_flight is not None
@@ -105,10 +153,13 @@ class EngineCore:
         may have one token computed in step N+1 in vain; that token is dropped. Requests whose
         pending token is their last (max_tokens) are not scheduled again.
         """
+        if self.config.speculative is not None:
+            return self._step_speculative()
         scheduled = self.scheduler.schedule().scheduled
         launched = None
         if scheduled:
             launched = _InFlight(scheduled, self.runner.launch(scheduled))
+            self.num_steps += 1
             for request, num_new in scheduled:
                 request.num_computed_tokens += num_new
                 if request.request_id in launched.step.row_of:
@@ -117,6 +168,24 @@ class EngineCore:
         if previous is None:
             return []
         return self._update(previous.scheduled, previous.step.result())
+
+    def _step_speculative(self) -> list[EngineCoreOutput]:
+        """A step with speculative decoding, run to its end: the drafts of the next step depend on
+        the tokens this one accepts, so steps do not overlap."""
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
+            return []
+        step = self.runner.launch(scheduled)
+        self.num_steps += 1
+        for request, num_new in scheduled:
+            request.num_computed_tokens += num_new
+        result = step.result()
+        outputs = self._update(scheduled, result)
+        advanced = [r for r, _ in scheduled if r.request_id in result.sampled and self.requests.get(r.request_id) is r]
+        if advanced:
+            self.runner.propose(advanced)
+        self.spec_stats.log_every(SPEC_LOG_INTERVAL_S)
+        return outputs
 
     def _update(self, scheduled: list[tuple[Request, int]], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
@@ -127,20 +196,30 @@ class EngineCore:
             if rid in result.prompt_logprobs:
                 previous = self._prompt_logprobs.get(rid, []) if result.prompt_logprobs_start[rid] else []
                 self._prompt_logprobs[rid] = previous + result.prompt_logprobs[rid]
-            token = result.sampled.get(rid)
-            if token is None:
+            tokens = result.sampled.get(rid)
+            if tokens is None:
                 self.block_manager.cache_full_blocks(request)
                 continue
-            request.append_output_token(token)
+            if request.spec_token_ids:  # roll the rejected drafts back: their K/V slots get rewritten
+                self.spec_stats.add(len(request.spec_token_ids), len(tokens) - 1)
+                request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
+                request.spec_token_ids = []
+            logprobs = result.logprobs.get(rid)
+            status = None
+            for n, token in enumerate(tokens, 1):
+                request.append_output_token(token)
+                status = self._finish_status(request, token)
+                if status is not None:
+                    tokens, logprobs = tokens[:n], logprobs[:n] if logprobs is not None else None
+                    break
             self.block_manager.cache_full_blocks(request)
-            status = self._finish_status(request, token)
             output = EngineCoreOutput(
-                rid, [token], new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else None,
-                prompt_logprobs=self._prompt_logprobs.pop(rid, None),
+                rid, tokens, new_logprobs=logprobs, prompt_logprobs=self._prompt_logprobs.pop(rid, None),
                 num_cached_tokens=max(request.num_cached_tokens, 0))
             if status is not None:
                 self.scheduler.finish(request, status)
                 del self.requests[rid]
+                self.runner.forget(rid)
                 output.finish_reason, output.stop_reason = request.finish_reason, request.stop_reason
             outputs.append(output)
         return outputs

@@ -34,9 +34,12 @@ _LINGER_MS = 2000
 
 
 def engine_stats(core: EngineCore) -> EngineStats:
-    scheduler, blocks = core.scheduler, core.block_manager
+    scheduler, blocks, spec = core.scheduler, core.block_manager, core.spec_stats
     return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                       num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks=blocks.num_blocks)
+                       num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks=blocks.num_blocks,
+                       spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                       spec_num_accepted_tokens=spec.num_accepted_tokens,
+                       spec_accepted_per_position=list(spec.accepted_per_position))
 
 
 class EngineCoreLoop:

@@ -46,6 +46,11 @@ class EngineStats(msgspec.Struct):
     num_waiting: int = 0
     num_kv_blocks_used: int = 0
     num_kv_blocks: int = 0
+    # Speculative decoding totals since start (all 0 without it).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class EngineReady(msgspec.Struct, tag=True):

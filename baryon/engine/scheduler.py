@@ -7,6 +7,10 @@ running request is preempted: its blocks are freed and it goes back to the front
 queue, to be recomputed later (its prefix may still be in the prefix cache). Waiting requests are
 admitted in arrival order while budget, blocks and `max_num_seqs` allow, and none while a
 preemption happened in the step.
+
+With speculative decoding a decoding request also computes its draft tokens (`spec_token_ids`,
+trimmed to the budget), and gets KV slots `num_lookahead_slots` past them, where a draft model's
+own steps write; the engine rolls back the rejected ones (`num_computed_tokens`).
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.num_lookahead_slots = num_lookahead_slots
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -61,7 +67,10 @@ class Scheduler:
                 i += 1  # its pending token is its last: it finishes when that step is read back
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate(request, num_new):
+            if request.spec_token_ids:  # a decode (the proposer drafts for those only) + its drafts
+                del request.spec_token_ids[budget - num_new:]
+                num_new += len(request.spec_token_ids)
+            while not self.block_manager.allocate(request, num_new + self._lookahead(request, num_new)):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -79,7 +88,8 @@ class Scheduler:
             cached_blocks = self.block_manager.find_cached_prefix(request)
             num_cached = len(cached_blocks) * block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(request, num_new, cached_blocks):
+            lookahead = self._lookahead(request, num_cached + num_new)
+            if not self.block_manager.allocate(request, num_new + lookahead, cached_blocks):
                 return
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
@@ -90,8 +100,14 @@ class Scheduler:
             out.scheduled.append((request, num_new))
             budget -= num_new
 
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """Slots past this step's tokens for the draft model's steps (none past max_model_len)."""
+        end = request.num_computed_tokens + num_new
+        return max(min(self.num_lookahead_slots, self.max_model_len - end), 0)
+
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
+        request.spec_token_ids.clear()
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED

@@ -1,6 +1,6 @@
 """DeepSeek-V3 multi-token prediction (MTP): the `num_nextn_predict_layers` layers a checkpoint
 stores past `num_hidden_layers`, loaded as a model of their own (architecture `DeepseekMTP`, from
-the same checkpoint: `mtp_draft_config`) for a speculative decoder to run as its draft. The main
+the same checkpoint: `baryon.config.mtp_draft_config`) for a speculative decoder to run as its draft. The main
 model skips these tensors; this one loads nothing else.
 
 MTP layer k (= num_hidden_layers + i) predicts the token after next: from the main model's last
@@ -18,14 +18,11 @@ post_attention_layernorm).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from baryon.config import ModelConfig
 from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baryon.layers.linear import ReplicatedLinear
 from baryon.layers.norm import RMSNorm
@@ -34,16 +31,6 @@ from baryon.models.deepseek_v32 import DeepseekV32ForCausalLM
 from baryon.models.llama import LlamaDecoderLayer
 
 MAIN_MODELS = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v32": DeepseekV32ForCausalLM}
-
-
-def mtp_draft_config(config: ModelConfig) -> ModelConfig:
-    """The main model's config, loading the checkpoint's MTP layers as a `DeepseekMTP` model."""
-    if not getattr(config.hf_config, "num_nextn_predict_layers", 0):
-        raise ValueError(f"{config.model} has no multi-token prediction layers (num_nextn_predict_layers is "
-                         f"0 or absent in config.json)")
-    hf_config = copy.copy(config.hf_config)
-    hf_config.architectures = ["DeepseekMTP"]
-    return dataclasses.replace(config, hf_config=hf_config)
 
 
 class SharedHead(nn.Module):

@@ -4,7 +4,9 @@ One graph per batch-size bucket (1, 2, 4, 8, then every 16 up to max_num_seqs, o
 list), captured largest first into one shared memory pool, over static input buffers. A decode
 step of n requests copies its inputs into the buffers, pads to the next captured size (padding
 rows: token 0, slot -1 so nothing is stored, sequence length 0 so nothing is attended) and replays.
-Every graph writes its logits into one shared static buffer, so the pool holds no per-graph output.
+Every graph writes its logits into one shared static buffer, so the pool holds no per-graph output;
+with `features` (a draft that reads the target's hidden states) also what that function makes of
+the hidden states, into a second static buffer.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 class CUDAGraphRunner:
     def __init__(self, forward: ModelForward, logits_into: Callable[[torch.Tensor, torch.Tensor], None],
                  vocab_size: int, logits_dtype: torch.dtype, capture_sizes: list[int],
-                 max_blocks_per_seq: int, device: torch.device) -> None:
+                 max_blocks_per_seq: int, device: torch.device,
+                 features: Callable[[torch.Tensor], torch.Tensor] | None = None, features_dim: int = 0) -> None:
         self.forward = forward  # the model's forward, compiled or not
         self.logits_into = logits_into  # (hidden [n, hidden], out [n, vocab]): the LM head
+        self.features_of = features  # hidden [n, hidden] -> [n, features_dim], kept in self.features
         self.sizes = sorted(set(capture_sizes))
         largest = self.sizes[-1]
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
@@ -43,6 +47,7 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.logits = torch.empty(largest, vocab_size, dtype=logits_dtype, device=device)  # [largest, vocab]
+        self.features = torch.empty(largest, features_dim, dtype=logits_dtype, device=device) if features else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def padded_size(self, num_seqs: int) -> int | None:
@@ -78,7 +83,10 @@ class CUDAGraphRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def _step(self, size: int) -> None:
-        self.logits_into(self.forward(self.input_ids[:size], self.positions[:size]), self.logits[:size])
+        hidden = self.forward(self.input_ids[:size], self.positions[:size])
+        self.logits_into(hidden, self.logits[:size])
+        if self.features_of is not None:
+            self.features[:size].copy_(self.features_of(hidden))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Replay the decode step of metadata.num_seqs sequences; returns logits [num_seqs, vocab]

@@ -15,7 +15,7 @@ import torch
 
 from baryon.config import EngineConfig
 from baryon.request import Request
-from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
 from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler
@@ -26,9 +26,15 @@ from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
 from baryon.runner.sampling_inputs import build_sampling_batch
+from baryon.spec_decode.factory import build_proposer
+from baryon.spec_decode.rejection_sampler import RejectionSampler
 from baryon.transfer import to_device
 
 logger = get_logger(__name__)
+
+# With speculative decoding, decode graphs are captured up to this many tokens (verification steps
+# of up to this many draft + last tokens replay them).
+MAX_VERIFY_GRAPH_TOKENS = 512
 
 # (token ids [k+1], logprobs [k+1], rank of the first id): one position's logprobs, the token
 # that was sampled (or, for prompt logprobs, the actual next prompt token) first.
@@ -37,8 +43,9 @@ RawLogprobs = tuple[list[int], list[float], int]
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token id
-    logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
+    # request id -> new token ids (one, or with speculative decoding the accepted drafts + one)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)  # one per new token
     prompt_logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)  # for this chunk
     prompt_logprobs_start: dict[str, int] = field(default_factory=dict)  # the chunk's first position
 
@@ -48,8 +55,11 @@ class _Batch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    sample_rows: list[int]  # token index of each sampling request's last token
+    query_start: np.ndarray  # [num_seqs + 1]: each scheduled request's first token index
+    # Token index of each sampling request's last token, or of its last token and its drafts.
+    sample_rows: list[int]
     sampling_requests: list[Request]
+    num_drafts: list[int]  # per sampling request: draft tokens verified this step
     # (request, first token index, number of rows) for prompt-logprob rows of this chunk.
     prompt_logprob_spans: list[tuple[Request, int, int]]
 
@@ -70,6 +80,11 @@ class ModelRunner:
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.proposer, self.rejection_sampler = None, None
+        if config.speculative is not None:
+            self.proposer = build_proposer(config, self.max_blocks_per_seq, self.model)
+            self.rejection_sampler = RejectionSampler(self.device, config.seed)
+            self.attention_layers += self.proposer.attention_layers  # the draft's caches share the block ids
         self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
         self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
@@ -88,7 +103,11 @@ class ModelRunner:
         if unsafe:
             logger.info("CUDA graphs off: attention layers %s cannot be captured", unsafe)
             return []
-        return sorted(set(compilation.cuda_graph_sizes or default_capture_sizes(self.config.scheduler.max_num_seqs)))
+        largest = self.config.scheduler.max_num_seqs
+        if self.config.speculative is not None:  # verification runs k + 1 decodes per request
+            largest = max(largest, min(largest * (1 + self.config.speculative.num_speculative_tokens),
+                                       MAX_VERIFY_GRAPH_TOKENS))
+        return sorted(set(compilation.cuda_graph_sizes or default_capture_sizes(largest)))
 
     def piecewise_graph_sizes(self) -> list[int]:
         """The token-count buckets of steps with prefill chunks to capture (empty: they run eagerly).
@@ -100,6 +119,9 @@ class ModelRunner:
         if not all(isinstance(a, Attention) for a in self.attention_layers):
             logger.info("piecewise CUDA graphs off: they cut the forward pass at standard attention layers only")
             return []
+        if self.config.speculative is not None and self.config.speculative.method == "eagle3":
+            logger.info("piecewise CUDA graphs off: EAGLE-3 reads hidden states from inside the forward pass")
+            return []
         return default_piecewise_sizes(self.config.scheduler.max_num_batched_tokens)
 
     def capture_cuda_graphs(self, decode_sizes: list[int],
@@ -107,8 +129,10 @@ class ModelRunner:
         """Capture decode graphs and piecewise graphs of these sizes over the KV cache bound now."""
         decode = piecewise = None
         if decode_sizes:
+            features = getattr(self.proposer, "target_features", None)
             decode = CUDAGraphRunner(self.forward, self.model.lm_head.logits_into, self.vocab_size,
-                                     self.config.model.dtype, decode_sizes, self.max_blocks_per_seq, self.device)
+                                     self.config.model.dtype, decode_sizes, self.max_blocks_per_seq, self.device,
+                                     features, self.proposer.features_dim if features else 0)
             decode.capture()
         if piecewise_sizes:
             piecewise = PiecewiseGraphRunner(self.model, piecewise_sizes, self.config.model.max_model_len,
@@ -154,10 +178,13 @@ class ModelRunner:
         for _, start, count in batch.prompt_logprob_spans:
             rows.extend(range(start, start + count))
         step = LaunchedStep([r.request_id for r in batch.sampling_requests])
+        observe = getattr(self.proposer, "observe", None)  # a draft that reads the target's hidden states
         if self._can_replay(batch):
             # The graph computes logits of every row; a decode step usually samples every row.
             all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)
             logits = all_logits if len(rows) == batch.metadata.num_seqs else all_logits[self._index(rows)]
+            if observe is not None:
+                observe(scheduled, batch.query_start, self.graph_runner.features[:batch.metadata.num_tokens])
         else:
             if self.piecewise_runner is not None and self.piecewise_runner.padded_size(batch.metadata.num_tokens):
                 hidden = self.piecewise_runner.run(batch.input_ids, batch.positions, batch.metadata)
@@ -165,9 +192,13 @@ class ModelRunner:
                 with forward_context(batch.metadata):
                     hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[self._index(rows)]) if rows else None  # [rows, vocab]
+            if observe is not None:
+                observe(scheduled, batch.query_start, self.proposer.target_features(hidden))
         if rows:
-            num_sampled = len(batch.sampling_requests)
-            if num_sampled:
+            num_sampled = len(batch.sample_rows)
+            if num_sampled and self.rejection_sampler is not None:
+                self._verify(logits[:num_sampled], batch, step)
+            elif num_sampled:
                 self._sample(logits[:num_sampled], batch, step)
             self._prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans, step)
         step.finish_launch(self.device)
@@ -191,52 +222,41 @@ class ModelRunner:
         num_seqs = len(scheduled)
         num_new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_seqs)
         computed = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=num_seqs)
-        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start[1:])
-        num_tokens = int(query_start[-1])
-        seq_of_token = np.repeat(np.arange(num_seqs), num_new)  # [num_tokens]
-        positions = np.arange(num_tokens) - query_start[seq_of_token] + computed[seq_of_token]
-        input_ids = np.empty(num_tokens, dtype=np.int64)
         block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        sample_rows, sampling_requests, spans = [], [], []
+        for i, (request, _) in enumerate(scheduled):
+            block_tables[i, : len(request.block_ids)] = request.block_ids
+        layout = batch_layout(block_tables, computed, num_new, self.block_size)
+        input_ids = np.empty(len(layout.positions), dtype=np.int64)
+        sample_rows, sampling_requests, num_drafts, spans = [], [], [], []
         pending_index, pending_source = [], []  # token index <- row of the last launch's samples
         for i, (request, n) in enumerate(scheduled):
-            start, c = int(query_start[i]), request.num_computed_tokens
-            known = request.all_token_ids[c:c + n]
+            start, c = int(layout.query_start[i]), request.num_computed_tokens
+            drafts = request.spec_token_ids  # scheduled after the request's last token
+            known = request.all_token_ids[c:c + n - len(drafts)]
             input_ids[start:start + len(known)] = known
-            if len(known) < n:  # the last token is the one the previous launch sampled
+            input_ids[start + n - len(drafts):start + n] = drafts
+            if len(known) + len(drafts) < n:  # the last token is the one the previous launch sampled
                 pending_index.append(start + n - 1)
                 pending_source.append(self.last_launch.row_of[request.request_id])
-            block_tables[i, : len(request.block_ids)] = request.block_ids
-            if c + n == request.num_tokens:
-                sample_rows.append(start + n - 1)
+            if c + n == request.num_tokens + len(drafts):  # its next token(s) are sampled
+                sample_rows.extend(range(start + n - 1 - len(drafts), start + n))
                 sampling_requests.append(request)
+                num_drafts.append(len(drafts))
             if request.sampling_params.prompt_logprobs is not None and c < request.num_prompt_tokens - 1:
                 spans.append((request, start, min(c + n, request.num_prompt_tokens - 1) - c))
-        slot_mapping = (block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
-                        * self.block_size + positions % self.block_size)
-        seq_lens = (computed + num_new).astype(np.int32)
-        device = self.device
-        metadata = AttentionMetadata(
-            num_tokens=num_tokens,
-            query_start_loc=to_device(torch.from_numpy(query_start.astype(np.int32)), device),
-            seq_lens=to_device(torch.from_numpy(seq_lens), device),
-            block_tables=to_device(torch.from_numpy(block_tables), device),
-            slot_mapping=to_device(torch.from_numpy(slot_mapping), device),
-            max_query_len=int(num_new.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=torch.from_numpy(query_start.astype(np.int32)),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-        )
-        input_ids_device = to_device(torch.from_numpy(input_ids), device)
+        # A step of decodes with drafts runs as one decode per token (see build_metadata).
+        per_token = any(num_drafts) and len(sampling_requests) == num_seqs and \
+            all(n == d + 1 for n, d in zip(num_new, num_drafts))
+        metadata = build_metadata(layout, block_tables, self.device, per_token)
+        input_ids_device = to_device(torch.from_numpy(input_ids), self.device)
         if pending_index:
-            source = self.last_launch.sampled_device[to_device(torch.tensor(pending_source), device)]
-            input_ids_device[to_device(torch.tensor(pending_index), device)] = source
+            source = self.last_launch.sampled_device[to_device(torch.tensor(pending_source), self.device)]
+            input_ids_device[to_device(torch.tensor(pending_index), self.device)] = source
         return _Batch(
             input_ids=input_ids_device,
-            positions=to_device(torch.from_numpy(positions), device),
-            metadata=metadata, sample_rows=sample_rows, sampling_requests=sampling_requests,
-            prompt_logprob_spans=spans,
+            positions=to_device(torch.from_numpy(layout.positions), self.device),
+            metadata=metadata, query_start=layout.query_start, sample_rows=sample_rows,
+            sampling_requests=sampling_requests, num_drafts=num_drafts, prompt_logprob_spans=spans,
         )
 
     def _sample(self, logits: torch.Tensor, batch: _Batch, step: LaunchedStep) -> None:
@@ -248,6 +268,43 @@ class ModelRunner:
         result = self.sampler(logits, sampling)
         step.sampled_device = result.sampled
         step.copy_to_host("sampled", result.sampled)
+        if result.logprobs is not None:
+            step.logprob_counts = [r.sampling_params.logprobs for r in requests]
+            step.copy_to_host("logprob_ids", result.logprob_token_ids)
+            step.copy_to_host("logprobs", result.logprobs)
+            step.copy_to_host("sampled_rank", result.sampled_rank)
+
+    def propose(self, requests: list[Request]) -> None:
+        """Draft the tokens each request's next step verifies (speculative decoding), into
+        request.spec_token_ids; none where the draft cannot count: penalties and min_tokens
+        change each position's distribution with the tokens before it."""
+        k = self.config.speculative.num_speculative_tokens
+        max_drafts = [0 if _position_dependent(r) else max(min(k, r.max_tokens - r.num_output_tokens - 1), 0)
+                      for r in requests]
+        sampling = build_sampling_batch(requests, self.vocab_size, self.device)
+        for request, drafts in zip(requests, self.proposer.propose(requests, max_drafts, sampling)):
+            request.spec_token_ids = drafts
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: the proposer drops its state."""
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
+
+    def _verify(self, logits: torch.Tensor, batch: _Batch, step: LaunchedStep) -> None:
+        """Speculative sampling: accept each request's drafts against its rows' logits
+        ([sum(num_drafts + 1), vocab]) and sample the token after the last accepted one."""
+        requests = batch.sampling_requests
+        cu_num_drafts = np.zeros(len(requests) + 1, dtype=np.int32)
+        np.cumsum(batch.num_drafts, out=cu_num_drafts[1:])
+        drafts = [t for r in requests for t in r.spec_token_ids]
+        draft_ids = to_device(torch.tensor(drafts, dtype=torch.int64), self.device)
+        draft_probs = self.proposer.draft_probs(requests, batch.num_drafts, self.vocab_size) if drafts else None
+        sampling = build_sampling_batch(requests, self.vocab_size, self.device)
+        result = self.rejection_sampler(logits, draft_ids, to_device(torch.from_numpy(cu_num_drafts), self.device),
+                                        cu_num_drafts, draft_probs, sampling)
+        step.cu_num_drafts = cu_num_drafts
+        step.copy_to_host("verified", result.output_token_ids)
+        step.copy_to_host("num_verified", result.num_output)
         if result.logprobs is not None:
             step.logprob_counts = [r.sampling_params.logprobs for r in requests]
             step.copy_to_host("logprob_ids", result.logprob_token_ids)
@@ -274,6 +331,12 @@ class ModelRunner:
             step.prompt_logprob_requests.append((request.request_id, request.num_computed_tokens))
 
 
+def _position_dependent(request: Request) -> bool:
+    params = request.sampling_params
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+                or request.num_output_tokens < params.min_tokens)
+
+
 class LaunchedStep:
     """A step queued on the device: its sampled ids stay on the device (the next step's inputs)
     and are copied to pinned host memory behind an event, so waiting for this step does not wait
@@ -284,6 +347,7 @@ class LaunchedStep:
         self.row_of = {rid: i for i, rid in enumerate(sampling_request_ids)}
         self.sampled_device: torch.Tensor | None = None  # [num_sampled] int64
         self.logprob_counts: list[int | None] = []
+        self.cu_num_drafts: np.ndarray | None = None  # [num_sampled + 1]: a verification step's drafts
         self.prompt_logprob_requests: list[tuple[str, int]] = []  # (request id, chunk start)
         self._host: dict[str, torch.Tensor] = {}
         self._event: torch.cuda.Event | None = None
@@ -306,14 +370,22 @@ class LaunchedStep:
         if self._event is not None:
             self._event.synchronize()
         output = ModelRunnerOutput()
+        # Row of each request's first sampled token, and how many tokens it got.
+        first_row, counts = list(range(len(self.request_ids))), [1] * len(self.request_ids)
         if "sampled" in self._host:
-            output.sampled = dict(zip(self.request_ids, self._host["sampled"].tolist()))
+            output.sampled = {rid: [t] for rid, t in zip(self.request_ids, self._host["sampled"].tolist())}
+        elif "verified" in self._host:
+            counts = self._host["num_verified"].tolist()
+            first_row = (self.cu_num_drafts[:-1] + np.arange(len(counts))).tolist()
+            output.sampled = {rid: tokens[:n] for rid, tokens, n in
+                              zip(self.request_ids, self._host["verified"].tolist(), counts)}
         if "logprobs" in self._host:
             ids, values = self._host["logprob_ids"].tolist(), self._host["logprobs"].tolist()
             ranks = self._host["sampled_rank"].tolist()
             for i, (rid, k) in enumerate(zip(self.request_ids, self.logprob_counts)):
                 if k is not None:
-                    output.logprobs[rid] = (ids[i][: k + 1], values[i][: k + 1], ranks[i])
+                    rows = range(first_row[i], first_row[i] + counts[i])
+                    output.logprobs[rid] = [(ids[r][: k + 1], values[r][: k + 1], ranks[r]) for r in rows]
         for rid, start in self.prompt_logprob_requests:
             name = f"prompt:{rid}"
             rows = zip(self._host[name + ":ids"].tolist(), self._host[name + ":values"].tolist(),

@@ -49,6 +49,17 @@ class _EngineCollector(Collector):
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use",
                     stats.num_kv_blocks_used / stats.num_kv_blocks if stats.num_kv_blocks else 0.0)
         yield gauge("engine_alive", "1 while the engine process serves requests", float(self.client.dead_reason is None))
+        if self.client.config.speculative is not None:
+            yield counter("spec_decode_num_drafts", "Verifications of a request with draft tokens", stats.spec_num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed", stats.spec_num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                          stats.spec_num_accepted_tokens)
+            per_position = CounterMetricFamily("baryon:spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted at each draft position",
+                                               labels=["model_name", "position"])
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                per_position.add_metric(labels + [str(position)], count)
+            yield per_position
         yield counter("prompt_tokens", "Prompt tokens of the requests sent to the engine", self.client.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated", self.client.num_generation_tokens)
 

@@ -1,0 +1,195 @@
+"""A smaller model of the same tokenizer drafts the next tokens (vLLM's `method: "draft_model"`).
+
+The draft keeps its own paged KV cache, indexed by the target's block tables (the runner binds
+it with the same number of blocks, so a request's blocks hold both models' K/V). Each step:
+
+1. catch up: the draft runs over the request's tokens it has not seen (its prompt on the first
+   step, then the drafts the target accepted plus the target's new token), in chunks of at most
+   `max_num_batched_tokens`; the logits after the last token give the first draft;
+2. then one token at a time, each draft the input of the next, up to max_drafts tokens. These
+   steps write K/V past the verified tokens, into the lookahead slots the scheduler reserved;
+   the next catch-up rewrites from the first token the target had not verified.
+
+Greedy requests draft greedily; sampling requests draw from the draft's distribution after
+temperature / top-k / top-p / min-p, which is kept for the rejection rule. A preempted request
+lost its blocks, so the draft starts over with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from baryon.config import EngineConfig
+from baryon.kernels.attention.metadata import batch_layout, build_metadata
+from baryon.kernels.selector import select
+from baryon.layers.attention import PagedKVLayer
+from baryon.layers.forward_context import forward_context
+from baryon.layers.sampler import SamplingBatch
+from baryon.loader.model_loader import load_model
+from baryon.request import Request
+from baryon.transfer import to_device
+
+
+def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] float32 logits -> the distribution sampling draws from (temperature, top-k, top-p,
+    softmax, min-p), as the sampler applies them; kernel: the "sampling" selector choice."""
+    logits = kernel.apply_top_k_top_p(logits / batch.temperature.unsqueeze(1), batch.top_k, batch.top_p)
+    probs = logits.softmax(dim=-1)
+    if batch.min_p is not None:
+        probs = kernel.apply_min_p(probs, batch.min_p)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig, max_blocks_per_seq: int) -> None:
+        spec = config.speculative
+        self.device = config.device
+        self.model = load_model(spec.draft, self.device, config.seed)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedKVLayer)]
+        self.block_size = config.cache.block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.chunk_tokens = config.scheduler.max_num_batched_tokens
+        self.sampling_kernel = select("sampling", self.device)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed + 1)
+        # request id -> (tokens whose draft K/V are cached, the request's preemption count then)
+        self.num_computed: dict[str, tuple[int, int]] = {}
+        self.probs: dict[str, torch.Tensor] = {}  # request id -> [num drafts, vocab]: sampling requests
+
+    def forget(self, request_id: str) -> None:
+        self.num_computed.pop(request_id, None)
+        self.probs.pop(request_id, None)
+
+    def draft_probs(self, requests: list[Request], num_drafts: list[int], vocab_size: int) -> torch.Tensor | None:
+        if not any(r.request_id in self.probs for r, n in zip(requests, num_drafts) if n):
+            return None  # every request drafted greedily: the rule reads no probabilities
+        rows = []
+        for request, n in zip(requests, num_drafts):
+            probs = self.probs.get(request.request_id)
+            if probs is None:  # a greedy request: its rows are not read
+                probs = torch.zeros(n, vocab_size, device=self.device)
+            rows.append(probs[:n])
+        return torch.cat(rows)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], max_drafts: list[int], sampling: SamplingBatch) -> list[list[int]]:
+        for request in requests:
+            self.probs.pop(request.request_id, None)
+        drafts: list[list[int]] = [[] for _ in requests]
+        alive = [i for i, m in enumerate(max_drafts) if m > 0]  # requests drafting at this depth
+        logits = self._catch_up(requests, alive)  # [len(alive), vocab]
+        if not alive:
+            return drafts
+        batch = _select_rows(sampling, alive, [requests[i] for i in alive], self.device)
+        columns: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (alive, tokens, probs)
+        tokens = torch.empty(0)
+        for depth in range(max(max_drafts)):
+            if depth:
+                keep = [j for j, i in enumerate(alive) if max_drafts[i] > depth]
+                if len(keep) < len(alive):
+                    alive = [alive[j] for j in keep]
+                    index = to_device(torch.tensor(keep), self.device)
+                    tokens = tokens[index]
+                    self._narrow(index)
+                    batch = _select_rows(batch, keep, [requests[i] for i in alive], self.device)
+                logits = self._decode([requests[i] for i in alive], tokens, depth)
+            tokens, probs = self._draw(logits, batch)
+            columns.append((alive, tokens, probs))
+        for alive, tokens, probs in columns:
+            for i, token in zip(alive, tokens.tolist()):
+                drafts[i].append(token)
+        for i, request in enumerate(requests):
+            if max_drafts[i] and not request.sampling_params.is_greedy:
+                self.probs[request.request_id] = torch.stack(
+                    [probs[rows.index(i)] for rows, _, probs in columns[:max_drafts[i]]])
+        return drafts
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next draft of each row [rows]: argmax (greedy rows) or a draw from the processed
+        distribution [rows, vocab], returned too when a row samples."""
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy, None
+        q = sampling_probs(self.sampling_kernel, logits, batch)
+        noise = torch.empty_like(q).exponential_(generator=self.generator)
+        for row, generator in batch.generators.items():
+            noise[row].exponential_(generator=generator)
+        return torch.where(batch.greedy, greedy, (q / noise).argmax(dim=-1)), q
+
+    def _forward(self, block_tables: np.ndarray, computed: np.ndarray, num_new: np.ndarray,
+                 input_ids: torch.Tensor, last_rows: np.ndarray) -> torch.Tensor:
+        layout = batch_layout(block_tables, computed, num_new, self.block_size)
+        metadata = build_metadata(layout, block_tables, self.device)
+        with forward_context(metadata):
+            hidden = self.model(input_ids, to_device(torch.from_numpy(layout.positions), self.device))
+        rows = to_device(torch.from_numpy(layout.query_start[1:][last_rows] - 1), self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _block_tables(self, requests: list[Request]) -> np.ndarray:
+        tables = np.zeros((len(requests), self.max_blocks_per_seq), dtype=np.int32)
+        for i, request in enumerate(requests):
+            tables[i, :len(request.block_ids)] = request.block_ids
+        return tables
+
+    def _narrow(self, index: torch.Tensor) -> None:
+        """Fewer requests draft further: keep the state of these rows (none kept here)."""
+
+    def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> torch.Tensor:
+        """Run the draft over each drafting request's unseen tokens; logits after each last token."""
+        requests = [all_requests[i] for i in drafting]
+        if not requests:
+            return None
+        tables = self._block_tables(requests)
+        done = np.zeros(len(requests), dtype=np.int64)
+        for i, request in enumerate(requests):
+            seen, preemptions = self.num_computed.get(request.request_id, (0, -1))
+            done[i] = seen if preemptions == request.num_preemptions else 0
+        total = np.fromiter((len(r.all_token_ids) for r in requests), dtype=np.int64, count=len(requests))
+        done = np.minimum(done, total - 1)  # the newest token is always run: its logits give the first draft
+        logits = None
+        while True:
+            left = total - done
+            if not left.any():
+                break
+            # Chunks in request order within the budget; every request advances at least one token.
+            budget = np.maximum(self.chunk_tokens - np.concatenate(([0], np.cumsum(left)[:-1])), 1)
+            num_new = np.minimum(left, budget)
+            live = np.flatnonzero(num_new > 0)
+            input_ids = np.concatenate([requests[i].all_token_ids[done[i]:done[i] + num_new[i]] for i in live])
+            step_logits = self._forward(tables[live], done[live], num_new[live],
+                                        to_device(torch.from_numpy(input_ids.astype(np.int64)), self.device),
+                                        np.arange(len(live)))
+            finished = done[live] + num_new[live] == total[live]
+            if logits is None:
+                logits = torch.empty(len(requests), step_logits.shape[1], device=self.device)
+            if finished.any():
+                logits[to_device(torch.from_numpy(live[finished]), self.device)] = \
+                    step_logits[to_device(torch.from_numpy(np.flatnonzero(finished)), self.device)]
+            done[live] += num_new[live]
+        for request in requests:
+            self.num_computed[request.request_id] = (len(request.all_token_ids), request.num_preemptions)
+        return logits
+
+    def _decode(self, requests: list[Request], tokens: torch.Tensor, step: int) -> torch.Tensor:
+        """One draft token per request, at position len(all_token_ids) - 1 + step."""
+        tables = self._block_tables(requests)
+        computed = np.fromiter((len(r.all_token_ids) - 1 + step for r in requests), dtype=np.int64,
+                               count=len(requests))
+        return self._forward(tables, computed, np.ones(len(requests), dtype=np.int64), tokens,
+                             np.arange(len(requests)))
+
+
+def _select_rows(batch: SamplingBatch, rows: list[int], requests: list[Request], device: torch.device) -> SamplingBatch:
+    """The sampling parameters of some rows of a batch (requests: theirs)."""
+    index = to_device(torch.tensor(rows), device)
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[index]
+
+    position = {row: j for j, row in enumerate(rows)}
+    return SamplingBatch(
+        temperature=take(batch.temperature), greedy=take(batch.greedy),
+        all_greedy=all(r.sampling_params.is_greedy for r in requests),
+        top_k=take(batch.top_k), top_p=take(batch.top_p), min_p=take(batch.min_p),
+        generators={position[r]: g for r, g in batch.generators.items() if r in position},
+        penalties=None, banned=None, num_logprobs=None)

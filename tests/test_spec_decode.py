@@ -1,0 +1,223 @@
+"""Speculative decoding through the whole engine: greedy output is token-identical to decoding
+without it, for each proposer, with stop strings, max_tokens reached inside a draft, prefix
+caching and preemption; logprobs of accepted tokens equal the non-speculative ones; seeded
+sampling is reproducible; the acceptance statistics count what happened."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from baryon import LLM, SamplingParams
+from baryon.config import EngineConfig
+from conftest import make_checkpoint, random_prompts
+
+ENGINE = dict(skip_tokenizer_init=True, device="cpu", block_size=4, max_model_len=160)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("spec_target"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def near_draft(target, tmp_path_factory) -> Path:
+    """The target with noise on every weight: it agrees with the target often, not always."""
+    folder = tmp_path_factory.mktemp("spec_near_draft")
+    for item in target.iterdir():
+        shutil.copy(item, folder / item.name)
+    weights = load_file(target / "model.safetensors")
+    gen = torch.Generator().manual_seed(11)
+    noisy = {name: w + 0.35 * w.std() * torch.randn(w.shape, generator=gen) for name, w in weights.items()}
+    save_file(noisy, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def _repetitive_prompts(seed: int, count: int = 6) -> list[dict]:
+    """Prompts that repeat spans, so prompt lookup finds matches."""
+    prompts = []
+    for p in random_prompts(count, 128, 4, 16, seed):
+        prompts.append({"prompt_token_ids": p + p[: len(p) // 2] + p})
+    return prompts
+
+
+def _generate(llm: LLM, prompts: list[dict], params) -> list:
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _specs(target: Path, near_draft: Path) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+        "self-draft": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 4},
+        "near-draft": {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3},
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "self-draft", "near-draft"])
+def test_greedy_output_is_identical_and_acceptance_counted(target, near_draft, name, seed):
+    prompts = _repetitive_prompts(seed)
+    # max_tokens differ per request, so some end inside a draft.
+    params = [SamplingParams(temperature=0, max_tokens=5 + 7 * i, ignore_eos=True) for i in range(len(prompts))]
+    reference = _generate(LLM(str(target), **ENGINE), prompts, params)
+    llm = LLM(str(target), **ENGINE, speculative_config=_specs(target, near_draft)[name])
+    outputs = _generate(llm, prompts, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+    stats = llm.engine.core.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == sum(stats.accepted_per_position)
+    assert all(a >= b for a, b in zip(stats.accepted_per_position, stats.accepted_per_position[1:]))
+    if name == "self-draft":  # a model drafting for itself is always right
+        assert stats.acceptance_rate == 1.0
+    elif name == "near-draft":
+        assert 0.0 < stats.acceptance_rate < 1.0
+    # Every block is back in the free list, and the engine holds nothing of finished requests.
+    core = llm.engine.core
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    assert not getattr(core.runner.proposer, "num_computed", {}) and not getattr(core.runner.proposer, "histories", {})
+
+
+def test_prefix_caching_and_preemption_keep_greedy_output(target, near_draft, seed):
+    """Shared prefixes hit the cache (hashes registered only for verified tokens), and a cache
+    too small for every request preempts and recomputes, drafts included."""
+    base = random_prompts(1, 128, 24, 24, seed)[0]
+    prompts = [{"prompt_token_ids": base + p} for p in random_prompts(8, 128, 2, 10, seed + 1)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small = dict(ENGINE, num_kv_blocks=60, max_model_len=96)
+    reference = _generate(LLM(str(target), **dict(ENGINE, max_model_len=96)), prompts, params)
+    for spec in _specs(target, near_draft).values():
+        llm = LLM(str(target), **small, speculative_config=spec)
+        scheduler, preemptions = llm.engine.core.scheduler, []
+        preempt = scheduler._preempt
+        scheduler._preempt = lambda request: (preemptions.append(request.request_id), preempt(request))
+        first = _generate(llm, prompts, params)
+        again = _generate(llm, prompts, params)  # served from the prefix cache
+        assert [o.token_ids for o in first] == [r.token_ids for r in reference], spec
+        assert [o.token_ids for o in again] == [r.token_ids for r in reference], spec
+        assert preemptions, spec  # the cache cannot hold every request at full length
+
+
+def test_stop_strings_and_eos_end_inside_a_draft(stories_path, seed):
+    """A real model with a tokenizer: stop strings cut the text where they would without
+    speculation, tokens past an EOS in an accepted draft are dropped."""
+    stories = str(stories_path)
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom went"]
+    params = SamplingParams(temperature=0, max_tokens=60, stop=["the", "."])
+    plain = LLM(stories, device="cpu", max_model_len=256)
+    reference = _generate(plain, prompts, params)
+    no_stop = SamplingParams(temperature=0, max_tokens=120)
+    reference_eos = _generate(plain, prompts, no_stop)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                 {"method": "draft_model", "model": stories, "num_speculative_tokens": 5}):
+        llm = LLM(stories, device="cpu", max_model_len=256, speculative_config=spec)
+        outputs = _generate(llm, prompts, params)
+        assert [(o.text, o.token_ids, o.stop_reason) for o in outputs] == \
+            [(r.text, r.token_ids, r.stop_reason) for r in reference]
+        assert {o.finish_reason for o in outputs} == {"stop"}
+        eos = _generate(llm, prompts, no_stop)
+        assert [(o.token_ids, o.finish_reason) for o in eos] == [(r.token_ids, r.finish_reason) for r in reference_eos]
+
+
+def test_logprobs_of_accepted_tokens_match(target, near_draft, seed):
+    prompts = _repetitive_prompts(seed, count=4)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    reference = _generate(LLM(str(target), **ENGINE), prompts, params)
+    for spec in _specs(target, near_draft).values():
+        outputs = _generate(LLM(str(target), **ENGINE, speculative_config=spec), prompts, params)
+        for out, ref in zip(outputs, reference):
+            assert out.token_ids == ref.token_ids
+            for got, want in zip(out.logprobs, ref.logprobs):
+                assert list(got) == list(want)
+                for token in want:
+                    assert abs(got[token].logprob - want[token].logprob) < 1e-4
+                    assert got[token].rank == want[token].rank
+            assert abs(out.cumulative_logprob - ref.cumulative_logprob) < 1e-3
+
+
+def test_seeded_sampling_is_reproducible(target, near_draft, seed):
+    prompts = _repetitive_prompts(seed, count=3)
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=seed + i, max_tokens=30, ignore_eos=True)
+              for i in range(len(prompts))]
+    for spec in _specs(target, near_draft).values():
+        llm = LLM(str(target), **ENGINE, speculative_config=spec)
+        first = [o.token_ids for o in _generate(llm, prompts, seeded)]
+        again = [o.token_ids for o in _generate(llm, prompts, seeded)]
+        alone = [o.token_ids for o in _generate(llm, prompts[1:2], seeded[1:2])]
+        assert first == again
+        assert alone[0] == first[1]  # the batch around a seeded request does not change it
+        assert all(len(t) == 30 for t in first)
+
+
+def test_penalties_and_min_tokens_run_without_drafts(target, seed):
+    """Position-dependent sampling is never drafted for: output equals plain decoding."""
+    prompts = _repetitive_prompts(seed, count=3)
+    params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=12, stop_token_ids=[5, 7]),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    reference = _generate(LLM(str(target), **ENGINE), prompts, params)
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3}
+    outputs = _generate(LLM(str(target), **ENGINE, speculative_config=spec), prompts, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "not supported"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "spec_model": "x"}, "unknown key"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "mtp", "num_speculative_tokens": 1}, "no multi-token prediction layers"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_config_is_refused(target, spec, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(model=str(target), device="cpu", speculative_config=spec)
+
+
+def test_draft_with_another_vocabulary_is_refused(target, tmp_path):
+    other = make_checkpoint(tmp_path / "other", "llama", seed=1, vocab_size=96)
+    spec = json.dumps({"method": "draft_model", "model": str(other), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="vocab_size 96"):
+        EngineConfig.create(model=str(target), device="cpu", speculative_config=spec)
+
+
+from test_deepseek_mtp import with_mtp  # noqa: E402,F401  (the fixture: a DeepSeek-V3 checkpoint with an MTP layer)
+from test_eagle3 import _eagle3_tensors, _write_eagle3  # noqa: E402
+
+
+def _greedy_identity(model: str, spec: dict, prompts: list[dict], engine: dict) -> LLM:
+    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    reference = _generate(LLM(model, **engine), prompts, params)
+    llm = LLM(model, **engine, speculative_config=spec)
+    outputs = _generate(llm, prompts, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    return llm
+
+
+def test_mtp_draft_keeps_greedy_output(with_mtp, seed):
+    """DeepSeek-V3's MTP layer drafts (chained for k > 1) from the target's hidden states."""
+    path, _, _ = with_mtp
+    llm = _greedy_identity(str(path), {"method": "mtp", "num_speculative_tokens": 3}, _repetitive_prompts(seed, 4),
+                           dict(ENGINE, max_model_len=128))
+    proposer = llm.engine.core.runner.proposer
+    assert type(proposer.model).__name__ == "DeepseekMTP" and proposer.num_mtp_layers == 1
+    assert llm.engine.core.spec_stats.num_draft_tokens > 0
+
+
+def test_eagle3_head_keeps_greedy_output(target, tmp_path, seed):
+    """An EAGLE-3 head in the published layout (own draft vocabulary, the target's embedding) drafts
+    from three of the target's hidden states."""
+    head = _write_eagle3(tmp_path / "eagle3", _eagle3_tensors(seed, 64, with_embedding=False),
+                         eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = _greedy_identity(str(target), spec, _repetitive_prompts(seed, 4), ENGINE)
+    runner = llm.engine.core.runner
+    assert runner.model.model.aux_hidden_state_layers == (0, 1, 2)
+    assert runner.proposer.model.embed_tokens is runner.model.model.embed_tokens
+    assert llm.engine.core.spec_stats.num_draft_tokens > 0
