@@ -86,6 +86,38 @@ def test_cuda_graphs_match_eager(tmp_path, seed, arch):
     assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+def test_speculative_decoding_on_gpu_matches_plain_decoding(tmp_path, seed, method):
+    """Verification steps replay the decode graphs (one decode per token), the draft model's steps
+    its own graphs, MTP reads hidden states out of the target's graphs: greedy output equals plain
+    decoding (float32), eager and with graphs; the self-draft accepts everything."""
+    arch = "deepseek_v3" if method == "mtp" else "llama"
+    extra = GPU_DEEPSEEK if arch == "deepseek_v3" else {}
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
+                           **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, **extra})
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(path)
+    prompts = [p + p for p in random_prompts(11, 128, 3, 30, seed)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = []
+    for eager, speculative in ((True, None), (True, spec), (False, spec)):
+        llm = LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, enforce_eager=eager,
+                  kv_cache_memory_gib=1, max_num_seqs=32, speculative_config=speculative)
+        runner = llm.engine.core.runner
+        assert (runner.graph_runner is None) == eager
+        if speculative and method == "draft_model":
+            assert (runner.proposer.graph_runner is None) == eager
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outs])
+        if speculative:
+            stats = llm.engine.core.spec_stats
+            assert stats.num_draft_tokens > 0
+            if method == "draft_model":
+                assert stats.acceptance_rate == 1.0
+    assert results[0] == results[1] == results[2]
+
+
 @pytest.mark.parametrize("level", [2, 3])
 def test_compilation_levels_match_eager_on_gpu(tmp_path, seed, level):
     """Inductor (level 2) and inductor + CUDA graphs (level 3) give level 0's greedy tokens and

@@ -42,6 +42,7 @@ def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch) -> torch.
 
 
 class DraftModelProposer:
+    decode_graphs = True  # its forward takes (input_ids, positions): decode CUDA graphs can serve it
     def __init__(self, config: EngineConfig, max_blocks_per_seq: int) -> None:
         spec = config.speculative
         self.device = config.device
@@ -50,6 +51,9 @@ class DraftModelProposer:
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.chunk_tokens = config.scheduler.max_num_batched_tokens
+        self.dtype = spec.draft.dtype
+        # The draft's decode CUDA graphs (forward + LM head), set by the model runner on a GPU.
+        self.graph_runner = None
         self.sampling_kernel = select("sampling", self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed + 1)
         # request id -> (tokens whose draft K/V are cached, the request's preemption count then)
@@ -118,12 +122,19 @@ class DraftModelProposer:
 
     def _forward(self, block_tables: np.ndarray, computed: np.ndarray, num_new: np.ndarray,
                  input_ids: torch.Tensor, last_rows: np.ndarray) -> torch.Tensor:
+        """Logits after the last token of each sequence in last_rows. Up to the largest captured
+        size, the tokens run as one decode each (build_metadata's per_token) in a CUDA graph."""
         layout = batch_layout(block_tables, computed, num_new, self.block_size)
+        positions = to_device(torch.from_numpy(layout.positions), self.device)
+        last = layout.query_start[1:][last_rows] - 1
+        if self.graph_runner is not None and self.graph_runner.padded_size(len(layout.positions)):
+            metadata = build_metadata(layout, block_tables, self.device, per_token=True)
+            logits = self.graph_runner.run(input_ids, positions, metadata)
+            return logits[to_device(torch.from_numpy(last), self.device)]
         metadata = build_metadata(layout, block_tables, self.device)
         with forward_context(metadata):
-            hidden = self.model(input_ids, to_device(torch.from_numpy(layout.positions), self.device))
-        rows = to_device(torch.from_numpy(layout.query_start[1:][last_rows] - 1), self.device)
-        return self.model.compute_logits(hidden[rows])
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden[to_device(torch.from_numpy(last), self.device)])
 
     def _block_tables(self, requests: list[Request]) -> np.ndarray:
         tables = np.zeros((len(requests), self.max_blocks_per_seq), dtype=np.int32)

@@ -31,6 +31,7 @@ from baryon.transfer import to_device
 
 
 class HiddenStateProposer(DraftModelProposer):
+    decode_graphs = False  # its forward also reads hidden states: it runs eagerly
     def __init__(self, config: EngineConfig, max_blocks_per_seq: int, target: torch.nn.Module) -> None:
         super().__init__(config, max_blocks_per_seq)
         self.method = config.speculative.method
