@@ -32,9 +32,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 @pytest.fixture(scope="module")
 def with_mtp(tmp_path_factory):
+    return build_with_mtp(tmp_path_factory.mktemp("deepseek_mtp"))
+
+
+def build_with_mtp(root):
     """(a 2-layer DeepSeek-V3 checkpoint with one MTP layer, the 1-layer transformers checkpoint
     holding that layer's block and head, the MTP input tensors)."""
-    root = tmp_path_factory.mktemp("deepseek_mtp")
     block = make_checkpoint(root / "block", "deepseek_v3", seed=21, num_hidden_layers=1, first_k_dense_replace=0)
     main = make_checkpoint(root / "main", "deepseek_v3", seed=22)
     config = json.loads((main / "config.json").read_text())

@@ -187,7 +187,7 @@ def test_draft_with_another_vocabulary_is_refused(target, tmp_path):
         EngineConfig.create(model=str(target), device="cpu", speculative_config=spec)
 
 
-from test_deepseek_mtp import with_mtp  # noqa: E402,F401  (the fixture: a DeepSeek-V3 checkpoint with an MTP layer)
+from test_deepseek_mtp import build_with_mtp  # noqa: E402
 from test_eagle3 import _eagle3_tensors, _write_eagle3  # noqa: E402
 
 
@@ -200,9 +200,9 @@ def _greedy_identity(model: str, spec: dict, prompts: list[dict], engine: dict) 
     return llm
 
 
-def test_mtp_draft_keeps_greedy_output(with_mtp, seed):
+def test_mtp_draft_keeps_greedy_output(tmp_path, seed):
     """DeepSeek-V3's MTP layer drafts (chained for k > 1) from the target's hidden states."""
-    path, _, _ = with_mtp
+    path, _, _ = build_with_mtp(tmp_path)
     llm = _greedy_identity(str(path), {"method": "mtp", "num_speculative_tokens": 3}, _repetitive_prompts(seed, 4),
                            dict(ENGINE, max_model_len=128))
     proposer = llm.engine.core.runner.proposer
