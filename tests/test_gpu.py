@@ -91,10 +91,13 @@ def test_speculative_decoding_on_gpu_matches_plain_decoding(tmp_path, seed, meth
     """Verification steps replay the decode graphs (one decode per token), the draft model's steps
     its own graphs, MTP reads hidden states out of the target's graphs: greedy output equals plain
     decoding (float32), eager and with graphs; the self-draft accepts everything."""
-    arch = "deepseek_v3" if method == "mtp" else "llama"
-    extra = GPU_DEEPSEEK if arch == "deepseek_v3" else {}
-    path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
-                           **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, **extra})
+    if method == "mtp":  # transformers saves no MTP layers: a V3 checkpoint with one written in
+        from test_deepseek_mtp import build_with_mtp
+
+        path = build_with_mtp(tmp_path)[0]
+    else:
+        path = make_checkpoint(tmp_path / "llama", "llama", seed=seed, hidden_size=256, intermediate_size=512,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         spec["model"] = str(path)
