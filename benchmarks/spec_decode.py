@@ -40,18 +40,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=129)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--dtype", default="auto", help="auto (the preset's, bf16) or float32: with float32 "
+                        "the self-draft's argmax matches the target's (bf16 rounding differs between batch shapes)")
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # run one phase in this process
     return parser.parse_args(argv)
 
 
-def _llm(model: str, spec: dict | None, max_model_len: int):
+def _llm(model: str, spec: dict | None, max_model_len: int, dtype: str):
     from baryon.bench.presets import resolve_model
     from baryon.llm import LLM
 
     if spec is not None and spec.get("model"):
         spec = dict(spec, model=resolve_model(spec["model"]))
-    return LLM(model=resolve_model(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len,
+    return LLM(model=resolve_model(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len, dtype=dtype,
                speculative_config=spec)
 
 
@@ -131,10 +133,10 @@ def run_phase(args: argparse.Namespace) -> None:
             "self": {"method": "draft_model", "model": args.model, "num_speculative_tokens": k}}[args.phase]
     model = args.draft if args.phase == "draft" else args.model
     start = time.perf_counter()
-    llm = _llm(model, spec, args.max_model_len)
+    llm = _llm(model, spec, args.max_model_len, args.dtype)
     startup = time.perf_counter() - start
     for bs in args.batch_sizes:
-        result = {"phase": args.phase, "model": model, "batch_size": bs, "k": k if spec else 0,
+        result = {"phase": args.phase, "model": model, "dtype": args.dtype, "batch_size": bs, "k": k if spec else 0,
                   "startup_s": round(startup, 1), **_tpot(llm, bs, args.input_len, args.output_len)}
         if args.phase == "ngram":
             result.update(_verify_step(llm, bs, args.input_len, k))
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     for phase in args.phases:
         cmd = [sys.executable, __file__, "--phase", phase, "--model", args.model, "--draft", args.draft,
                "--k", str(args.k), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-               "--max-model-len", str(args.max_model_len),
+               "--max-model-len", str(args.max_model_len), "--dtype", args.dtype,
                "--batch-sizes", *map(str, args.batch_sizes)]
         out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=os.environ)
         for line in out.stdout.splitlines():
