@@ -86,9 +86,9 @@ def test_prefix_caching_and_preemption_keep_greedy_output(target, near_draft, se
     """Shared prefixes hit the cache (hashes registered only for verified tokens), and a cache
     too small for every request preempts and recomputes, drafts included."""
     base = random_prompts(1, 128, 24, 24, seed)[0]
-    prompts = [{"prompt_token_ids": base + p} for p in random_prompts(8, 128, 2, 10, seed + 1)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    small = dict(ENGINE, num_kv_blocks=60, max_model_len=96)
+    prompts = [{"prompt_token_ids": base + p} for p in random_prompts(6, 128, 2, 10, seed + 1)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    small = dict(ENGINE, num_kv_blocks=44, max_model_len=96)
     reference = _generate(LLM(str(target), **dict(ENGINE, max_model_len=96)), prompts, params)
     for spec in _specs(target, near_draft).values():
         llm = LLM(str(target), **small, speculative_config=spec)
@@ -106,11 +106,11 @@ def test_stop_strings_and_eos_end_inside_a_draft(stories_path, seed):
     """A real model with a tokenizer: stop strings cut the text where they would without
     speculation, tokens past an EOS in an accepted draft are dropped."""
     stories = str(stories_path)
-    prompts = ["Once upon a time", "The little dog", "Lily and Tom went"]
-    params = SamplingParams(temperature=0, max_tokens=60, stop=["the", "."])
+    prompts = ["Once upon a time", "Lily and Tom went"]
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["the", "."])
     plain = LLM(stories, device="cpu", max_model_len=256)
     reference = _generate(plain, prompts, params)
-    no_stop = SamplingParams(temperature=0, max_tokens=120)
+    no_stop = SamplingParams(temperature=0, max_tokens=90)
     reference_eos = _generate(plain, prompts, no_stop)
     for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
                  {"method": "draft_model", "model": stories, "num_speculative_tokens": 5}):
@@ -221,3 +221,29 @@ def test_eagle3_head_keeps_greedy_output(target, tmp_path, seed):
     assert runner.model.model.aux_hidden_state_layers == (0, 1, 2)
     assert runner.proposer.model.embed_tokens is runner.model.model.embed_tokens
     assert llm.engine.core.spec_stats.num_draft_tokens > 0
+
+
+def test_server_flag_and_metrics(stories_path):
+    """`baryon serve --speculative-config JSON`: completions equal offline greedy decoding and
+    /metrics counts the drafts."""
+    import httpx
+
+    from test_server import ServerProcess, scrape
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    server = ServerProcess(stories_path, "--max-model-len", "256", "--speculative-config", spec).wait_ready()
+    try:
+        prompts = ["Once upon a time", "The little dog saw the dog"]
+        plain = LLM(str(stories_path), device="cpu", max_model_len=256)
+        expected = [o.text for o in _generate(plain, prompts, SamplingParams(temperature=0, max_tokens=40))]
+        for prompt, text in zip(prompts, expected):
+            reply = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": str(stories_path), "prompt": prompt, "max_tokens": 40, "temperature": 0}).json()
+            assert reply["choices"][0]["text"] == text
+        metrics = scrape(server)
+        drafted = metrics["baryon:spec_decode_num_draft_tokens_total"]
+        accepted = metrics["baryon:spec_decode_num_accepted_tokens_total"]
+        assert drafted > 0 and 0 < accepted <= drafted
+        assert metrics["baryon:spec_decode_num_drafts_total"] > 0
+    finally:
+        server.stop()

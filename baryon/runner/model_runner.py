@@ -288,7 +288,7 @@ class ModelRunner:
         k = self.config.speculative.num_speculative_tokens
         max_drafts = [0 if _position_dependent(r) else max(min(k, r.max_tokens - r.num_output_tokens - 1), 0)
                       for r in requests]
-        sampling = build_sampling_batch(requests, self.vocab_size, self.device)
+        sampling = build_sampling_batch(requests, self.vocab_size, self.device) if self.proposer.samples else None
         for request, drafts in zip(requests, self.proposer.propose(requests, max_drafts, sampling)):
             request.spec_token_ids = drafts
 

@@ -43,6 +43,7 @@ def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch) -> torch.
 
 class DraftModelProposer:
     decode_graphs = True  # its forward takes (input_ids, positions): decode CUDA graphs can serve it
+    samples = True  # drafts for sampling requests are drawn with their parameters
     def __init__(self, config: EngineConfig, max_blocks_per_seq: int) -> None:
         spec = config.speculative
         self.device = config.device

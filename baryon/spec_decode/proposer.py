@@ -23,8 +23,10 @@ from baryon.spec_decode.ngram import NgramProposer
 class Proposer(Protocol):
     # The draft's attention layers: the runner gives them caches beside the target's (same block ids).
     attention_layers: list[PagedKVLayer]
+    samples: bool  # whether propose() reads the requests' sampling parameters (else it gets None)
 
-    def propose(self, requests: list[Request], max_drafts: list[int], sampling: SamplingBatch) -> list[list[int]]:
+    def propose(self, requests: list[Request], max_drafts: list[int],
+                sampling: SamplingBatch | None) -> list[list[int]]:
         """Up to max_drafts[i] tokens to follow request i's tokens; sampling: the requests' parameters."""
         ...
 
@@ -42,6 +44,7 @@ class PromptLookupProposer:
     (so a step converts only the new tokens)."""
 
     attention_layers: list[PagedKVLayer] = []
+    samples = False
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         self.ngram = NgramProposer(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
@@ -58,7 +61,8 @@ class PromptLookupProposer:
         self.histories[request.request_id] = (buffer, len(tokens))
         return buffer[:len(tokens)]
 
-    def propose(self, requests: list[Request], max_drafts: list[int], sampling: SamplingBatch) -> list[list[int]]:
+    def propose(self, requests: list[Request], max_drafts: list[int],
+                sampling: SamplingBatch | None) -> list[list[int]]:
         return self.ngram.propose([self._history(r) for r in requests], max_drafts)
 
     def draft_probs(self, requests: list[Request], num_drafts: list[int], vocab_size: int) -> torch.Tensor | None:
