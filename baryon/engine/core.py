@@ -18,7 +18,7 @@ from baryon.engine.kv_cache import BlockManager
 from baryon.engine.scheduler import Scheduler
 from baryon.logger import get_logger
 from baryon.request import Request, RequestStatus
-from baryon.runner.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput, RawLogprobs
+from baryon.runner.model_runner import LaunchedStep, ModelRunner, RawLogprobs
 from baryon.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
@@ -97,6 +97,7 @@ class SpecDecodeStats:
 class _InFlight:
     scheduled: list[tuple[Request, int]]
     step: LaunchedStep
+    num_drafts: dict[str, int] = field(default_factory=dict)  # request id -> drafts it verifies
 
 
 class EngineCore:
@@ -112,6 +113,8 @@ class EngineCore:
         self._prompt_logprobs: dict[str, list[RawLogprobs]] = {}
         self._in_flight: _InFlight | None = None  # the launched step not yet read back
         self.num_steps = 0  # steps launched since start
+        # Steps overlap (launch N+1, then read N) unless a model drafts after each read-back.
+        self._overlap = spec is None or spec.method == "ngram"
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -152,9 +155,20 @@ class EngineCore:
         N sampled straight from device memory. A request that step N ends (EOS, a stop token)
         may have one token computed in step N+1 in vain; that token is dropped. Requests whose
         pending token is their last (max_tokens) are not scheduled again.
+
+        With speculative decoding a step that verifies drafts yields a number of tokens known
+        only once it is read back, so nothing is launched behind it: the call that finds it in
+        flight reads it. Steps without drafts overlap as above when the proposer runs on the
+        host (n-gram lookup: it then drafts from the tokens known so far, one token behind, for
+        the positions after the pending token). A model draft runs on the device after each
+        step's read-back, so with one every step is read back before the next is planned.
         """
+        flight = self._in_flight
+        if flight is not None and (flight.num_drafts or not self._overlap):
+            self._in_flight = None
+            return self._update(flight)
         if self.config.speculative is not None:
-            return self._step_speculative()
+            self.runner.propose([r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1])
         scheduled = self.scheduler.schedule().scheduled
         launched = None
         if scheduled:
@@ -164,32 +178,18 @@ class EngineCore:
                 request.num_computed_tokens += num_new
                 if request.request_id in launched.step.row_of:
                     request.num_pending_tokens += 1
+                if request.spec_token_ids:
+                    launched.num_drafts[request.request_id] = len(request.spec_token_ids)
+                    request.spec_token_ids = []
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             return []
-        return self._update(previous.scheduled, previous.step.result())
+        return self._update(previous)
 
-    def _step_speculative(self) -> list[EngineCoreOutput]:
-        """A step with speculative decoding, run to its end: the drafts of the next step depend on
-        the tokens this one accepts, so steps do not overlap."""
-        scheduled = self.scheduler.schedule().scheduled
-        if not scheduled:
-            return []
-        step = self.runner.launch(scheduled)
-        self.num_steps += 1
-        for request, num_new in scheduled:
-            request.num_computed_tokens += num_new
-        result = step.result()
-        outputs = self._update(scheduled, result)
-        advanced = [r for r, _ in scheduled if r.request_id in result.sampled and self.requests.get(r.request_id) is r]
-        if advanced:
-            self.runner.propose(advanced)
-        self.spec_stats.log_every(SPEC_LOG_INTERVAL_S)
-        return outputs
-
-    def _update(self, scheduled: list[tuple[Request, int]], result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def _update(self, flight: _InFlight) -> list[EngineCoreOutput]:
+        result = flight.step.result()
         outputs = []
-        for request, _ in scheduled:
+        for request, _ in flight.scheduled:
             rid = request.request_id
             if self.requests.get(rid) is not request:
                 continue  # finished or aborted since this step was launched
@@ -200,10 +200,10 @@ class EngineCore:
             if tokens is None:
                 self.block_manager.cache_full_blocks(request)
                 continue
-            if request.spec_token_ids:  # roll the rejected drafts back: their K/V slots get rewritten
-                self.spec_stats.add(len(request.spec_token_ids), len(tokens) - 1)
-                request.num_computed_tokens -= len(request.spec_token_ids) - (len(tokens) - 1)
-                request.spec_token_ids = []
+            num_drafts = flight.num_drafts.get(rid, 0)
+            if num_drafts:  # roll the rejected drafts back: their K/V slots get rewritten
+                self.spec_stats.add(num_drafts, len(tokens) - 1)
+                request.num_computed_tokens -= num_drafts - (len(tokens) - 1)
             logprobs = result.logprobs.get(rid)
             status = None
             for n, token in enumerate(tokens, 1):
@@ -222,6 +222,8 @@ class EngineCore:
                 self.runner.forget(rid)
                 output.finish_reason, output.stop_reason = request.finish_reason, request.stop_reason
             outputs.append(output)
+        if flight.num_drafts:
+            self.spec_stats.log_every(SPEC_LOG_INTERVAL_S)
         return outputs
 
     def _finish_status(self, request: Request, token: int) -> RequestStatus | None:

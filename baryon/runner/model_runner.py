@@ -242,8 +242,8 @@ class ModelRunner:
             known = request.all_token_ids[c:c + n - len(drafts)]
             input_ids[start:start + len(known)] = known
             input_ids[start + n - len(drafts):start + n] = drafts
-            if len(known) + len(drafts) < n:  # the last token is the one the previous launch sampled
-                pending_index.append(start + n - 1)
+            if len(known) + len(drafts) < n:  # the token before the drafts is the one the previous launch sampled
+                pending_index.append(start + n - len(drafts) - 1)
                 pending_source.append(self.last_launch.row_of[request.request_id])
             if c + n == request.num_tokens + len(drafts):  # its next token(s) are sampled
                 sample_rows.extend(range(start + n - 1 - len(drafts), start + n))
@@ -282,15 +282,26 @@ class ModelRunner:
             step.copy_to_host("sampled_rank", result.sampled_rank)
 
     def propose(self, requests: list[Request]) -> None:
-        """Draft the tokens each request's next step verifies (speculative decoding), into
-        request.spec_token_ids; none where the draft cannot count: penalties and min_tokens
-        change each position's distribution with the tokens before it."""
+        """Draft the tokens each decoding request's next step verifies (speculative decoding),
+        into request.spec_token_ids; none where the draft cannot count: penalties and min_tokens
+        change each position's distribution with the tokens before it. A request whose last
+        token is still pending (steps overlapping, n-gram lookup only) gets the proposal for the
+        tokens known so far minus its first token, the guess for the pending one; verification
+        keeps the output exact whatever the guess."""
         k = self.config.speculative.num_speculative_tokens
-        max_drafts = [0 if _position_dependent(r) else max(min(k, r.max_tokens - r.num_output_tokens - 1), 0)
-                      for r in requests]
+        max_drafts, lags = [], []
+        for r in requests:
+            room = min(k, r.max_tokens - r.num_output_tokens - r.num_pending_tokens - 1)
+            lag = r.num_pending_tokens
+            max_drafts.append(0 if _position_dependent(r) or room <= 0 else room + lag)
+            lags.append(lag)
+        if not any(max_drafts):
+            for request in requests:
+                request.spec_token_ids = []
+            return
         sampling = build_sampling_batch(requests, self.vocab_size, self.device) if self.proposer.samples else None
-        for request, drafts in zip(requests, self.proposer.propose(requests, max_drafts, sampling)):
-            request.spec_token_ids = drafts
+        for request, drafts, lag in zip(requests, self.proposer.propose(requests, max_drafts, sampling), lags):
+            request.spec_token_ids = drafts[lag:]
 
     def forget(self, request_id: str) -> None:
         """A request ended: the proposer drops its state."""
@@ -310,6 +321,8 @@ class ModelRunner:
         result = self.rejection_sampler(logits, draft_ids, to_device(torch.from_numpy(cu_num_drafts), self.device),
                                         cu_num_drafts, draft_probs, sampling)
         step.cu_num_drafts = cu_num_drafts
+        # Each request's last token: the next launch's input when steps overlap.
+        step.sampled_device = result.output_token_ids.gather(1, (result.num_output.long() - 1).unsqueeze(1)).squeeze(1)
         step.copy_to_host("verified", result.output_token_ids)
         step.copy_to_host("num_verified", result.num_output)
         if result.logprobs is not None:

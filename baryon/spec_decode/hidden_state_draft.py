@@ -57,6 +57,11 @@ class HiddenStateProposer(DraftModelProposer):
         self.features = features
         self.rows = {r.request_id: (int(query_start[i]), r.num_computed_tokens) for i, (r, _) in enumerate(scheduled)}
 
+    def propose(self, requests: list[Request], max_drafts: list[int], sampling) -> list[list[int]]:
+        """Only requests the last observed step advanced can draft: their features are fresh."""
+        advanced = [r.request_id in self.rows and r.num_computed_tokens > self.rows[r.request_id][1] for r in requests]
+        return super().propose(requests, [m if a else 0 for m, a in zip(max_drafts, advanced)], sampling)
+
     def _run(self, input_ids: torch.Tensor, positions: np.ndarray, hidden: torch.Tensor, tables: np.ndarray,
              computed: np.ndarray, num_new: np.ndarray, depth: int) -> torch.Tensor:
         layout = batch_layout(tables, computed, num_new, self.block_size)
