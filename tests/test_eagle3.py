@@ -65,38 +65,41 @@ def _decode_metadata(position: int) -> AttentionMetadata:
                              query_start_loc_cpu=starts, seq_lens_cpu=lens)
 
 
-def _eagle3_tensors(seed: int, target_hidden: int, with_embedding: bool) -> dict[str, torch.Tensor]:
-    """Random weights named and typed as the published EAGLE-3 checkpoints are."""
+def _eagle3_tensors(seed: int, target_hidden: int, with_embedding: bool, hidden: int = HIDDEN, heads: int = HEADS,
+                    kv_heads: int = KV_HEADS, intermediate: int = INTERMEDIATE) -> dict[str, torch.Tensor]:
+    """Random weights named and typed as the published EAGLE-3 checkpoints are (head_dim:
+    hidden / heads)."""
+    head_dim = hidden // heads
     gen = torch.Generator().manual_seed(seed)
 
     def matrix(rows: int, cols: int) -> torch.Tensor:
         return 0.15 * torch.randn(rows, cols, generator=gen)
 
     def norm() -> torch.Tensor:
-        return 1 + 0.1 * torch.randn(HIDDEN, generator=gen)
+        return 1 + 0.1 * torch.randn(hidden, generator=gen)
 
     target_ids = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values  # the draft vocabulary
     t2d = torch.zeros(VOCAB, dtype=torch.bool)
     t2d[target_ids] = True
     tensors = {
-        "fc.weight": matrix(HIDDEN, 3 * target_hidden),
+        "fc.weight": matrix(hidden, 3 * target_hidden),
         "midlayer.input_layernorm.weight": norm(),
         "midlayer.hidden_norm.weight": norm(),
         "midlayer.post_attention_layernorm.weight": norm(),
-        "midlayer.self_attn.q_proj.weight": matrix(HEADS * HEAD_DIM, 2 * HIDDEN),
-        "midlayer.self_attn.k_proj.weight": matrix(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "midlayer.self_attn.v_proj.weight": matrix(KV_HEADS * HEAD_DIM, 2 * HIDDEN),
-        "midlayer.self_attn.o_proj.weight": matrix(HIDDEN, HEADS * HEAD_DIM),
-        "midlayer.mlp.gate_proj.weight": matrix(INTERMEDIATE, HIDDEN),
-        "midlayer.mlp.up_proj.weight": matrix(INTERMEDIATE, HIDDEN),
-        "midlayer.mlp.down_proj.weight": matrix(HIDDEN, INTERMEDIATE),
+        "midlayer.self_attn.q_proj.weight": matrix(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": matrix(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": matrix(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": matrix(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": matrix(intermediate, hidden),
+        "midlayer.mlp.up_proj.weight": matrix(intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": matrix(hidden, intermediate),
         "norm.weight": norm(),
-        "lm_head.weight": matrix(DRAFT_VOCAB, HIDDEN),
+        "lm_head.weight": matrix(DRAFT_VOCAB, hidden),
         "d2t": target_ids - torch.arange(DRAFT_VOCAB),  # int64
         "t2d": t2d,
     }
     if with_embedding:
-        tensors["embed_tokens.weight"] = matrix(VOCAB, HIDDEN)
+        tensors["embed_tokens.weight"] = matrix(VOCAB, hidden)
     return tensors
 
 

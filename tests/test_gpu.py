@@ -86,7 +86,7 @@ def test_cuda_graphs_match_eager(tmp_path, seed, arch):
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "mtp", "eagle3"])
 def test_speculative_decoding_on_gpu_matches_plain_decoding(tmp_path, seed, method):
     """Verification steps replay the decode graphs (one decode per token), the draft model's steps
     its own graphs, MTP reads hidden states out of the target's graphs: greedy output equals plain
@@ -101,6 +101,13 @@ def test_speculative_decoding_on_gpu_matches_plain_decoding(tmp_path, seed, meth
     spec = {"method": method, "num_speculative_tokens": 3}
     if method == "draft_model":
         spec["model"] = str(path)
+    if method == "eagle3":  # a head over the target's layers 0, 1 and 2 (its hidden size, 256)
+        from test_eagle3 import _eagle3_tensors, _write_eagle3
+
+        tensors = _eagle3_tensors(seed, 256, with_embedding=False, hidden=256, heads=4, kv_heads=2, intermediate=512)
+        head = _write_eagle3(tmp_path / "eagle3", tensors, hidden_size=256, intermediate_size=512,
+                             eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+        spec["model"] = str(head)
     prompts = [p + p for p in random_prompts(11, 128, 3, 30, seed)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = []
@@ -111,6 +118,8 @@ def test_speculative_decoding_on_gpu_matches_plain_decoding(tmp_path, seed, meth
         assert (runner.graph_runner is None) == eager
         if speculative and method == "draft_model":
             assert (runner.proposer.graph_runner is None) == eager
+        if speculative and method in ("mtp", "eagle3"):
+            assert (not runner.proposer.graph_runners) == eager
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in outs])
         if speculative:

@@ -134,13 +134,8 @@ class ModelRunner:
                                      self.config.model.dtype, decode_sizes, self.max_blocks_per_seq, self.device,
                                      features, self.proposer.features_dim if features else 0)
             decode.capture()
-            if getattr(self.proposer, "decode_graphs", False):  # a draft model: its steps are decodes too
-                draft = self.proposer.model
-                self.proposer.graph_runner = CUDAGraphRunner(
-                    draft, draft.lm_head.logits_into,
-                    draft.config.vocab_size, self.config.model.dtype, decode_sizes, self.max_blocks_per_seq,
-                    self.device)
-                self.proposer.graph_runner.capture()
+            if hasattr(self.proposer, "capture_cuda_graphs"):  # a draft model: its steps are decodes too
+                self.proposer.capture_cuda_graphs(CUDAGraphRunner, decode_sizes)
         if piecewise_sizes:
             piecewise = PiecewiseGraphRunner(self.model, piecewise_sizes, self.config.model.max_model_len,
                                              self.max_blocks_per_seq, self.device)

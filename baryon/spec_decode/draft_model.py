@@ -42,7 +42,6 @@ def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch) -> torch.
 
 
 class DraftModelProposer:
-    decode_graphs = True  # its forward takes (input_ids, positions): decode CUDA graphs can serve it
     samples = True  # drafts for sampling requests are drawn with their parameters
     def __init__(self, config: EngineConfig, max_blocks_per_seq: int) -> None:
         spec = config.speculative
@@ -120,6 +119,13 @@ class DraftModelProposer:
         for row, generator in batch.generators.items():
             noise[row].exponential_(generator=generator)
         return torch.where(batch.greedy, greedy, (q / noise).argmax(dim=-1)), q
+
+    def capture_cuda_graphs(self, graph_runner_class, sizes: list[int]) -> None:
+        """Capture the draft's forward + LM head for these token counts (its caches bound);
+        graph_runner_class: runner/cuda_graph.CUDAGraphRunner."""
+        self.graph_runner = graph_runner_class(self.model, self.model.lm_head.logits_into, self.model.config.vocab_size,
+                                               self.dtype, sizes, self.max_blocks_per_seq, self.device)
+        self.graph_runner.capture()
 
     def _forward(self, block_tables: np.ndarray, computed: np.ndarray, num_new: np.ndarray,
                  input_ids: torch.Tensor, last_rows: np.ndarray) -> torch.Tensor:

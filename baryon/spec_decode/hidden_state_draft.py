@@ -31,7 +31,6 @@ from baryon.transfer import to_device
 
 
 class HiddenStateProposer(DraftModelProposer):
-    decode_graphs = False  # its forward also reads hidden states: it runs eagerly
     def __init__(self, config: EngineConfig, max_blocks_per_seq: int, target: torch.nn.Module) -> None:
         super().__init__(config, max_blocks_per_seq)
         self.method = config.speculative.method
@@ -45,6 +44,26 @@ class HiddenStateProposer(DraftModelProposer):
         self.hidden: torch.Tensor | None = None  # [drafting rows, hidden]: the last draft step's output
         self.num_mtp_layers = len(getattr(self.model, "only_layers", ()))
         self.features_dim = getattr(self.model.config, "hidden_size")  # of target_features' rows
+        self.hidden_in: torch.Tensor | None = None  # [largest graph, hidden]: the graphs' hidden-state input
+        self.graph_runners: dict[int, object] = {}  # MTP layer (0 for EAGLE-3) -> its CUDA graphs
+
+    def capture_cuda_graphs(self, graph_runner_class, sizes: list[int]) -> None:
+        """Per draft layer, graphs of its forward over a static hidden-state input, its logits and
+        its output hidden states (the next depth's input) for these token counts."""
+        self.hidden_in = torch.zeros(max(sizes), self.features_dim, dtype=self.dtype, device=self.device)
+        self.graph_runners = {}
+        for layer in range(max(self.num_mtp_layers, 1)):
+            def forward(input_ids: torch.Tensor, positions: torch.Tensor, layer: int = layer) -> torch.Tensor:
+                return self._layer_forward(input_ids, positions, self.hidden_in[:input_ids.shape[0]], layer)
+
+            def logits_into(hidden: torch.Tensor, out: torch.Tensor, layer: int = layer) -> None:
+                out.copy_(self._logits(hidden, layer))
+
+            runner = graph_runner_class(forward, logits_into, self.model.config.vocab_size, self.dtype, sizes,
+                                        self.max_blocks_per_seq, self.device, features=lambda h: h,
+                                        features_dim=self.features_dim)
+            runner.capture()
+            self.graph_runners[layer] = runner
 
     def target_features(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The step's target output [num_tokens, hidden] -> what the draft reads per token."""
@@ -62,20 +81,34 @@ class HiddenStateProposer(DraftModelProposer):
         advanced = [r.request_id in self.rows and r.num_computed_tokens > self.rows[r.request_id][1] for r in requests]
         return super().propose(requests, [m if a else 0 for m, a in zip(max_drafts, advanced)], sampling)
 
-    def _run(self, input_ids: torch.Tensor, positions: np.ndarray, hidden: torch.Tensor, tables: np.ndarray,
-             computed: np.ndarray, num_new: np.ndarray, depth: int) -> torch.Tensor:
-        layout = batch_layout(tables, computed, num_new, self.block_size)
-        metadata = build_metadata(layout, tables, self.device)
-        positions_device = to_device(torch.from_numpy(positions), self.device)
-        with forward_context(metadata):
-            if self.num_mtp_layers:
-                return self.model(input_ids, positions_device, hidden, depth % self.num_mtp_layers)
-            return self.model(input_ids, positions_device, hidden)
-
-    def _logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
+    def _layer_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                       layer: int) -> torch.Tensor:
         if self.num_mtp_layers:
-            return self.model.compute_logits(hidden, depth % self.num_mtp_layers)
+            return self.model(input_ids, positions, hidden, layer)
+        return self.model(input_ids, positions, hidden)
+
+    def _logits(self, hidden: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.num_mtp_layers:
+            return self.model.compute_logits(hidden, layer)
         return self.model.compute_logits(hidden)
+
+    def _run(self, input_ids: torch.Tensor, positions: np.ndarray, hidden: torch.Tensor, tables: np.ndarray,
+             computed: np.ndarray, num_new: np.ndarray, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft layer of this depth over a batch: (output hidden states [rows, hidden], and
+        from a CUDA graph the logits of every row [rows, vocab], else None). Up to the largest
+        captured size the rows run as one decode each (build_metadata's per_token)."""
+        layer = depth % self.num_mtp_layers if self.num_mtp_layers else 0
+        layout = batch_layout(tables, computed, num_new, self.block_size)
+        positions_device = to_device(torch.from_numpy(positions), self.device)
+        runner = self.graph_runners.get(layer)
+        rows = len(positions)
+        if runner is not None and runner.padded_size(rows):
+            self.hidden_in[:rows].copy_(hidden)
+            metadata = build_metadata(layout, tables, self.device, per_token=True)
+            logits = runner.run(input_ids, positions_device, metadata)
+            return runner.features[:rows], logits
+        with forward_context(build_metadata(layout, tables, self.device)):
+            return self._layer_forward(input_ids, positions_device, hidden, layer), None
 
     def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> torch.Tensor | None:
         spans = []  # (request index, first flat token, first position, tokens kept)
@@ -93,16 +126,17 @@ class HiddenStateProposer(DraftModelProposer):
         flat = np.concatenate([np.arange(s, s + n) for _, s, _, n in spans])
         positions = np.concatenate([np.arange(c, c + n) for _, _, c, n in spans])
         next_tokens = np.concatenate([r.all_token_ids[c + 1:c + n + 1] for r, (_, _, c, n) in zip(requests, spans)])
-        hidden = self._run(to_device(torch.from_numpy(next_tokens.astype(np.int64)), self.device), positions,
-                           self.features[to_device(torch.from_numpy(flat), self.device)],
-                           self._block_tables(requests), computed, num_new, 0)
+        hidden, logits = self._run(to_device(torch.from_numpy(next_tokens.astype(np.int64)), self.device), positions,
+                                   self.features[to_device(torch.from_numpy(flat), self.device)],
+                                   self._block_tables(requests), computed, num_new, 0)
         last = np.cumsum(num_new) - 1
         drafting_row = {i: j for j, (i, _, _, _) in enumerate(spans)}
         rows = [last[drafting_row[i]] for i in drafting]  # every drafting request was advanced
         if not rows:
             return None
-        self.hidden = hidden[to_device(torch.tensor(rows), self.device)]
-        return self._logits(self.hidden, 0)
+        index = to_device(torch.tensor(rows), self.device)
+        self.hidden = hidden[index]
+        return self._logits(self.hidden, 0) if logits is None else logits[index]
 
     def _narrow(self, index: torch.Tensor) -> None:
         self.hidden = self.hidden[index]
@@ -111,9 +145,12 @@ class HiddenStateProposer(DraftModelProposer):
         """One row per request: draft `step`'s input is the previous draft at the position after."""
         positions = np.fromiter((r.num_computed_tokens - 1 + step for r in requests), dtype=np.int64,
                                 count=len(requests))
-        self.hidden = self._run(tokens, positions, self.hidden, self._block_tables(requests), positions,
-                                np.ones(len(requests), dtype=np.int64), step)
-        return self._logits(self.hidden, step)
+        self.hidden, logits = self._run(tokens, positions, self.hidden, self._block_tables(requests), positions,
+                                        np.ones(len(requests), dtype=np.int64), step)
+        if logits is None:
+            layer = step % self.num_mtp_layers if self.num_mtp_layers else 0
+            logits = self._logits(self.hidden, layer)
+        return logits
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
