@@ -83,23 +83,27 @@ def test_greedy_output_is_identical_and_acceptance_counted(target, near_draft, n
 
 
 def test_prefix_caching_and_preemption_keep_greedy_output(target, near_draft, seed):
-    """Shared prefixes hit the cache (hashes registered only for verified tokens), and a cache
-    too small for every request preempts and recomputes, drafts included."""
+    """Shared prefixes hit the cache (hashes registered only for verified tokens), a cache too
+    small for every request preempts and recomputes, drafts included, and prompts longer than
+    the step budget prefill in chunks."""
     base = random_prompts(1, 128, 24, 24, seed)[0]
     prompts = [{"prompt_token_ids": base + p} for p in random_prompts(6, 128, 2, 10, seed + 1)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    small = dict(ENGINE, num_kv_blocks=44, max_model_len=96)
+    few_blocks = dict(ENGINE, num_kv_blocks=44, max_model_len=96)  # the requests cannot all fit: preemption
+    small_budget = dict(ENGINE, max_model_len=96, max_num_batched_tokens=12)  # chunked prefill, drafts trimmed
     reference = _generate(LLM(str(target), **dict(ENGINE, max_model_len=96)), prompts, params)
     for spec in _specs(target, near_draft).values():
-        llm = LLM(str(target), **small, speculative_config=spec)
-        scheduler, preemptions = llm.engine.core.scheduler, []
-        preempt = scheduler._preempt
-        scheduler._preempt = lambda request: (preemptions.append(request.request_id), preempt(request))
-        first = _generate(llm, prompts, params)
-        again = _generate(llm, prompts, params)  # served from the prefix cache
-        assert [o.token_ids for o in first] == [r.token_ids for r in reference], spec
-        assert [o.token_ids for o in again] == [r.token_ids for r in reference], spec
-        assert preemptions, spec  # the cache cannot hold every request at full length
+        for engine in (few_blocks, small_budget):
+            llm = LLM(str(target), **engine, speculative_config=spec)
+            scheduler, preemptions = llm.engine.core.scheduler, []
+            preempt = scheduler._preempt
+            scheduler._preempt = lambda request: (preemptions.append(request.request_id), preempt(request))
+            first = _generate(llm, prompts, params)
+            again = _generate(llm, prompts, params)  # served from the prefix cache
+            assert [o.token_ids for o in first] == [r.token_ids for r in reference], (spec, engine)
+            assert [o.token_ids for o in again] == [r.token_ids for r in reference], (spec, engine)
+            if engine is few_blocks:
+                assert preemptions, spec
 
 
 def test_stop_strings_and_eos_end_inside_a_draft(stories_path, seed):
