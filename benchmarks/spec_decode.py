@@ -9,6 +9,9 @@ Each phase runs in a fresh process and prints one JSON line per batch size; a ta
 - self: the target as its own draft model, greedy: every draft is accepted, so a step yields
   exactly k + 1 tokens; its step time includes the draft's catch-up and k - 1 draft steps.
 - draft: plain decoding of the small draft preset (its step time prices a real draft).
+- small-draft: the target with the small preset as its draft model (dummy weights: it accepts
+  almost nothing): the measured step time of verification plus real drafting, against which the
+  computed TPOT columns can be checked.
 
     python benchmarks/spec_decode.py --model qwen3-8b --draft qwen3-0.6b --k 4 --batch-sizes 1 8 64
 
@@ -28,7 +31,7 @@ import subprocess
 import sys
 import time
 
-PHASES = ("plain", "ngram", "self", "draft")
+PHASES = ("plain", "ngram", "self", "draft", "small-draft")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--dtype", default="auto", help="auto (the preset's, bf16) or float32: with float32 "
                         "the self-draft's argmax matches the target's (bf16 rounding differs between batch shapes)")
-    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES[:4]))
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # run one phase in this process
     return parser.parse_args(argv)
 
@@ -130,7 +133,8 @@ def run_phase(args: argparse.Namespace) -> None:
     k = args.k
     spec = {"plain": None, "draft": None,
             "ngram": {"method": "ngram", "num_speculative_tokens": k},
-            "self": {"method": "draft_model", "model": args.model, "num_speculative_tokens": k}}[args.phase]
+            "self": {"method": "draft_model", "model": args.model, "num_speculative_tokens": k},
+            "small-draft": {"method": "draft_model", "model": args.draft, "num_speculative_tokens": k}}[args.phase]
     model = args.draft if args.phase == "draft" else args.model
     start = time.perf_counter()
     llm = _llm(model, spec, args.max_model_len, args.dtype)
