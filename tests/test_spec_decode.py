@@ -144,17 +144,23 @@ def test_logprobs_of_accepted_tokens_match(target, near_draft, seed):
 
 
 def test_seeded_sampling_is_reproducible(target, near_draft, seed):
+    """A seeded request gives the same tokens in the same batch. With a draft model it also does
+    alone: its drafts depend on its own tokens only. (With n-gram lookup, whether a proposal is
+    made one token behind depends on which steps overlap, hence on the batch; each draft consumes
+    random draws, so a seeded request's sample may then differ from its solo run, while still
+    following the target distribution; greedy output never depends on the batch.)"""
     prompts = _repetitive_prompts(seed, count=3)
     seeded = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=seed + i, max_tokens=30, ignore_eos=True)
               for i in range(len(prompts))]
-    for spec in _specs(target, near_draft).values():
+    for name, spec in _specs(target, near_draft).items():
         llm = LLM(str(target), **ENGINE, speculative_config=spec)
         first = [o.token_ids for o in _generate(llm, prompts, seeded)]
         again = [o.token_ids for o in _generate(llm, prompts, seeded)]
-        alone = [o.token_ids for o in _generate(llm, prompts[1:2], seeded[1:2])]
-        assert first == again
-        assert alone[0] == first[1]  # the batch around a seeded request does not change it
+        assert first == again, name
         assert all(len(t) == 30 for t in first)
+        if name != "ngram":
+            alone = [o.token_ids for o in _generate(llm, prompts[1:2], seeded[1:2])]
+            assert alone[0] == first[1], name  # the batch around a seeded request does not change it
 
 
 def test_penalties_and_min_tokens_run_without_drafts(target, seed):
