@@ -165,14 +165,16 @@ def test_seeded_sampling_is_reproducible(target, near_draft, seed):
 
 def test_penalties_and_min_tokens_run_without_drafts(target, seed):
     """Position-dependent sampling is never drafted for: output equals plain decoding."""
-    prompts = _repetitive_prompts(seed, count=3)
+    prompts = _repetitive_prompts(seed, count=4)
     params = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, frequency_penalty=1.5, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=20, min_tokens=12, stop_token_ids=[5, 7]),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
     reference = _generate(LLM(str(target), **ENGINE), prompts, params)
-    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3}
-    outputs = _generate(LLM(str(target), **ENGINE, speculative_config=spec), prompts, params)
-    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    for spec in ({"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):  # steps overlap
+        outputs = _generate(LLM(str(target), **ENGINE, speculative_config=spec), prompts, params)
+        assert [o.token_ids for o in outputs] == [r.token_ids for r in reference], spec
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -257,3 +259,26 @@ def test_server_flag_and_metrics(stories_path):
         assert metrics["baryon:spec_decode_num_drafts_total"] > 0
     finally:
         server.stop()
+
+
+def test_hidden_state_draft_sees_every_computed_position(target, tmp_path, seed):
+    """The draft's cache rows are written for every token the target computes: prompt chunks
+    (a small step budget), and steps in which no request may draft (min_tokens)."""
+    head = _write_eagle3(tmp_path / "eagle3", _eagle3_tensors(seed, 64, with_embedding=False),
+                         eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(str(target), **dict(ENGINE, max_num_batched_tokens=8), speculative_config=spec)
+    proposer, seen = llm.engine.core.runner.proposer, set()
+    run = proposer._run
+
+    def recording_run(input_ids, positions, hidden, tables, computed, num_new, depth):
+        if depth == 0:  # catch-up rows (draft steps run at depth >= 1)
+            seen.update(int(p) for p in positions)
+        return run(input_ids, positions, hidden, tables, computed, num_new, depth)
+
+    proposer._run = recording_run
+    prompt = random_prompts(1, 128, 30, 30, seed)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[1])
+    out = _generate(llm, [{"prompt_token_ids": prompt}], params)[0]
+    # A draft row for every position the target computed before the request's last step.
+    assert set(range(len(prompt) + len(out.token_ids) - 2)) <= seen

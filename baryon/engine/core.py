@@ -168,7 +168,7 @@ class EngineCore:
             self._in_flight = None
             return self._update(flight)
         if self.config.speculative is not None:
-            self.runner.propose([r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1])
+            self.runner.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule().scheduled
         launched = None
         if scheduled:

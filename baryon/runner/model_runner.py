@@ -263,11 +263,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, batch: _Batch, step: LaunchedStep) -> None:
         requests = batch.sampling_requests
-        pending = [(i, self.last_launch.row_of[r.request_id]) for i, r in enumerate(requests)
-                   if r.num_pending_tokens]
-        previous = self.last_launch.sampled_device if pending else None
-        sampling = build_sampling_batch(requests, self.vocab_size, self.device, pending, previous)
-        result = self.sampler(logits, sampling)
+        result = self.sampler(logits, self._sampling_batch(requests))
         step.sampled_device = result.sampled
         step.copy_to_host("sampled", result.sampled)
         if result.logprobs is not None:
@@ -277,7 +273,8 @@ class ModelRunner:
             step.copy_to_host("sampled_rank", result.sampled_rank)
 
     def propose(self, requests: list[Request]) -> None:
-        """Draft the tokens each decoding request's next step verifies (speculative decoding),
+        """requests: the running ones. Draft the tokens each decoding request's next step verifies
+        (speculative decoding),
         into request.spec_token_ids; none where the draft cannot count: penalties and min_tokens
         change each position's distribution with the tokens before it. A request whose last
         token is still pending (steps overlapping, n-gram lookup only) gets the proposal for the
@@ -288,9 +285,11 @@ class ModelRunner:
         for r in requests:
             room = min(k, r.max_tokens - r.num_output_tokens - r.num_pending_tokens - 1)
             lag = r.num_pending_tokens
-            max_drafts.append(0 if _position_dependent(r) or room <= 0 else room + lag)
+            decoding = r.num_tokens - r.num_computed_tokens == 1
+            max_drafts.append(room + lag if decoding and room > 0 and not _position_dependent(r) else 0)
             lags.append(lag)
-        if not any(max_drafts):
+        # A draft that reads the target's hidden states catches up on every step, drafting or not.
+        if not any(max_drafts) and not hasattr(self.proposer, "observe"):
             for request in requests:
                 request.spec_token_ids = []
             return
@@ -303,6 +302,13 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.forget(request_id)
 
+    def _sampling_batch(self, requests: list[Request]):
+        """The requests' sampling inputs; penalties count a token still pending on the device."""
+        pending = [(i, self.last_launch.row_of[r.request_id]) for i, r in enumerate(requests)
+                   if r.num_pending_tokens]
+        previous = self.last_launch.sampled_device if pending else None
+        return build_sampling_batch(requests, self.vocab_size, self.device, pending, previous)
+
     def _verify(self, logits: torch.Tensor, batch: _Batch, step: LaunchedStep) -> None:
         """Speculative sampling: accept each request's drafts against its rows' logits
         ([sum(num_drafts + 1), vocab]) and sample the token after the last accepted one."""
@@ -312,7 +318,7 @@ class ModelRunner:
         drafts = [t for r in requests for t in r.spec_token_ids]
         draft_ids = to_device(torch.tensor(drafts, dtype=torch.int64), self.device)
         draft_probs = self.proposer.draft_probs(requests, batch.num_drafts, self.vocab_size) if drafts else None
-        sampling = build_sampling_batch(requests, self.vocab_size, self.device)
+        sampling = self._sampling_batch(requests)
         result = self.rejection_sampler(logits, draft_ids, to_device(torch.from_numpy(cu_num_drafts), self.device),
                                         cu_num_drafts, draft_probs, sampling)
         step.cu_num_drafts = cu_num_drafts

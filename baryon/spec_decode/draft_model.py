@@ -43,6 +43,7 @@ def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch) -> torch.
 
 class DraftModelProposer:
     samples = True  # drafts for sampling requests are drawn with their parameters
+
     def __init__(self, config: EngineConfig, max_blocks_per_seq: int) -> None:
         spec = config.speculative
         self.device = config.device
@@ -102,10 +103,11 @@ class DraftModelProposer:
         for alive, tokens, probs in columns:
             for i, token in zip(alive, tokens.tolist()):
                 drafts[i].append(token)
+        row_of = [{i: j for j, i in enumerate(rows)} for rows, _, _ in columns]  # per depth: request -> row
         for i, request in enumerate(requests):
             if max_drafts[i] and not request.sampling_params.is_greedy:
                 self.probs[request.request_id] = torch.stack(
-                    [probs[rows.index(i)] for rows, _, probs in columns[:max_drafts[i]]])
+                    [probs[row_of[depth][i]] for depth, (_, _, probs) in enumerate(columns[:max_drafts[i]])])
         return drafts
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -118,6 +118,7 @@ class HiddenStateProposer(DraftModelProposer):
             if request.request_id in self.rows and kept > 0:
                 spans.append((i, start, computed, kept))
         self.hidden = None
+        features, self.features, self.rows = self.features, None, {}  # consumed once
         if not spans:
             return None
         requests = [all_requests[i] for i, _, _, _ in spans]
@@ -127,7 +128,7 @@ class HiddenStateProposer(DraftModelProposer):
         positions = np.concatenate([np.arange(c, c + n) for _, _, c, n in spans])
         next_tokens = np.concatenate([r.all_token_ids[c + 1:c + n + 1] for r, (_, _, c, n) in zip(requests, spans)])
         hidden, logits = self._run(to_device(torch.from_numpy(next_tokens.astype(np.int64)), self.device), positions,
-                                   self.features[to_device(torch.from_numpy(flat), self.device)],
+                                   features[to_device(torch.from_numpy(flat), self.device)],
                                    self._block_tables(requests), computed, num_new, 0)
         last = np.cumsum(num_new) - 1
         drafting_row = {i: j for j, (i, _, _, _) in enumerate(spans)}

@@ -47,7 +47,8 @@ class PromptLookupProposer:
     samples = False
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
-        self.ngram = NgramProposer(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+        # One more than k: a proposal made one token behind drops its first token.
+        self.ngram = NgramProposer(num_speculative_tokens + 1, prompt_lookup_min, prompt_lookup_max)
         self.histories: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, length)
 
     def _history(self, request: Request) -> np.ndarray:
