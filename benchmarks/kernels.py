@@ -82,6 +82,37 @@ def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> Non
         record(name, f"min_p=0.5 {shape}", lambda: impl.apply_min_p(probs, per_row))
 
 
+def rejection_sampling_kernels(record, device: torch.device, vocab: int, small: bool) -> None:
+    """The rejection rule of every implementation on `device` (the kernel alone), and the whole
+    RejectionSampler (processing, draws, kernel) greedy and sampling, at batch 1, 8 and 64 with k = 4."""
+    from baryon.layers.sampler import SamplingBatch
+    from baryon.spec_decode.rejection_sampler import RejectionSampler
+
+    k, gen = 4, torch.Generator().manual_seed(0)
+    for batch in ((1, 8) if small else (1, 8, 64)):
+        num_drafts, rows = batch * k, batch * (k + 1)
+        cu_cpu = list(range(0, num_drafts + 1, k))
+        cu = torch.tensor(cu_cpu, dtype=torch.int32, device=device)
+        drafts = torch.randint(0, vocab, (num_drafts,), generator=gen).to(device)
+        argmax = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+        p, u = torch.rand(num_drafts, generator=gen).to(device), torch.rand(num_drafts, generator=gen).to(device)
+        recovered, bonus = drafts.clone(), argmax[:batch].clone()
+        greedy = torch.zeros(batch, dtype=torch.bool, device=device)
+        for impl in selector.candidates("rejection_sampling"):
+            if impl.unsupported_reason(device) is None:
+                record(f"rejection_sampling.{impl.name}", f"rule batch={batch} k={k}",
+                       lambda: impl.rejection_sample(drafts, cu, argmax, p, p, u, recovered, bonus, greedy, k))
+        logits = (torch.randn(rows, vocab, generator=gen) * 2).to(device)
+        sampler = RejectionSampler(device, 0)
+        for all_greedy in (True, False):
+            sampling = SamplingBatch(
+                temperature=torch.full((batch,), 0.8, device=device), greedy=torch.full((batch,), all_greedy, device=device),
+                all_greedy=all_greedy, top_k=None, top_p=None, min_p=None, generators={}, penalties=None, banned=None,
+                num_logprobs=None)
+            record("rejection_sampler", f"{'greedy' if all_greedy else 'T=0.8'} batch={batch} k={k} vocab={vocab}",
+                   lambda: sampler(logits, drafts, cu, cu_cpu, None, sampling))
+
+
 def block_quant_kernels(record, device: torch.device) -> None:
     """The packed 4-bit linear (SmolLM2-135M's gate_up and LM-head shapes) against F.linear on the
     same weights dequantized to float32 (what a dense model multiplies). CPU only."""
@@ -274,7 +305,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla"], help="just these kernel families")
+    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec"], help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
     args = parser.parse_args()
@@ -303,6 +334,9 @@ def main() -> None:
         return
     if args.only == "mla":
         mla_kernels(record, device, dtype, args.small)
+        return
+    if args.only == "spec":
+        rejection_sampling_kernels(record, device, vocab, args.small)
         return
     attention = selector.select("attention", device)
     for name, num_seqs, q_len, seq_len in [("decode", 64 // scale, 1, 1024 // scale),
@@ -349,6 +383,7 @@ def main() -> None:
         block_quant_kernels(record, device)
     rows = 64 // scale
     sampling_kernels(record, device, rows, vocab)
+    rejection_sampling_kernels(record, device, vocab, args.small)
     moe_kernels(record, device, dtype, args.small)
     mla_kernels(record, device, dtype, args.small)
     quant_kernels(record, device, dtype, args.small)
