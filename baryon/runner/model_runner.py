@@ -266,11 +266,7 @@ class ModelRunner:
         result = self.sampler(logits, self._sampling_batch(requests))
         step.sampled_device = result.sampled
         step.copy_to_host("sampled", result.sampled)
-        if result.logprobs is not None:
-            step.logprob_counts = [r.sampling_params.logprobs for r in requests]
-            step.copy_to_host("logprob_ids", result.logprob_token_ids)
-            step.copy_to_host("logprobs", result.logprobs)
-            step.copy_to_host("sampled_rank", result.sampled_rank)
+        step.keep_logprobs(requests, result)
 
     def propose(self, requests: list[Request]) -> None:
         """requests: the running ones. Draft the tokens each decoding request's next step verifies
@@ -326,11 +322,7 @@ class ModelRunner:
         step.sampled_device = result.output_token_ids.gather(1, (result.num_output.long() - 1).unsqueeze(1)).squeeze(1)
         step.copy_to_host("verified", result.output_token_ids)
         step.copy_to_host("num_verified", result.num_output)
-        if result.logprobs is not None:
-            step.logprob_counts = [r.sampling_params.logprobs for r in requests]
-            step.copy_to_host("logprob_ids", result.logprob_token_ids)
-            step.copy_to_host("logprobs", result.logprobs)
-            step.copy_to_host("sampled_rank", result.sampled_rank)
+        step.keep_logprobs(requests, result)
 
     def _prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]],
                          step: LaunchedStep) -> None:
@@ -380,6 +372,15 @@ class LaunchedStep:
             self._host[name] = host
         else:
             self._host[name] = tensor
+
+    def keep_logprobs(self, requests: list[Request], result) -> None:
+        """Copy a sampler's logprobs (SamplerOutput or RejectionSamplerOutput: one row per sampled
+        position) to the host, when asked for."""
+        if result.logprobs is not None:
+            self.logprob_counts = [r.sampling_params.logprobs for r in requests]
+            self.copy_to_host("logprob_ids", result.logprob_token_ids)
+            self.copy_to_host("logprobs", result.logprobs)
+            self.copy_to_host("sampled_rank", result.sampled_rank)
 
     def finish_launch(self, device: torch.device) -> None:
         if device.type == "cuda":
