@@ -82,10 +82,12 @@ MOE_BASE = {
                         kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1),
     # DeepSeek-V3.2: V3's attention plus an indexer (8 heads of 32) choosing 6 keys per token.
+    # 32 index heads: a key scores exactly 0 only when every head's relu is 0 (2^-32), so the
+    # top-k never meets a tie at 0, which the reference's torch.topk breaks in no defined order.
     "deepseek_v32": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                          kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                          num_key_value_heads=4, first_k_dense_replace=1, n_group=2, topk_group=1,
-                         index_n_heads=8, index_head_dim=32, index_topk=6),
+                         index_n_heads=32, index_head_dim=32, index_topk=6),
     # GPT-OSS: 8 experts of 32 (top-2), sinks, sliding window 8 on even layers, YaRN as published.
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8,
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,

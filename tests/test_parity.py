@@ -63,7 +63,7 @@ CASES = [
                                                              attention_bias=True)),
     # DeepSeek-V3.2: 5-20-token prompts + 32 new tokens against an indexer keeping 6 (or 16) keys per token.
     ("deepseekv32-sparse-top6", "deepseek_v32", dict(routed_scaling_factor=2.5, norm_topk_prob=True)),
-    ("deepseekv32-top16-yarn", "deepseek_v32", dict(index_topk=16, num_hidden_layers=3, index_n_heads=16,
+    ("deepseekv32-top16-yarn", "deepseek_v32", dict(index_topk=16, num_hidden_layers=3, index_n_heads=32,
                                                     rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8})),
     # GPT-OSS: sinks, biases, clamped SwiGLU experts; 5-20-token prompts + 32 new against windows of 8 / 4.
     # The published SwiGLU limit (7; older transformers ignore the config's): conftest scales the
