@@ -44,6 +44,34 @@ class SamplerOutput:
     sampled_rank: torch.Tensor | None = None  # [B] int64, 1 = most likely
 
 
+def _rows(t: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or rows is None else t[rows]
+
+
+def penalised_logits(kernel, logits: torch.Tensor, batch: SamplingBatch,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Banned tokens and penalties applied to logits [N, V]; rows: the batch entry of each of the
+    N rows (None: row i is entry i). kernel: the "sampling" selector choice."""
+    if batch.banned is not None:
+        logits = logits.masked_fill(_rows(batch.banned, rows), float("-inf"))
+    if batch.penalties is not None:
+        p = batch.penalties
+        logits = kernel.apply_penalties(logits, *(_rows(t, rows) for t in (
+            p.prompt_mask, p.output_counts, p.presence, p.frequency, p.repetition)))
+    return logits
+
+
+def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, V] (penalised) logits -> the distribution a sampling row draws from: temperature,
+    top-k / top-p, softmax, min-p (which leaves it unnormalised: an exponential race needs no sum
+    of 1). rows as in penalised_logits."""
+    logits = logits / _rows(batch.temperature, rows).unsqueeze(1)
+    probs = kernel.apply_top_k_top_p(logits, _rows(batch.top_k, rows), _rows(batch.top_p, rows)).softmax(dim=-1)
+    if batch.min_p is not None:
+        probs = kernel.apply_min_p(probs, _rows(batch.min_p, rows))
+    return probs
+
+
 class Sampler(nn.Module):
     def __init__(self, device: torch.device, seed: int) -> None:
         super().__init__()
@@ -55,12 +83,7 @@ class Sampler(nn.Module):
         """logits: [B, V] float32 -> SamplerOutput. Logprobs are those of the model's raw
         distribution (before penalties, temperature and truncation), as vLLM reports them."""
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
-        if batch.banned is not None:
-            logits = logits.masked_fill(batch.banned, float("-inf"))
-        if batch.penalties is not None:
-            p = batch.penalties
-            logits = self.kernel.apply_penalties(logits, p.prompt_mask, p.output_counts,
-                                                 p.presence, p.frequency, p.repetition)
+        logits = penalised_logits(self.kernel, logits, batch)
         sampled = logits.argmax(dim=-1)
         if not batch.all_greedy:
             sampled = torch.where(batch.greedy, sampled, self._sample(logits, batch))
@@ -70,11 +93,7 @@ class Sampler(nn.Module):
         return output
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits / batch.temperature.unsqueeze(1)
-        logits = self.kernel.apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-        probs = logits.softmax(dim=-1)
-        if batch.min_p is not None:
-            probs = self.kernel.apply_min_p(probs, batch.min_p)
+        probs = sampling_probs(self.kernel, logits, batch)
         # Exponential race: argmax(p / q) with q ~ Exp(1) draws a token with probability p.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in batch.generators.items():

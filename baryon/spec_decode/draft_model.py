@@ -25,20 +25,10 @@ from baryon.kernels.attention.metadata import batch_layout, build_metadata
 from baryon.kernels.selector import select
 from baryon.layers.attention import PagedKVLayer
 from baryon.layers.forward_context import forward_context
-from baryon.layers.sampler import SamplingBatch
+from baryon.layers.sampler import SamplingBatch, sampling_probs
 from baryon.loader.model_loader import load_model
 from baryon.request import Request
 from baryon.transfer import to_device
-
-
-def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[B, V] float32 logits -> the distribution sampling draws from (temperature, top-k, top-p,
-    softmax, min-p), as the sampler applies them; kernel: the "sampling" selector choice."""
-    logits = kernel.apply_top_k_top_p(logits / batch.temperature.unsqueeze(1), batch.top_k, batch.top_p)
-    probs = logits.softmax(dim=-1)
-    if batch.min_p is not None:
-        probs = kernel.apply_min_p(probs, batch.min_p)
-    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 class DraftModelProposer:
@@ -117,6 +107,7 @@ class DraftModelProposer:
         if batch.all_greedy:
             return greedy, None
         q = sampling_probs(self.sampling_kernel, logits, batch)
+        q = q / q.sum(dim=-1, keepdim=True)  # [rows, vocab]: kept for the rejection rule
         noise = torch.empty_like(q).exponential_(generator=self.generator)
         for row, generator in batch.generators.items():
             noise[row].exponential_(generator=generator)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from baryon.kernels.selector import select
-from baryon.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from baryon.layers.sampler import Sampler, SamplerOutput, SamplingBatch, penalised_logits, sampling_probs
 
 
 @dataclass
@@ -93,7 +93,7 @@ class RejectionSampler(nn.Module):
         drafts of a request). Logprobs are those of the raw logits, as Sampler reports them."""
         layout = _Layout.build(cu_num_drafts, cu_num_drafts_cpu, max_spec_len)
         raw_logprobs = target_logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
-        logits = self._penalised(target_logits, batch, layout.row_request)
+        logits = penalised_logits(self.sampling_kernel, target_logits, batch, layout.row_request)
         target_argmax = logits.argmax(dim=-1)  # [num_drafts + B]
         if batch.all_greedy:  # the kernel reads none of the sampling inputs
             no_probs = torch.zeros_like(draft_token_ids, dtype=torch.float32)
@@ -112,28 +112,6 @@ class RejectionSampler(nn.Module):
             output.logprob_token_ids, output.logprobs = row_output.logprob_token_ids, row_output.logprobs
             output.sampled_rank = row_output.sampled_rank
         return output
-
-    def _penalised(self, logits: torch.Tensor, batch: SamplingBatch, row_request: torch.Tensor) -> torch.Tensor:
-        """Banned tokens and penalties of each request applied to its rows, as Sampler applies them."""
-        if batch.banned is not None:
-            logits = logits.masked_fill(batch.banned[row_request], float("-inf"))
-        if batch.penalties is not None:
-            p = batch.penalties
-            logits = self.sampling_kernel.apply_penalties(
-                logits, p.prompt_mask[row_request], p.output_counts[row_request], p.presence[row_request],
-                p.frequency[row_request], p.repetition[row_request])
-        return logits
-
-    def _probs(self, logits: torch.Tensor, batch: SamplingBatch, row_request: torch.Tensor) -> torch.Tensor:
-        """[num_rows, V] penalised logits -> the distribution each sampling row draws from, as
-        Sampler computes it (min-p leaves it unnormalised: an exponential race needs no sum of 1)."""
-        logits = logits / batch.temperature[row_request].unsqueeze(1)
-        top_k = batch.top_k[row_request] if batch.top_k is not None else None
-        top_p = batch.top_p[row_request] if batch.top_p is not None else None
-        probs = self.sampling_kernel.apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
-        if batch.min_p is not None:
-            probs = self.sampling_kernel.apply_min_p(probs, batch.min_p[row_request])
-        return probs
 
     def _draw(self, batch: SamplingBatch, vocab: int, layout: _Layout,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +133,7 @@ class RejectionSampler(nn.Module):
                 batch: SamplingBatch, layout: _Layout):
         """-> (p of each draft [num_drafts], q of each draft [num_drafts] or None, uniforms
         [num_drafts], recovered token per draft [num_drafts], bonus token per request [B])."""
-        probs = self._probs(logits, batch, layout.row_request)  # [num_rows, V], unnormalised after min-p
+        probs = sampling_probs(self.sampling_kernel, logits, batch, layout.row_request)  # [num_rows, V], unnormalised after min-p
         noise, uniforms = self._draw(batch, probs.shape[1], layout, probs.device)
         bonus_token_ids = (probs[layout.last_row] / noise).argmax(dim=-1)  # [B], as Sampler draws it
         draft_rows = probs[layout.draft_row]  # [num_drafts, V]
