@@ -67,10 +67,13 @@ def build_metadata(layout: BatchLayout, block_tables: np.ndarray, device: torch.
     several query tokens per sequence (speculative verification) runs as decodes: the decode
     kernels and the decode CUDA graphs serve it, causality holding since every token's K/V is
     written before attention reads the cache."""
+    tables = to_device(torch.from_numpy(np.ascontiguousarray(block_tables)), device)  # [num_seqs, width]
     if per_token:
         query_start = np.arange(len(layout.positions) + 1, dtype=np.int64)
         seq_lens = layout.positions + 1
-        block_tables = block_tables[layout.seq_of_token]
+        # Each token's row of its sequence's table, gathered on the device (a row per token of a
+        # long context would be megabytes to copy).
+        tables = tables[to_device(torch.from_numpy(layout.seq_of_token), device)]
     else:
         query_start = layout.query_start
         seq_lens = layout.positions[layout.query_start[1:] - 1] + 1 if len(layout.positions) else \
@@ -81,7 +84,7 @@ def build_metadata(layout: BatchLayout, block_tables: np.ndarray, device: torch.
         num_tokens=len(layout.positions),
         query_start_loc=to_device(torch.from_numpy(query_start32), device),
         seq_lens=to_device(torch.from_numpy(seq_lens32), device),
-        block_tables=to_device(torch.from_numpy(np.ascontiguousarray(block_tables)), device),
+        block_tables=tables,
         slot_mapping=to_device(torch.from_numpy(layout.slot_mapping), device),
         max_query_len=int(num_new.max()) if len(num_new) else 0,
         max_seq_len=int(seq_lens32.max()) if len(seq_lens32) else 0,
