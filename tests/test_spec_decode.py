@@ -76,6 +76,10 @@ def test_greedy_output_is_identical_and_acceptance_counted(target, near_draft, n
         assert stats.acceptance_rate == 1.0
     elif name == "near-draft":
         assert 0.0 < stats.acceptance_rate < 1.0
+    # The memory sizing's profile of the largest verification (every row sampling) runs.
+    emitted = llm.engine.core.runner.profile_verify_sampling()
+    k = llm.config.speculative.num_speculative_tokens
+    assert len(emitted) == min(256, 8192 // (k + 1)) and bool(((emitted >= 1) & (emitted <= k + 1)).all())
     # Every block is back in the free list, and the engine holds nothing of finished requests.
     core = llm.engine.core
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks

@@ -2,7 +2,8 @@
 
 In order: an explicit `num_kv_blocks`; an explicit `kv_cache_memory_gib`; on CPU 4 GiB; on GPU
 what `gpu_memory_utilization` of the device leaves after the weights, the peak activations of a
-profiled forward pass at `max_num_batched_tokens`, the CUDA-graph memory pool (measured by
+profiled forward pass at `max_num_batched_tokens` (and, with speculative decoding, of the largest
+verification's sampling), the CUDA-graph memory pool (measured by
 capturing the largest decode graph once on throwaway blocks) and memory outside torch. A cache that cannot
 hold one request of `max_model_len` tokens is an error that says what would fit.
 """
@@ -37,6 +38,7 @@ class SizedRunner(Protocol):
     def piecewise_graph_sizes(self) -> list[int]: ...
     def capture_cuda_graphs(self, decode_sizes: list[int], piecewise_sizes: list[int]) -> Any: ...
     def execute(self, scheduled: list[tuple[Request, int]]) -> Any: ...
+    def profile_verify_sampling(self) -> Any: ...
 
 
 def choose_num_blocks(config: EngineConfig, runner: SizedRunner) -> int:
@@ -71,6 +73,8 @@ def _blocks_from_gpu_memory(config: EngineConfig, runner: SizedRunner, per_block
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     _profile_forward(config, runner)
+    if config.speculative is not None:
+        runner.profile_verify_sampling()
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     torch_peak = torch.cuda.max_memory_allocated(device)

@@ -18,7 +18,7 @@ from baryon.request import Request
 from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
 from baryon.layers.forward_context import forward_context
-from baryon.layers.sampler import Sampler
+from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
 from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
@@ -292,6 +292,26 @@ class ModelRunner:
         sampling = build_sampling_batch(requests, self.vocab_size, self.device) if self.proposer.samples else None
         for request, drafts, lag in zip(requests, self.proposer.propose(requests, max_drafts, sampling), lags):
             request.spec_token_ids = drafts[lag:]
+
+    @torch.inference_mode()
+    def profile_verify_sampling(self) -> torch.Tensor:
+        """Run the rejection sampler once on the largest verification a step can hold, every row
+        sampling with top-k / top-p and model-draft probabilities, so that the memory sizing
+        counts its [rows, vocab] temporaries. Returns the tokens each profiled request emitted."""
+        k, scheduler = self.config.speculative.num_speculative_tokens, self.config.scheduler
+        num_requests = max(min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens // (k + 1)), 1)
+        num_drafts, rows = num_requests * k, num_requests * (k + 1)
+        cu_num_drafts = np.arange(0, num_drafts + 1, k, dtype=np.int32)
+        logits = torch.zeros(rows, self.vocab_size, device=self.device)
+        draft_probs = torch.full((num_drafts, self.vocab_size), 1 / self.vocab_size, device=self.device) \
+            if self.proposer.samples else None
+        column = lambda value, dtype: torch.full((num_requests,), value, dtype=dtype, device=self.device)  # noqa: E731
+        batch = SamplingBatch(temperature=column(1.0, torch.float32), greedy=column(False, torch.bool),
+                              all_greedy=False, top_k=column(50, torch.int64), top_p=column(0.9, torch.float32),
+                              min_p=None, generators={}, penalties=None, banned=None, num_logprobs=None)
+        return self.rejection_sampler(logits, torch.zeros(num_drafts, dtype=torch.int64, device=self.device),
+                                      torch.from_numpy(cu_num_drafts).to(self.device), cu_num_drafts, draft_probs,
+                                      batch).num_output  # [num_requests]
 
     def forget(self, request_id: str) -> None:
         """A request ended: the proposer drops its state."""
