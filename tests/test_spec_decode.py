@@ -286,3 +286,30 @@ def test_hidden_state_draft_sees_every_computed_position(target, tmp_path, seed)
     out = _generate(llm, [{"prompt_token_ids": prompt}], params)[0]
     # A draft row for every position the target computed before the request's last step.
     assert set(range(len(prompt) + len(out.token_ids) - 2)) <= seen
+
+
+def test_draft_model_catches_up_within_the_step_budget(target, seed):
+    """A draft model catches up on a long prompt over several steps (each within the step budget,
+    so running decodes never wait for a whole draft prefill), drafting once it has."""
+    spec = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3}
+    llm = LLM(str(target), **dict(ENGINE, max_num_batched_tokens=16), speculative_config=spec)
+    proposer, sizes = llm.engine.core.runner.proposer, []  # tokens the draft ran per propose()
+    forward, propose = proposer._forward, proposer.propose
+
+    def recording_forward(tables, computed, num_new, input_ids, last_rows):
+        sizes[-1] += int(num_new.sum())
+        return forward(tables, computed, num_new, input_ids, last_rows)
+
+    def recording_propose(*args):
+        sizes.append(0)
+        return propose(*args)
+
+    proposer._forward, proposer.propose = recording_forward, recording_propose
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 128, 60, 80, seed)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = _generate(LLM(str(target), **dict(ENGINE, max_num_batched_tokens=16)), prompts, params)
+    assert [o.token_ids for o in _generate(llm, prompts, params)] == [r.token_ids for r in reference]
+    k = spec["num_speculative_tokens"]
+    # The budget (plus at most one token per other request) to catch up, then k - 1 draft steps.
+    assert max(sizes) <= 16 + len(prompts) + (k - 1) * len(prompts)
+    assert llm.engine.core.spec_stats.acceptance_rate == 1.0 and llm.engine.core.spec_stats.num_drafts > 0

@@ -71,14 +71,14 @@ class DraftModelProposer:
         for request in requests:
             self.probs.pop(request.request_id, None)
         drafts: list[list[int]] = [[] for _ in requests]
-        alive = [i for i, m in enumerate(max_drafts) if m > 0]  # requests drafting at this depth
-        logits = self._catch_up(requests, alive)  # [len(alive), vocab]
+        drafting = [i for i, m in enumerate(max_drafts) if m > 0]
+        logits, alive = self._catch_up(requests, drafting)  # [len(alive), vocab]; alive: requests drafting now
         if not alive:
             return drafts
         batch = _select_rows(sampling, alive, [requests[i] for i in alive], self.device)
         columns: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (alive, tokens, probs)
         tokens = torch.empty(0)
-        for depth in range(max(max_drafts)):
+        for depth in range(max(max_drafts[i] for i in alive)):
             if depth:
                 keep = [j for j, i in enumerate(alive) if max_drafts[i] > depth]
                 if len(keep) < len(alive):
@@ -145,41 +145,34 @@ class DraftModelProposer:
     def _narrow(self, index: torch.Tensor) -> None:
         """Fewer requests draft further: keep the state of these rows (none kept here)."""
 
-    def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> torch.Tensor:
-        """Run the draft over each drafting request's unseen tokens; logits after each last token."""
+    def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+        """Run the draft over the drafting requests' unseen tokens, at most about one step budget
+        of them per call (a long prompt or a preempted request catches up over several steps and
+        drafts once it has). -> (logits after the last token [len(ready), vocab], ready: the
+        drafting requests caught up, in order)."""
         requests = [all_requests[i] for i in drafting]
         if not requests:
-            return None
-        tables = self._block_tables(requests)
+            return None, []
         done = np.zeros(len(requests), dtype=np.int64)
         for i, request in enumerate(requests):
             seen, preemptions = self.num_computed.get(request.request_id, (0, -1))
             done[i] = seen if preemptions == request.num_preemptions else 0
         total = np.fromiter((len(r.all_token_ids) for r in requests), dtype=np.int64, count=len(requests))
         done = np.minimum(done, total - 1)  # the newest token is always run: its logits give the first draft
-        logits = None
-        while True:
-            left = total - done
-            if not left.any():
-                break
-            # Chunks in request order within the budget; every request advances at least one token.
-            budget = np.maximum(self.chunk_tokens - np.concatenate(([0], np.cumsum(left)[:-1])), 1)
-            num_new = np.minimum(left, budget)
-            live = np.flatnonzero(num_new > 0)
-            input_ids = np.concatenate([requests[i].all_token_ids[done[i]:done[i] + num_new[i]] for i in live])
-            step_logits = self._forward(tables[live], done[live], num_new[live],
-                                        to_device(torch.from_numpy(input_ids.astype(np.int64)), self.device),
-                                        np.arange(len(live)))
-            finished = done[live] + num_new[live] == total[live]
-            if logits is None:
-                logits = torch.empty(len(requests), step_logits.shape[1], device=self.device)
-            if finished.any():
-                logits[to_device(torch.from_numpy(live[finished]), self.device)] = \
-                    step_logits[to_device(torch.from_numpy(np.flatnonzero(finished)), self.device)]
-            done[live] += num_new[live]
-        for request in requests:
-            self.num_computed[request.request_id] = (len(request.all_token_ids), request.num_preemptions)
-        return logits
+        left = total - done
+        # Chunks in request order within the budget; every request advances at least one token.
+        num_new = np.minimum(left, np.maximum(self.chunk_tokens - np.concatenate(([0], np.cumsum(left)[:-1])), 1))
+        input_ids = np.concatenate([r.all_token_ids[d:d + n] for r, d, n in zip(requests, done, num_new)])
+        logits = self._forward(self._block_tables(requests), done, num_new,
+                               to_device(torch.from_numpy(input_ids.astype(np.int64)), self.device),
+                               np.arange(len(requests)))  # [len(requests), vocab]
+        done += num_new
+        for request, seen in zip(requests, done.tolist()):
+            self.num_computed[request.request_id] = (seen, request.num_preemptions)
+        finished = np.flatnonzero(done == total)
+        if len(finished) < len(requests):
+            logits = logits[to_device(torch.from_numpy(finished), self.device)]
+        return logits, [drafting[j] for j in finished]
 
     def _decode(self, requests: list[Request], tokens: torch.Tensor, step: int) -> torch.Tensor:
         """One draft token per request, at position len(all_token_ids) - 1 + step."""

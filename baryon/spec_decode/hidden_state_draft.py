@@ -110,7 +110,7 @@ class HiddenStateProposer(DraftModelProposer):
         with forward_context(build_metadata(layout, tables, self.device)):
             return self._layer_forward(input_ids, positions_device, hidden, layer), None
 
-    def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> torch.Tensor | None:
+    def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> tuple[torch.Tensor | None, list[int]]:
         spans = []  # (request index, first flat token, first position, tokens kept)
         for i, request in enumerate(all_requests):
             start, computed = self.rows.get(request.request_id, (0, 0))
@@ -120,7 +120,7 @@ class HiddenStateProposer(DraftModelProposer):
         self.hidden = None
         features, self.features, self.rows = self.features, None, {}  # consumed once
         if not spans:
-            return None
+            return None, []
         requests = [all_requests[i] for i, _, _, _ in spans]
         computed = np.array([c for _, _, c, _ in spans], dtype=np.int64)
         num_new = np.array([n for _, _, _, n in spans], dtype=np.int64)
@@ -134,10 +134,10 @@ class HiddenStateProposer(DraftModelProposer):
         drafting_row = {i: j for j, (i, _, _, _) in enumerate(spans)}
         rows = [last[drafting_row[i]] for i in drafting]  # every drafting request was advanced
         if not rows:
-            return None
+            return None, []
         index = to_device(torch.tensor(rows), self.device)
         self.hidden = hidden[index]
-        return self._logits(self.hidden, 0) if logits is None else logits[index]
+        return (self._logits(self.hidden, 0) if logits is None else logits[index]), drafting
 
     def _narrow(self, index: torch.Tensor) -> None:
         self.hidden = self.hidden[index]
