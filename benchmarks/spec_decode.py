@@ -23,6 +23,7 @@ the --draft preset's cost would give at acceptance rates 0.6 and 0.8 (expected t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -62,6 +63,7 @@ def _llm(model: str, spec: dict | None, max_model_len: int, dtype: str):
 
 def _tpot(llm, batch_size: int, input_len: int, output_len: int) -> dict:
     """Median over 3 runs of (time(output_len) - time(1)) / (output_len - 1), and per engine step."""
+    from baryon.bench.latency import spec_summary
     from baryon.sampling_params import SamplingParams
 
     rng, high = random.Random(batch_size), min(llm.config.model.vocab_size, 10000)
@@ -75,18 +77,17 @@ def _tpot(llm, batch_size: int, input_len: int, output_len: int) -> dict:
         return time.perf_counter() - start, core.num_steps - steps
 
     timed(8)
-    before = (core.spec_stats.num_drafts, core.spec_stats.num_draft_tokens, core.spec_stats.num_accepted_tokens)
+    before = dataclasses.replace(core.spec_stats, accepted_per_position=list(core.spec_stats.accepted_per_position))
     tpots, steps = [], []
     for _ in range(3):
         first, first_steps = timed(1)
         full, full_steps = timed(output_len)
         tpots.append((full - first) / (output_len - 1))
         steps.append((full - first) / max(full_steps - first_steps, 1))
-    drafts, draft_tokens, accepted = (a - b for a, b in zip(
-        (core.spec_stats.num_drafts, core.spec_stats.num_draft_tokens, core.spec_stats.num_accepted_tokens), before))
+    spec = spec_summary(llm.config.speculative, before, core.spec_stats) if llm.config.speculative else {}
     return {"tpot_ms": round(statistics.median(tpots) * 1e3, 3), "step_ms": round(statistics.median(steps) * 1e3, 3),
-            "draft_tokens": draft_tokens, "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
-            "tokens_per_verify": round(1 + accepted / drafts, 4) if drafts else 1.0}
+            "draft_tokens": spec.get("num_draft_tokens", 0), "acceptance_rate": spec.get("acceptance_rate", 0.0),
+            "tokens_per_verify": spec.get("mean_accepted_length") or 1.0}
 
 
 def _verify_step(llm, batch_size: int, input_len: int, k: int) -> dict:

@@ -55,14 +55,10 @@ class _Layout:
     last_row: torch.Tensor  # [B] int64: each request's bonus row
 
     @classmethod
-    def build(cls, cu_num_drafts: torch.Tensor, cu_num_drafts_cpu, max_spec_len: int | None) -> _Layout:
+    def build(cls, cu_num_drafts: torch.Tensor, cu_num_drafts_cpu) -> _Layout:
         host = [int(c) for c in cu_num_drafts_cpu]
         batch_size, num_drafts = len(host) - 1, host[-1]
-        largest = max((b - a for a, b in zip(host, host[1:])), default=0)
-        if max_spec_len is None:
-            max_spec_len = largest
-        elif max_spec_len < largest:
-            raise ValueError(f"max_spec_len={max_spec_len} but a request brought {largest} drafts")
+        max_spec_len = max((b - a for a, b in zip(host, host[1:])), default=0)
         device = cu_num_drafts.device
         cu = cu_num_drafts.long()
         counts = cu[1:] - cu[:-1]  # [B]
@@ -83,15 +79,14 @@ class RejectionSampler(nn.Module):
         self.generator = torch.Generator(device).manual_seed(seed)
 
     def forward(self, target_logits: torch.Tensor, draft_token_ids: torch.Tensor, cu_num_drafts: torch.Tensor,
-                cu_num_drafts_cpu, draft_probs: torch.Tensor | None, batch: SamplingBatch,
-                max_spec_len: int | None = None) -> RejectionSamplerOutput:
+                cu_num_drafts_cpu, draft_probs: torch.Tensor | None, batch: SamplingBatch) -> RejectionSamplerOutput:
         """target_logits: [num_drafts + B, V] float32 (rows as in the module docstring);
         draft_token_ids: [num_drafts] int64; cu_num_drafts: [B + 1] int32 on the device and
         cu_num_drafts_cpu the same on the host (list or numpy); draft_probs: [num_drafts, V] float32,
         the draft model's processed distribution at each draft, or None for deterministic drafts;
-        batch: one entry per request; max_spec_len: the output's width - 1 (default: the most
-        drafts of a request). Logprobs are those of the raw logits, as Sampler reports them."""
-        layout = _Layout.build(cu_num_drafts, cu_num_drafts_cpu, max_spec_len)
+        batch: one entry per request. The output is as wide as the most drafts of a request + 1.
+        Logprobs are those of the raw logits, as Sampler reports them."""
+        layout = _Layout.build(cu_num_drafts, cu_num_drafts_cpu)
         raw_logprobs = target_logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
         logits = penalised_logits(self.sampling_kernel, target_logits, batch, layout.row_request)
         target_argmax = logits.argmax(dim=-1)  # [num_drafts + B]
