@@ -70,6 +70,14 @@ class EngineArgs:
     compilation_level: int | None = _arg(
         None, "0 eager, 1 dynamo (eager backend), 2 inductor, 3 inductor + CUDA graphs "
               "(default: the fastest measured for the platform, see README)")
+    tensor_parallel_size: int = _arg(
+        1, "GPUs (CPU: processes) each engine's weights and KV heads are split over; rank 0 runs in the engine's "
+           "process, the others in worker processes")
+    data_parallel_size: int = _arg(
+        1, "Engine replicas, each on its own tensor_parallel_size GPUs, requests balanced between them by load")
+    enable_expert_parallel: bool = _arg(
+        False, "MoE models: divide the experts among the tensor-parallel ranks instead of splitting every "
+               "expert's intermediate size")
     speculative_config: str | dict | None = _arg(
         None, "Speculative decoding, a JSON object (or dict) as vLLM takes it: {\"method\": \"ngram\" | "
               "\"draft_model\" | \"eagle3\" | \"mtp\", \"num_speculative_tokens\": k, \"model\": draft "
@@ -143,6 +151,13 @@ class SpeculativeConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int
+    data_parallel_size: int
+    enable_expert_parallel: bool
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -150,6 +165,7 @@ class EngineConfig:
     compilation: CompilationConfig
     device: torch.device
     seed: int
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(1, 1, False))
     speculative: SpeculativeConfig | None = None
 
     @classmethod
@@ -188,8 +204,9 @@ class EngineConfig:
                                         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
                                         level=_resolve_compilation_level(args.compilation_level, device))
         speculative = _resolve_speculative(args, model)
+        parallel = _resolve_parallel(args, device, compilation, speculative)
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
-                   seed=args.seed, speculative=speculative)
+                   seed=args.seed, parallel=parallel, speculative=speculative)
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -209,7 +226,8 @@ def _check_user_values(args: EngineArgs) -> None:
     if args.model is not None and (not isinstance(args.model, str) or not args.model):
         raise ValueError(f"model={args.model!r} is invalid: give a checkpoint folder, a .gguf file or a "
                          f"Hugging Face repo id, or no model for the built-in default.")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs", "tensor_parallel_size",
+                 "data_parallel_size"):
         positive_int(name)
     for name in ("max_model_len", "num_kv_blocks"):
         if getattr(args, name) is not None:
@@ -326,6 +344,24 @@ def mtp_draft_config(config: ModelConfig) -> ModelConfig:
     hf_config = copy.copy(config.hf_config)
     hf_config.architectures = ["DeepseekMTP"]
     return dataclasses.replace(config, hf_config=hf_config)
+
+
+def _resolve_parallel(args: EngineArgs, device: torch.device, compilation: CompilationConfig,
+                      speculative: SpeculativeConfig | None) -> ParallelConfig:
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    if device.type == "cuda":
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + tp * dp > count:
+            raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} needs {tp * dp} GPUs from "
+                             f"cuda:{first}; this machine has {count} (cuda:0..cuda:{count - 1})")
+    if tp > 1 and compilation.level > 0:
+        raise ValueError(f"compilation_level={compilation.level} is not supported with tensor_parallel_size > 1 "
+                         f"yet; use compilation_level=0 (decode steps still replay CUDA graphs)")
+    if tp > 1 and speculative is not None and speculative.method != "ngram":
+        raise ValueError(f"speculative method {speculative.method!r} is not supported with tensor_parallel_size > 1 "
+                         f"yet (its draft would run on one rank); use method 'ngram'")
+    return ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp,
+                          enable_expert_parallel=bool(args.enable_expert_parallel))
 
 
 def _resolve_compilation_level(requested: int | None, device: torch.device) -> int:

@@ -28,6 +28,17 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor_parallel_size > 1; they also stop when this
+        process exits). The LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

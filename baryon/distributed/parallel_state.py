@@ -1,17 +1,70 @@
-"""Tensor-parallel group state and collectives.
+"""Process groups and the collectives the layers call.
 
 Layers ask here for their rank and the group size and call the collectives unconditionally; with
-one rank (the only mode so far) the collectives return their input, so the models are already
-written for tensor parallelism and a later multi-GPU runner only has to initialise the group.
+one rank every collective returns its input, so a model is written once for any number of GPUs.
+A tensor-parallel engine calls `init_distributed` on every rank (rank 0 in the engine's process,
+the others in worker processes) before it builds the model.
+
+Groups: the tensor-parallel group (every rank of one engine) carries the layers' all-reduces and
+all-gathers; with expert parallelism the same ranks also divide each MoE layer's experts among
+them (each rank runs its experts on every token and the MoE block's one all-reduce adds the
+ranks' parts), so a MoE layer's experts are then not split along their intermediate size. A
+gloo group over the same ranks carries host-side agreements (the KV-cache size).
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
 _EP_GROUP: dist.ProcessGroup | None = None
+_CPU_GROUP: dist.ProcessGroup | None = None
+
+# How long a collective may wait for the other ranks before the process group gives up. Long:
+# ranks compile kernels at different speeds on a first run; a dead worker is noticed by the
+# engine's worker monitor well before this.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
+                     expert_parallel: bool) -> None:
+    """Join the engine's ranks (blocks until all `world_size` have joined `init_method`) and
+    install the groups. backend: "nccl" (GPUs) or "gloo" (CPU)."""
+    global _CPU_GROUP
+    if backend == "nccl":
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
+                                timeout=COLLECTIVE_TIMEOUT, device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
+                                timeout=COLLECTIVE_TIMEOUT)
+    world = dist.group.WORLD
+    init_tensor_parallel(world)
+    init_expert_parallel(world if expert_parallel else None)
+    _CPU_GROUP = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (shutdown); the layers see one rank again."""
+    global _CPU_GROUP
+    init_tensor_parallel(None)
+    init_expert_parallel(None)
+    _CPU_GROUP = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_distributed() -> None:
+    """Give up the process group at once (a rank died): collectives queued on the device that
+    wait for the dead rank are released instead of hanging."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # best effort: the engine is failing either way
+        pass
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None) -> None:
@@ -43,6 +96,16 @@ def ep_rank() -> int:
     return 0 if _EP_GROUP is None else dist.get_rank(_EP_GROUP)
 
 
+def moe_tp_world_size() -> int:
+    """Ranks each expert's intermediate size is split over: the tensor-parallel ranks, or one
+    when expert parallelism divides the experts instead."""
+    return 1 if _EP_GROUP is not None else tp_world_size()
+
+
+def moe_tp_rank() -> int:
+    return 0 if _EP_GROUP is not None else tp_rank()
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the tensor-parallel ranks (in place when there are several)."""
     if tp_world_size() == 1:
@@ -52,13 +115,39 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate each rank's `x` along `dim`."""
+    """Concatenate each rank's `x` along `dim` (rank order)."""
     world = tp_world_size()
     if world == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
-    return torch.cat(parts, dim=dim)
+    x = x.contiguous()
+    flat = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(flat, x, group=_TP_GROUP)
+    dim = dim % x.dim()
+    if dim == 0:
+        return flat
+    gathered = flat.view((world,) + tuple(x.shape))  # [world, *x.shape]
+    return torch.cat(gathered.unbind(0), dim=dim)
+
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every tensor-parallel rank (in place): what rank 0 sampled becomes the
+    next step's input everywhere."""
+    if tp_world_size() > 1:
+        dist.broadcast(x, src=dist.get_global_rank(_TP_GROUP, 0), group=_TP_GROUP)
+    return x
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's `value` (a host-side agreement, e.g. the KV-cache size)."""
+    if _CPU_GROUP is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return int(t.item())
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

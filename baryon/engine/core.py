@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baryon.config import EngineConfig
+from baryon.distributed.worker_group import WorkerGroup, WorkerDiedError
 from baryon.engine.kv_cache import BlockManager
 from baryon.engine.scheduler import Scheduler
 from baryon.logger import get_logger
@@ -103,7 +104,18 @@ class _InFlight:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        tp = config.parallel.tensor_parallel_size
+        # Tensor parallelism: ranks 1.. in worker processes, rank 0 here; all build their runner at once.
+        self.workers = WorkerGroup.start(config, tp, config.parallel.enable_expert_parallel) if tp > 1 else None
+        try:
+            self.runner = ModelRunner(config, self.workers)
+        except Exception:
+            try:
+                if self.workers is not None:
+                    self.workers.check(wait_s=1.0)  # a worker that died is the reason to give
+            finally:
+                self.shutdown()
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         spec = config.speculative
@@ -147,7 +159,25 @@ class EngineCore:
 
     # -- one step -----------------------------------------------------------------------------
 
+    def shutdown(self) -> None:
+        """Stop the worker processes (tensor parallelism); the engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch the next step, then read back the previous one (see `_step`).
+        With worker processes, a step that fails because a worker died says so."""
+        if self.workers is None:
+            return self._step()
+        try:
+            return self._step()
+        except WorkerDiedError:
+            raise
+        except Exception:
+            self.workers.check(wait_s=1.0)
+            raise
+
+    def _step(self) -> list[EngineCoreOutput]:
         """Schedule and launch the next step, then read back the previous one.
 
         Launching step N+1 before waiting for step N keeps the device busy while the host

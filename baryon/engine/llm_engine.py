@@ -89,6 +89,10 @@ class LLMEngine:
         for request_id in request_ids:
             self.core.abort_requests(self.output_processor.abort_request(request_id))
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism)."""
+        self.core.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 

@@ -22,7 +22,8 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-vocab_size // self.tp_size)
         self.vocab_start = tp_rank() * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size), requires_grad=False)
+        # The last rank's rows past the vocabulary stay zero (their logits are cut off).
+        self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.expected_shards = frozenset([None])
         self.method: LinearMethod = DENSE
@@ -60,10 +61,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits. Tied models share the embedding's weight."""
 
     def logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
-        """Single-GPU LM head into a preallocated buffer (CUDA graphs): hidden_states
-        [n, hidden] -> out [n, vocab_size] in the model dtype."""
-        assert self.tp_size == 1, "logits_into serves one GPU; tensor parallelism gathers in compute_logits"
-        torch.mm(hidden_states, self.weight.t(), out=out)
+        """The dense LM head into a preallocated buffer (CUDA graphs): hidden_states [n, hidden]
+        -> out [n, vocab_size] in the model dtype (every rank's vocabulary slice, gathered)."""
+        if self.tp_size == 1:
+            torch.mm(hidden_states, self.weight.t(), out=out)
+            return
+        local = torch.mm(hidden_states, self.weight.t())  # [n, rows_per_rank]
+        out.copy_(tp_all_gather(local, dim=-1)[:, : self.vocab_size])
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->

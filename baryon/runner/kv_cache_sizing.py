@@ -1,6 +1,7 @@
 """How many KV-cache blocks the engine gets.
 
-In order: an explicit `num_kv_blocks`; an explicit `kv_cache_memory_gib`; on CPU 4 GiB; on GPU
+Every tensor-parallel rank sizes its own cache (its share of the KV heads) and all take the
+smallest count. In order: an explicit `num_kv_blocks`; an explicit `kv_cache_memory_gib`; on CPU 4 GiB; on GPU
 what `gpu_memory_utilization` of the device leaves after the weights, the peak activations of a
 profiled forward pass at `max_num_batched_tokens` (and, with speculative decoding, of the largest
 verification's sampling), the CUDA-graph memory pool (measured by
@@ -15,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from baryon.config import EngineConfig
+from baryon.distributed.parallel_state import min_over_ranks
 from baryon.logger import get_logger
 from baryon.request import Request
 from baryon.sampling_params import SamplingParams
@@ -55,6 +57,7 @@ def choose_num_blocks(config: EngineConfig, runner: SizedRunner) -> int:
         num_blocks = min(num_blocks, config.scheduler.max_num_seqs * blocks_per_seq + 1)
     else:
         num_blocks, source = _blocks_from_gpu_memory(config, runner, per_block), "gpu_memory_utilization"
+    num_blocks = min_over_ranks(num_blocks)  # tensor parallelism: every rank holds the same blocks
     if num_blocks < blocks_per_seq:
         raise ValueError(
             f"the KV cache ({source}: {num_blocks} blocks of {config.cache.block_size} tokens, "

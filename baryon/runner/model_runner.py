@@ -8,12 +8,16 @@ rows that are sampled (plus prompt positions whose logprobs were asked for) and 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from baryon.config import EngineConfig
+from baryon.distributed.parallel_state import broadcast_from_first, tp_rank, tp_world_size
+from baryon.distributed.worker_group import WorkerGroup
 from baryon.request import Request
 from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
@@ -26,6 +30,7 @@ from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
 from baryon.runner.sampling_inputs import build_sampling_batch
+from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
 from baryon.transfer import to_device
@@ -35,6 +40,9 @@ logger = get_logger(__name__)
 # With speculative decoding, decode graphs are captured up to this many tokens (verification steps
 # of up to this many draft + last tokens replay them).
 MAX_VERIFY_GRAPH_TOKENS = 512
+
+# How often a wait for a step checks that the worker processes are alive (seconds).
+_HEALTH_CHECK_INTERVAL_S = 0.01
 
 # (token ids [k+1], logprobs [k+1], rank of the first id): one position's logprobs, the token
 # that was sampled (or, for prompt logprobs, the actual next prompt token) first.
@@ -52,10 +60,18 @@ class ModelRunnerOutput:
 
 @dataclass
 class _Batch:
+    """A step's inputs on the device."""
+
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
     query_start: np.ndarray  # [num_seqs + 1]: each scheduled request's first token index
+
+
+@dataclass
+class _Sampling:
+    """Rank 0's view of a step's requests: who samples, from which rows."""
+
     # Token index of each sampling request's last token, or of its last token and its drafts.
     sample_rows: list[int]
     sampling_requests: list[Request]
@@ -65,9 +81,15 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's model runner. With tensor parallelism every rank builds one (rank 0 in the
+    engine, with `workers`: the other ranks' processes, which it sends each step's plan); only
+    rank 0 samples."""
+
+    def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None) -> None:
         self.config = config
         self.device = config.device
+        self.workers = workers
+        self.is_first_rank = tp_rank() == 0
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.model = load_model(config.model, self.device, config.seed)
@@ -81,7 +103,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.proposer, self.rejection_sampler = None, None
-        if config.speculative is not None:
+        if config.speculative is not None and self.is_first_rank:
             self.proposer = build_proposer(config, self.max_blocks_per_seq, self.model)
             self.rejection_sampler = RejectionSampler(self.device, config.seed)
             self.attention_layers += self.proposer.attention_layers  # the draft's caches share the block ids
@@ -174,12 +196,25 @@ class ModelRunner:
 
         A request whose last token is still pending (sampled by the previous launch, not yet
         known on the host) reads it from that launch's device tensor, so the next step can be
-        prepared while the previous one runs."""
-        batch = self._prepare(scheduled)
-        rows = list(batch.sample_rows)
-        for _, start, count in batch.prompt_logprob_spans:
-            rows.extend(range(start, start + count))
-        step = LaunchedStep([r.request_id for r in batch.sampling_requests])
+        prepared while the previous one runs. With tensor parallelism the plan goes to the other
+        ranks first, which run the same forward pass."""
+        plan, sampling = self._plan(scheduled)
+        if self.workers is not None:
+            self.workers.send_step(plan.encode())
+        return self._launch(plan, scheduled, sampling)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> None:
+        """A rank > 0 runs rank 0's plan: the forward pass, its share of the LM head, and it
+        receives the ids rank 0 samples."""
+        self._launch(plan, None, None)
+
+    def _launch(self, plan: StepPlan, scheduled: list[tuple[Request, int]] | None,
+                sampling: _Sampling | None) -> LaunchedStep:
+        batch = self._upload(plan)
+        rows = plan.logit_rows
+        sampling_ids = [r.request_id for r in sampling.sampling_requests] if self.is_first_rank else []
+        step = LaunchedStep(sampling_ids, self.workers.check if self.workers is not None else None)
         observe = getattr(self.proposer, "observe", None)  # a draft that reads the target's hidden states
         if self._can_replay(batch):
             # The graph computes logits of every row; a decode step usually samples every row.
@@ -193,21 +228,27 @@ class ModelRunner:
             else:
                 with forward_context(batch.metadata):
                     hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[self._index(rows)]) if rows else None  # [rows, vocab]
+            logits = self.model.compute_logits(hidden[self._index(rows)]) if len(rows) else None  # [rows, vocab]
             if observe is not None:
                 observe(scheduled, batch.query_start, self.proposer.target_features(hidden))
-        if rows:
-            num_sampled = len(batch.sample_rows)
+        num_sampled = plan.num_sampled_rows
+        if not self.is_first_rank:
+            if plan.num_sampling:  # what rank 0 samples: the next step's pending inputs
+                step.sampled_device = broadcast_from_first(
+                    torch.empty(plan.num_sampling, dtype=torch.int64, device=self.device))
+        elif len(rows):
             if num_sampled and self.rejection_sampler is not None:
-                self._verify(logits[:num_sampled], batch, step)
+                self._verify(logits[:num_sampled], sampling, step)
             elif num_sampled:
-                self._sample(logits[:num_sampled], batch, step)
-            self._prompt_logprobs(logits[num_sampled:], batch.prompt_logprob_spans, step)
+                self._sample(logits[:num_sampled], sampling, step)
+            if num_sampled and tp_world_size() > 1:
+                broadcast_from_first(step.sampled_device)
+            self._prompt_logprobs(logits[num_sampled:], sampling.prompt_logprob_spans, step)
         step.finish_launch(self.device)
         self.last_launch = step
         return step
 
-    def _index(self, rows: list[int]) -> torch.Tensor:
+    def _index(self, rows) -> torch.Tensor:
         return to_device(torch.from_numpy(np.asarray(rows, dtype=np.int64)), self.device)
 
     def execute(self, scheduled: list[tuple[Request, int]]) -> ModelRunnerOutput:
@@ -220,19 +261,22 @@ class ModelRunner:
         return (self.graph_runner is not None and md.num_tokens == md.num_seqs
                 and self.graph_runner.padded_size(md.num_seqs) is not None)
 
-    def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Batch:
+    def _plan(self, scheduled: list[tuple[Request, int]]) -> tuple[StepPlan, _Sampling]:
+        """The step's inputs as host arrays, and who samples from which rows."""
         num_seqs = len(scheduled)
         num_new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_seqs)
         computed = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=num_seqs)
-        block_tables = np.zeros((num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        width = max((len(r.block_ids) for r, _ in scheduled), default=0)
+        block_tables = np.zeros((num_seqs, width), dtype=np.int32)  # [num_seqs, width]
         for i, (request, _) in enumerate(scheduled):
             block_tables[i, : len(request.block_ids)] = request.block_ids
-        layout = batch_layout(block_tables, computed, num_new, self.block_size)
-        input_ids = np.empty(len(layout.positions), dtype=np.int64)
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=query_start[1:])
+        input_ids = np.zeros(int(query_start[-1]), dtype=np.int64)  # [num_tokens]
         sample_rows, sampling_requests, num_drafts, spans = [], [], [], []
         pending_index, pending_source = [], []  # token index <- row of the last launch's samples
         for i, (request, n) in enumerate(scheduled):
-            start, c = int(layout.query_start[i]), request.num_computed_tokens
+            start, c = int(query_start[i]), request.num_computed_tokens
             drafts = request.spec_token_ids  # scheduled after the request's last token
             known = request.all_token_ids[c:c + n - len(drafts)]
             input_ids[start:start + len(known)] = known
@@ -249,19 +293,28 @@ class ModelRunner:
         # A step of decodes with drafts runs as one decode per token (see build_metadata).
         per_token = any(num_drafts) and len(sampling_requests) == num_seqs and \
             all(n == d + 1 for n, d in zip(num_new, num_drafts))
-        metadata = build_metadata(layout, block_tables, self.device, per_token)
-        input_ids_device = to_device(torch.from_numpy(input_ids), self.device)
-        if pending_index:
-            source = self.last_launch.sampled_device[to_device(torch.tensor(pending_source), self.device)]
-            input_ids_device[to_device(torch.tensor(pending_index), self.device)] = source
-        return _Batch(
-            input_ids=input_ids_device,
-            positions=to_device(torch.from_numpy(layout.positions), self.device),
-            metadata=metadata, query_start=layout.query_start, sample_rows=sample_rows,
-            sampling_requests=sampling_requests, num_drafts=num_drafts, prompt_logprob_spans=spans,
-        )
+        logit_rows = list(sample_rows)
+        for _, start, count in spans:
+            logit_rows.extend(range(start, start + count))
+        plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
+                        pending_index=np.asarray(pending_index, dtype=np.int64),
+                        pending_source=np.asarray(pending_source, dtype=np.int64),
+                        logit_rows=np.asarray(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
+                        num_sampling=len(sampling_requests), per_token=per_token)
+        return plan, _Sampling(sample_rows, sampling_requests, num_drafts, spans)
 
-    def _sample(self, logits: torch.Tensor, batch: _Batch, step: LaunchedStep) -> None:
+    def _upload(self, plan: StepPlan) -> _Batch:
+        """The plan's tensors on the device, pending tokens read from the last launch's samples."""
+        layout = batch_layout(plan.block_tables, plan.num_computed, plan.num_new, self.block_size)
+        metadata = build_metadata(layout, plan.block_tables, self.device, plan.per_token)
+        input_ids = to_device(torch.from_numpy(plan.input_ids), self.device)
+        if len(plan.pending_index):
+            source = self.last_launch.sampled_device[to_device(torch.from_numpy(plan.pending_source), self.device)]
+            input_ids[to_device(torch.from_numpy(plan.pending_index), self.device)] = source
+        return _Batch(input_ids=input_ids, positions=to_device(torch.from_numpy(layout.positions), self.device),
+                      metadata=metadata, query_start=layout.query_start)
+
+    def _sample(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep) -> None:
         requests = batch.sampling_requests
         result = self.sampler(logits, self._sampling_batch(requests))
         step.sampled_device = result.sampled
@@ -294,10 +347,12 @@ class ModelRunner:
             request.spec_token_ids = drafts[lag:]
 
     @torch.inference_mode()
-    def profile_verify_sampling(self) -> torch.Tensor:
+    def profile_verify_sampling(self) -> torch.Tensor | None:
         """Run the rejection sampler once on the largest verification a step can hold, every row
         sampling with top-k / top-p and model-draft probabilities, so that the memory sizing
         counts its [rows, vocab] temporaries. Returns the tokens each profiled request emitted."""
+        if self.rejection_sampler is None:  # a rank > 0 of tensor parallelism: rank 0 samples
+            return None
         k, scheduler = self.config.speculative.num_speculative_tokens, self.config.scheduler
         num_requests = max(min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens // (k + 1)), 1)
         num_drafts, rows = num_requests * k, num_requests * (k + 1)
@@ -325,7 +380,7 @@ class ModelRunner:
         previous = self.last_launch.sampled_device if pending else None
         return build_sampling_batch(requests, self.vocab_size, self.device, pending, previous)
 
-    def _verify(self, logits: torch.Tensor, batch: _Batch, step: LaunchedStep) -> None:
+    def _verify(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep) -> None:
         """Speculative sampling: accept each request's drafts against its rows' logits
         ([sum(num_drafts + 1), vocab]) and sample the token after the last accepted one."""
         requests = batch.sampling_requests
@@ -373,10 +428,15 @@ def _position_dependent(request: Request) -> bool:
 class LaunchedStep:
     """A step queued on the device: its sampled ids stay on the device (the next step's inputs)
     and are copied to pinned host memory behind an event, so waiting for this step does not wait
-    for the steps launched after it."""
+    for the steps launched after it.
 
-    def __init__(self, sampling_request_ids: list[str]) -> None:
+    With worker processes, waiting polls the event and `health_check` (which raises once a
+    worker has died), so a step whose collectives wait for a dead rank fails instead of hanging.
+    """
+
+    def __init__(self, sampling_request_ids: list[str], health_check: Callable[[], None] | None = None) -> None:
         self.request_ids = sampling_request_ids
+        self._health_check = health_check
         self.row_of = {rid: i for i, rid in enumerate(sampling_request_ids)}
         self.sampled_device: torch.Tensor | None = None  # [num_sampled] int64
         self.logprob_counts: list[int | None] = []
@@ -407,10 +467,21 @@ class LaunchedStep:
             self._event = torch.cuda.Event()
             self._event.record()
 
+    def _wait(self) -> None:
+        if self._health_check is None:
+            self._event.synchronize()
+            return
+        last_check = time.monotonic()
+        while not self._event.query():
+            if time.monotonic() - last_check > _HEALTH_CHECK_INTERVAL_S:
+                self._health_check()
+                last_check = time.monotonic()
+                time.sleep(0)  # let the monitor thread run
+
     def result(self) -> ModelRunnerOutput:
         """Wait for this step (only) and return its sampled tokens and logprobs as Python values."""
         if self._event is not None:
-            self._event.synchronize()
+            self._wait()
         output = ModelRunnerOutput()
         # Row of each request's first sampled token, and how many tokens it got.
         first_row, counts = list(range(len(self.request_ids))), [1] * len(self.request_ids)

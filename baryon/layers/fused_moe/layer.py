@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from baryon.distributed import parallel_state
-from baryon.distributed.parallel_state import divide, tp_rank, tp_world_size
+from baryon.distributed.parallel_state import divide, moe_tp_rank, moe_tp_world_size
 from baryon.kernels.moe.expert_activation import SILU, ExpertActivation
 from baryon.quantization.moe_method import MoEMethod, UnquantizedMoEMethod
 
@@ -39,7 +39,9 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.intermediate_size = intermediate_size
         self.has_bias, self.activation = bias, activation
-        self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
+        # Tensor parallelism splits each expert's intermediate size, unless expert parallelism
+        # divides the experts among the ranks instead.
+        self.tp_rank, self.tp_size = moe_tp_rank(), moe_tp_world_size()
         self.intermediate_size_per_rank = divide(intermediate_size, self.tp_size, "moe_intermediate_size")
         ep_size = parallel_state.ep_world_size() if ep_size is None else ep_size
         rank = parallel_state.ep_rank() if ep_rank is None else ep_rank

@@ -1,0 +1,149 @@
+"""The worker processes of a tensor-parallel engine: ranks 1 .. world_size - 1.
+
+Rank 0 is the engine's own process. `WorkerGroup.start` launches each other rank as
+`python -m baryon.runner.worker` (the pickled EngineConfig on its stdin), joins the process group
+with them as rank 0, and keeps one ZMQ PUSH socket per worker for the step plans. Every rank then
+builds the same ModelRunner (each loading only its shards), profiles memory, and captures CUDA
+graphs in step; afterwards the workers run whatever plan rank 0 sends.
+
+A monitor thread watches the workers: one that exits makes `failure` say which and how, aborts
+the process group (so that no collective waits for it), and `check()` raises WorkerDiedError, so
+the engine fails within a fraction of a second instead of hanging. `shutdown()` (also run at
+interpreter exit) stops every worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+import zmq
+
+from baryon.distributed.parallel_state import abort_distributed, destroy_distributed, init_distributed
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
+
+STEP, STOP = b"step", b"stop"  # the frames rank 0 sends: a plan to run, or the end
+_MONITOR_INTERVAL_S = 0.05
+_SHUTDOWN_GRACE_S = 5.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process of a tensor-parallel engine exited; the engine cannot continue."""
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerGroup:
+    def __init__(self, world_size: int, socket_dir: str) -> None:
+        self.world_size = world_size
+        self._socket_dir = socket_dir
+        self._context = zmq.Context()
+        self._sockets: list[zmq.Socket] = []
+        self.processes: list[subprocess.Popen] = []
+        self.failure: str | None = None
+        self._stopping = False
+        self._monitor: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, config, world_size: int, expert_parallel: bool) -> WorkerGroup:
+        """Launch ranks 1 .. world_size - 1 and join the process group as rank 0 (returns once
+        every rank has joined)."""
+        group = cls(world_size, tempfile.mkdtemp(prefix="baryon-workers-"))
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        payload = pickle.dumps(config)
+        try:
+            for rank in range(1, world_size):
+                address = f"ipc://{group._socket_dir}/rank{rank}"
+                sock = group._context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.bind(address)
+                group._sockets.append(sock)
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "baryon.runner.worker", str(rank), str(world_size), init_method, address,
+                     str(os.getpid())], stdin=subprocess.PIPE)
+                process.stdin.write(payload)
+                process.stdin.close()
+                group.processes.append(process)
+            group._monitor = threading.Thread(target=group._watch, name="baryon-worker-monitor", daemon=True)
+            group._monitor.start()
+            atexit.register(group.shutdown)
+            init_distributed(world_size, 0, init_method, backend_for(config.device), expert_parallel)
+        except BaseException:
+            group.shutdown()
+            raise
+        logger.info("tensor parallelism: %d ranks (workers: pids %s)", world_size,
+                    [p.pid for p in group.processes])
+        return group
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for rank, process in enumerate(self.processes, 1):
+                code = process.poll()
+                if code is not None and not self._stopping:
+                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    self.failure = (f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}; the engine "
+                                    f"cannot continue without it (its log above says why, if it failed itself)")
+                    logger.error(self.failure)
+                    abort_distributed()
+                    return
+            time.sleep(_MONITOR_INTERVAL_S)
+
+    def check(self, wait_s: float = 0.0) -> None:
+        """Raise WorkerDiedError if a worker has exited (waiting up to wait_s for the monitor to
+        notice one: after a collective failed, the death is usually a moment from being seen)."""
+        deadline = time.monotonic() + wait_s
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(_MONITOR_INTERVAL_S / 2)
+        if self.failure is not None:
+            raise WorkerDiedError(self.failure)
+
+    def send_step(self, payload: bytes) -> None:
+        for sock in self._sockets:
+            sock.send_multipart((STEP, payload), copy=False)
+
+    def shutdown(self) -> None:
+        """Stop every worker (politely, then by force) and leave the process group."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for sock in self._sockets:
+            try:
+                sock.send_multipart((STOP, b""), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        try:
+            destroy_distributed()
+        except Exception:  # already aborted after a worker died
+            pass
+        atexit.unregister(self.shutdown)
