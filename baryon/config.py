@@ -208,6 +208,15 @@ class EngineConfig:
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
                    seed=args.seed, parallel=parallel, speculative=speculative)
 
+    def replica(self, index: int) -> EngineConfig:
+        """Data-parallel replica `index`: one engine (data_parallel_size 1) on the
+        tensor_parallel_size GPUs that start index * tensor_parallel_size after the first."""
+        device = self.device
+        if device.type == "cuda":
+            device = torch.device("cuda", (device.index or 0) + index * self.parallel.tensor_parallel_size)
+        return dataclasses.replace(self, device=device,
+                                   parallel=dataclasses.replace(self.parallel, data_parallel_size=1))
+
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
         known = {f.name for f in dataclasses.fields(EngineArgs)}

@@ -1,6 +1,6 @@
 """The server's asyncio handle on the engine-core process.
 
-`EngineProcess()` launches `baryon.engine.core_process` at once (it imports the engine while the
+`EngineProcess()` launches `baryon.engine.core_process` at once (one per data-parallel replica) (it imports the engine while the
 server resolves the configuration, and loads the model while the server loads its tokenizer)
 and owns the two ZMQ sockets to it. `AsyncEngineClient` waits
 until the engine is ready, then `generate()` sends a request's samples and yields its
@@ -60,14 +60,16 @@ class EngineProcess:
     The process starts on construction and imports the engine while the server resolves the
     configuration; `configure(config)` then lets it build the engine (load the model)."""
 
-    def __init__(self) -> None:
+    def __init__(self, async_outputs: bool = True) -> None:
+        """async_outputs: receive with asyncio (the server); False: blocking (data_parallel.py)."""
         self._socket_dir = tempfile.mkdtemp(prefix="baryon-engine-")
         input_address, output_address = f"ipc://{self._socket_dir}/input", f"ipc://{self._socket_dir}/output"
         self._context = zmq.Context()
         self._to_engine = self._context.socket(zmq.PUSH)
         self._to_engine.setsockopt(zmq.SNDHWM, 0)  # never drop or block: the engine drains every step
         self._to_engine.bind(input_address)
-        self._from_engine = zmq.asyncio.Context.shadow(self._context).socket(zmq.PULL)
+        context = zmq.asyncio.Context.shadow(self._context) if async_outputs else self._context
+        self._from_engine = context.socket(zmq.PULL)
         self._from_engine.setsockopt(zmq.RCVHWM, 0)
         self._from_engine.bind(output_address)
         self.process = subprocess.Popen([sys.executable, "-m", "baryon.engine.core_process", input_address,
@@ -88,8 +90,20 @@ class EngineProcess:
         """Raises zmq.ZMQError (zmq.Again) when no engine is connected."""
         self._to_engine.send(encoder.encode(message), zmq.NOBLOCK)
 
+    @property
+    def output_socket(self) -> zmq.Socket:
+        return self._from_engine
+
     async def receive(self) -> EngineMessage:
         frame = await self._from_engine.recv(copy=False)
+        return engine_message_decoder.decode(frame.buffer)
+
+    def receive_now(self) -> EngineMessage | None:
+        """The next message if one is waiting (blocking sockets only), else None."""
+        try:
+            frame = self._from_engine.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
         return engine_message_decoder.decode(frame.buffer)
 
     async def wait_ready(self) -> EngineStats:
@@ -135,46 +149,69 @@ class EngineProcess:
 
 
 class AsyncEngineClient:
-    def __init__(self, engine: EngineProcess, config: EngineConfig, tokenizer: Any | None) -> None:
-        self.engine = engine
+    """The server's client of one engine process, or of data_parallel_size replicas: each new
+    request goes to the replica with the fewest unfinished samples; a replica that fails fails
+    the whole engine (every request, and /health answers 503)."""
+
+    def __init__(self, engines: list[EngineProcess], config: EngineConfig, tokenizer: Any | None) -> None:
+        self.engines = engines
         self.config = config
         self.eos_token_ids = eos_token_ids(config.model.model_path, config.model.hf_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
-        self.stats = EngineStats()
+        self.replica_stats = [EngineStats() for _ in engines]
         self.num_prompt_tokens = 0  # totals since start, for /metrics
         self.num_generation_tokens = 0
         self.dead_reason: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._replica_of: dict[str, int] = {}  # request id -> the replica that runs it
+        self._load = [0] * len(engines)  # unfinished samples per replica
         self._closing = False
         self._tasks: list[asyncio.Task] = []
 
     @property
-    def pid(self) -> int:
-        return self.engine.pid
+    def pids(self) -> list[int]:
+        return [engine.pid for engine in self.engines]
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' load, added up."""
+        if len(self.replica_stats) == 1:
+            return self.replica_stats[0]
+        total = EngineStats()
+        for stats in self.replica_stats:
+            for name in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks", "spec_num_drafts",
+                         "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+            per_position = stats.spec_accepted_per_position
+            total.spec_accepted_per_position = [a + b for a, b in zip(total.spec_accepted_per_position, per_position)] \
+                if total.spec_accepted_per_position else list(per_position)
+        return total
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Wait until the engine has loaded the model (RuntimeError if it failed to)."""
-        self.stats = await self.engine.wait_ready()
-        self._tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._watch_process())]
+        """Wait until every replica has loaded the model (RuntimeError if one failed to)."""
+        self.replica_stats = list(await asyncio.gather(*(engine.wait_ready() for engine in self.engines)))
+        self._tasks = [asyncio.create_task(coroutine) for index in range(len(self.engines))
+                       for coroutine in (self._receive_loop(index), self._watch_process(index))]
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
-        """Fail every request, refuse new ones and ask the engine process to exit."""
+        """Fail every request, refuse new ones and ask the engine processes to exit."""
         if self._closing:
             return
         self._closing = True
         self._fail_all(reason)
-        try:
-            self.engine.send(Shutdown())
-        except zmq.ZMQError:
-            pass  # not connected: the process is gone, or close() terminates it
+        for engine in self.engines:
+            try:
+                engine.send(Shutdown())
+            except zmq.ZMQError:
+                pass  # not connected: the process is gone, or close() terminates it
 
     async def close(self) -> None:
         self.shutdown()
         for task in self._tasks:
             task.cancel()
-        await self.engine.close()
+        await asyncio.gather(*(engine.close() for engine in self.engines))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -187,10 +224,13 @@ class AsyncEngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         core_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         self._queues[request_id] = queue
+        replica = min(range(len(self.engines)), key=self._load.__getitem__)
+        self._replica_of[request_id] = replica
+        self._load[replica] += params.n
         try:
             samples = [params.for_sample(i) if params.n > 1 else params for i in range(params.n)]
-            self._send(AddRequests([EngineCoreRequest(core_id, prompt_token_ids, sample, self.eos_token_ids)
-                                    for core_id, sample in zip(core_ids, samples)]))
+            self._send(replica, AddRequests([EngineCoreRequest(core_id, prompt_token_ids, sample, self.eos_token_ids)
+                                             for core_id, sample in zip(core_ids, samples)]))
             self.num_prompt_tokens += len(prompt_token_ids)
             while True:
                 item = await queue.get()
@@ -204,43 +244,45 @@ class AsyncEngineClient:
         finally:
             self._queues.pop(request_id, None)
             self.abort(request_id)
+            self._load[self._replica_of.pop(request_id)] -= params.n
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its engine-core requests free their KV blocks in the next step."""
         unfinished = self.output_processor.abort_request(request_id)
         if unfinished and self.dead_reason is None:
             try:
-                self._send(AbortRequests(unfinished))
+                self._send(self._replica_of.get(request_id, 0), AbortRequests(unfinished))
             except EngineDeadError:
                 pass
 
-    def _send(self, message: AddRequests | AbortRequests) -> None:
+    def _send(self, replica: int, message: AddRequests | AbortRequests) -> None:
+        engine = self.engines[replica]
         try:
-            self.engine.send(message)
+            engine.send(message)
         except zmq.ZMQError as e:  # zmq.Again: no engine connected (often: it just died)
-            code = self.engine.exit_code()
+            code = engine.exit_code()
             self._fail_all(f"the engine process exited unexpectedly (exit code {code})" if code is not None
                            else f"the engine process is not reachable ({e})")
             raise EngineDeadError(self.dead_reason) from None
 
     # -- engine messages ----------------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
+    async def _receive_loop(self, replica: int) -> None:
         while True:
-            message = await self.engine.receive()
+            message = await self.engines[replica].receive()
             if isinstance(message, EngineFailed):
                 self._fail_all(message.message)
                 return
             if isinstance(message, EngineOutputs):
                 try:
-                    self._apply(message)
+                    self._apply(replica, message)
                 except Exception as e:  # a bug here would leave requests waiting forever
                     logger.exception("failed to process engine outputs")
                     self._fail_all(f"the server failed to process engine outputs: {type(e).__name__}: {e}")
                     return
 
-    def _apply(self, message: EngineOutputs) -> None:
-        self.stats = message.stats
+    def _apply(self, replica: int, message: EngineOutputs) -> None:
+        self.replica_stats[replica] = message.stats
         for core_id, reason in message.rejected.items():
             entry = self.output_processor.samples.get(core_id)
             if entry is not None:
@@ -260,18 +302,19 @@ class AsyncEngineClient:
                     f"the server failed to process this request's output: {type(e).__name__}: {e}"))
                 continue
             if stopped_by_string:
-                self._send(AbortRequests(stopped_by_string))
+                self._send(replica, AbortRequests(stopped_by_string))
             for output in outputs:
                 queue = self._queues.get(request_id)
                 if queue is not None:
                     queue.put_nowait(output)
 
-    async def _watch_process(self) -> None:
-        while self.engine.exit_code() is None:
+    async def _watch_process(self, replica: int) -> None:
+        engine = self.engines[replica]
+        while engine.exit_code() is None:
             await asyncio.sleep(_WATCH_INTERVAL_S)
         if not self._closing:
-            logger.error("the engine process exited unexpectedly (exit code %s)", self.engine.exit_code())
-            self._fail_all(f"the engine process exited unexpectedly (exit code {self.engine.exit_code()})")
+            logger.error("the engine process exited unexpectedly (exit code %s)", engine.exit_code())
+            self._fail_all(f"the engine process exited unexpectedly (exit code {engine.exit_code()})")
 
     def _fail_request(self, request_id: str, error: Exception) -> None:
         self.abort(request_id)

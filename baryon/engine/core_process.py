@@ -100,7 +100,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     inputs.connect(input_address)
     outputs = context.socket(zmq.PUSH)
     outputs.connect(output_address)
-    failure = None
+    failure, core = None, None
     try:
         try:
             core = EngineCore(config)
@@ -119,6 +119,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     finally:
         if failure is not None:
             outputs.send(encoder.encode(EngineFailed(failure)))
+        if core is not None:
+            core.shutdown()  # stop the tensor-parallel workers
         inputs.close(linger=0)
         outputs.close(linger=_LINGER_MS if failure is not None else 0)
         context.term()

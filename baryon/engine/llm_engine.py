@@ -6,6 +6,7 @@ from typing import Any
 
 from baryon.config import EngineConfig
 from baryon.engine.core import EngineCore
+from baryon.engine.data_parallel import DataParallelEngineCores
 from baryon.engine.output_processor import OutputProcessor
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
@@ -39,7 +40,8 @@ class LLMEngine:
         if model.tokenizer_path is not None:
             self.tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
         self.eos_token_ids = eos_token_ids(model.model_path, model.hf_config, self.tokenizer)
-        self.core = EngineCore(config)
+        # One engine here, or data_parallel_size replicas in processes of their own.
+        self.core = EngineCore(config) if config.parallel.data_parallel_size == 1 else DataParallelEngineCores(config)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -42,26 +42,30 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--port {args.port} is invalid: it must be in [0, 65535]")
     chat_template = load_chat_template(args.chat_template)
     api_key = args.api_key or os.environ.get("BARYON_API_KEY") or None
-    engine = EngineProcess()  # imports the engine while this process resolves the configuration
+    # The engine processes (one per data-parallel replica) import the engine while this process
+    # resolves the configuration.
+    engines = [EngineProcess() for _ in range(max(args.data_parallel_size, 1))]
     try:
         config = EngineConfig.create(**kwargs)
-        engine.configure(config)  # the model loads while this process loads the tokenizer
+        for index, engine in enumerate(engines):
+            engine.configure(config.replica(index))  # the model loads while this process loads the tokenizer
         tokenizer = None
         if config.model.tokenizer_path is not None:
             from baryon.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(config.model.tokenizer_path, config.model.trust_remote_code)
         model_names = args.served_model_name or [config.model.model]
-        return asyncio.run(_serve(args, engine, config, tokenizer, chat_template, model_names, api_key))
+        return asyncio.run(_serve(args, engines, config, tokenizer, chat_template, model_names, api_key))
     finally:
-        engine.kill()  # a no-op once _serve has stopped it
+        for engine in engines:
+            engine.kill()  # a no-op once _serve has stopped it
 
 
-async def _serve(args: argparse.Namespace, engine, config: EngineConfig, tokenizer: Any,
+async def _serve(args: argparse.Namespace, engines: list, config: EngineConfig, tokenizer: Any,
                  chat_template: str | None, model_names: list[str], api_key: str | None) -> int:
     from baryon.engine.core_client import AsyncEngineClient
 
-    client = AsyncEngineClient(engine, config, tokenizer)
+    client = AsyncEngineClient(engines, config, tokenizer)
     try:
         if not await _start_engine(client):
             return 0
@@ -122,8 +126,8 @@ async def _run_http(args: argparse.Namespace, config: EngineConfig, client, toke
     # stopped: let that land here rather than kill the process before the engine is stopped.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in _SIGNALS}
     try:
-        logger.info("serving %s at http://%s:%d/v1 (engine process %s)", model_names[0], args.host, args.port,
-                    client.pid)
+        logger.info("serving %s at http://%s:%d/v1 (engine processes %s)", model_names[0], args.host, args.port,
+                    client.pids)
         await server.serve()
     finally:
         for sig, handler in previous.items():

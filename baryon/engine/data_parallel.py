@@ -1,0 +1,127 @@
+"""Data parallelism for the offline API: `data_parallel_size` engine replicas behind the
+EngineCore interface that LLMEngine drives.
+
+Each replica is an engine-core process (`baryon.engine.core_process`, the server's too) on its
+own GPUs (`EngineConfig.replica`), with its own scheduler, KV cache and, with tensor parallelism,
+its own workers. A new request goes to the replica with the fewest unfinished requests; `step()`
+waits until some replica has produced outputs and returns everything that has arrived. A replica
+that fails or exits fails the engine with its reason.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from baryon.config import EngineConfig
+from baryon.engine.core import EngineCoreOutput, check_prompt
+from baryon.engine.core_client import EngineProcess
+from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreRequest, EngineFailed, EngineOutputs,
+                                    EngineReady, Shutdown)
+from baryon.sampling_params import SamplingParams
+
+_POLL_MS = 100  # how often a wait for outputs checks that the replicas are alive
+
+
+class ReplicaFailedError(RuntimeError):
+    """An engine replica failed or exited; the engine cannot continue."""
+
+
+class DataParallelEngineCores:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.replicas = [EngineProcess(async_outputs=False) for _ in range(config.parallel.data_parallel_size)]
+        self.owner: dict[str, int] = {}  # unfinished core request id -> replica
+        self.load = [0] * len(self.replicas)  # unfinished requests per replica
+        self._poller = zmq.Poller()
+        try:
+            for index, replica in enumerate(self.replicas):
+                replica.configure(config.replica(index))
+                self._poller.register(replica.output_socket, zmq.POLLIN)
+            for index, replica in enumerate(self.replicas):
+                self._wait_ready(index, replica)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, index: int, replica: EngineProcess) -> None:
+        while not replica.output_socket.poll(_POLL_MS):
+            if replica.exit_code() is not None:
+                raise ReplicaFailedError(f"engine replica {index} exited while starting (exit code "
+                                         f"{replica.exit_code()}; its log above says why)")
+        message = replica.receive_now()
+        if isinstance(message, EngineFailed):
+            raise ReplicaFailedError(f"engine replica {index}: {message.message}")
+        if not isinstance(message, EngineReady):
+            raise ReplicaFailedError(f"unexpected first message from engine replica {index}: {type(message).__name__}")
+
+    # -- the EngineCore interface -------------------------------------------------------------
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        check_prompt(self.config, prompt_token_ids)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: frozenset[int]) -> None:
+        if request_id in self.owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids)
+        index = min(range(len(self.replicas)), key=self.load.__getitem__)
+        self.replicas[index].send(AddRequests([EngineCoreRequest(request_id, list(prompt_token_ids), params,
+                                                                 eos_token_ids)]))
+        self.owner[request_id] = index
+        self.load[index] += 1
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self.owner.pop(request_id, None)
+            if index is not None:
+                self.load[index] -= 1
+                by_replica.setdefault(index, []).append(request_id)
+        for index, ids in by_replica.items():
+            self.replicas[index].send(AbortRequests(ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.owner)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Every output the replicas have sent, waiting for at least one message."""
+        if not self.owner:
+            return []
+        while not self._poller.poll(_POLL_MS):
+            self._check_alive()
+        outputs = []
+        for index, replica in enumerate(self.replicas):
+            while (message := replica.receive_now()) is not None:
+                if isinstance(message, EngineFailed):
+                    raise ReplicaFailedError(f"engine replica {index}: {message.message}")
+                if isinstance(message, EngineOutputs):
+                    if message.rejected:  # the prompt was checked here: a bug if it happens
+                        raise ReplicaFailedError(f"engine replica {index} refused requests: {message.rejected}")
+                    outputs.extend(self._finished(o) for o in message.outputs if o.request_id in self.owner)
+        return outputs
+
+    def _finished(self, output: EngineCoreOutput) -> EngineCoreOutput:
+        if output.finish_reason is not None:
+            self.load[self.owner.pop(output.request_id)] -= 1
+        return output
+
+    def _check_alive(self) -> None:
+        for index, replica in enumerate(self.replicas):
+            if replica.exit_code() is not None:
+                raise ReplicaFailedError(f"engine replica {index} exited unexpectedly (exit code "
+                                         f"{replica.exit_code()})")
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            if replica.exit_code() is None:
+                try:
+                    replica.send(Shutdown())
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        for replica in self.replicas:
+            while replica.exit_code() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            replica.kill()

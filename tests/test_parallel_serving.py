@@ -1,0 +1,155 @@
+"""Several engine processes: a tensor-parallel worker that dies, data-parallel replicas, and the
+server over both (CPU, gloo, two processes).
+
+A killed worker must make the engine fail within seconds with an error that names it (offline:
+WorkerDiedError; server: 503 on the request and on /health), never hang; shutdown leaves no
+process behind. Data-parallel replicas give the same greedy tokens as one engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from baryon import LLM, SamplingParams
+from baryon.distributed.worker_group import WorkerDiedError
+from conftest import make_checkpoint, random_prompts
+from test_server import ServerProcess, child_pids, pid_alive
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("parallel_llama"), "llama", seed=5)
+
+
+def wait_until_gone(pids: list[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(pid_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still running: {[pid for pid in pids if pid_alive(pid)]}"
+        time.sleep(0.05)
+
+
+def test_killed_worker_fails_generation_within_seconds(llama_path, seed):
+    llm = LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True)
+    (worker,) = llm.engine.core.workers.processes
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts(3, 128, 4, 12, seed)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.has_unfinished_requests()
+    worker.send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"tensor-parallel worker rank 1 .* killed by signal 9"):
+        while engine.has_unfinished_requests():
+            engine.step()
+            assert time.monotonic() - start < 10, "the engine kept stepping without its worker"
+    assert time.monotonic() - start < 10
+    llm.shutdown()
+    # A new engine can start in this process afterwards (the process group was released).
+    with LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True) as again:
+        out = again.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0),
+                             use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_shutdown_stops_every_worker(llama_path):
+    llm = LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True)
+    pids = [p.pid for p in llm.engine.core.workers.processes]
+    assert all(pid_alive(pid) for pid in pids)
+    llm.shutdown()
+    wait_until_gone(pids, 10)
+
+
+def test_data_parallel_replicas_match_one_engine(llama_path, seed):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 128, 3, 20, seed)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    with LLM(str(llama_path), device="cpu", skip_tokenizer_init=True) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(llama_path), data_parallel_size=2, device="cpu", skip_tokenizer_init=True) as two:
+        replicas = two.engine.core
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert not replicas.owner and replicas.load == [0, 0]
+        pids = [r.pid for r in replicas.replicas]
+    assert got == expected
+    wait_until_gone(pids, 10)
+
+
+# -- the server -------------------------------------------------------------------------------
+
+LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def stream_events(url: str, events: list[str], started: threading.Event) -> None:
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=LONG_STREAM, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    started.set()
+    except httpx.HTTPError:
+        pass
+    finally:
+        started.set()
+
+
+def test_server_with_a_killed_worker_answers_503(stories_path):
+    server = ServerProcess(stories_path, "--max-model-len", "512", "--tensor-parallel-size", "2")
+    try:
+        server.wait_ready()
+        (engine,) = child_pids(server.process.pid)[:1]
+        workers = child_pids(engine)
+        assert len(workers) == 1
+        events, started = [], threading.Event()
+        reader = threading.Thread(target=stream_events, args=(server.url, events, started), daemon=True)
+        reader.start()
+        assert started.wait(60) and events
+        start = time.monotonic()
+        os.kill(workers[0], signal.SIGKILL)
+        reader.join(10)
+        assert not reader.is_alive() and time.monotonic() - start < 10
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_unavailable" and "tensor-parallel worker rank 1" in error["message"]
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code == 503
+        tree = [server.process.pid, *child_pids(server.process.pid)]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(15) == 0
+        wait_until_gone(tree, 10)
+    finally:
+        server.stop()
+
+
+def test_server_balances_two_replicas(stories_path):
+    server = ServerProcess(stories_path, "--max-model-len", "512", "--data-parallel-size", "2")
+    try:
+        server.wait_ready()
+        assert len(child_pids(server.process.pid)) == 2  # one engine process per replica
+        body = {"prompt": "The little dog", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        results = [None] * 6
+
+        def post(i: int) -> None:
+            results[i] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        texts = {r["choices"][0]["text"] for r in results}
+        assert len(texts) == 1  # the same greedy completion from either replica
+        assert all(r["usage"]["completion_tokens"] == 12 for r in results)
+        metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+        (total,) = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("baryon:kv_cache_total_blocks{")]
+        # /metrics adds the replicas up: each sizes its CPU cache to 256 sequences of 512 tokens + 1 block.
+        assert total == 2 * (256 * 512 // 16 + 1)
+    finally:
+        server.stop()
