@@ -220,3 +220,51 @@ def test_quantized_greedy_tokens_follow_bf16(tmp_path, seed, arch, variant, over
     assert result.matched / result.total >= overall, f"{variant}: {result}"
     if result.confident_total >= 10:  # enough decisive positions to judge
         assert result.confident_matched / result.confident_total >= confident, f"{variant}: {result}"
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("arch, extra", [("qwen3", {}), ("qwen3_moe", {"enable_expert_parallel": True}),
+                                         ("qwen3_moe", {}), ("qwen2", {"speculative_config": {
+                                             "method": "ngram", "num_speculative_tokens": 3}})])
+def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
+    """TP=2 over NCCL (CUDA graphs and piecewise graphs capturing the collectives) gives the
+    same greedy tokens and logprobs as one GPU, in float32; also with expert parallelism and
+    with n-gram speculation (drafts verified on two ranks)."""
+    overrides = dict(num_key_value_heads=1, tie_word_embeddings=True) if arch == "qwen2" else {}
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, head_dim=64, num_hidden_layers=3, initializer_range=0.02,
+                           **{"num_key_value_heads": 2, **overrides, **(GPU_MOE if arch == "qwen3_moe" else {})})
+    # Repetitive prompts give n-gram drafts to verify.
+    prompts = [p * 3 for p in random_prompts(6, 128, 4, 12, seed)]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    results = {}
+    for tp in (1, 2):
+        kwargs = dict(extra) if tp == 2 else {}
+        with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
+                 tensor_parallel_size=tp, **kwargs) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            if tp == 2:
+                assert llm.engine.core.runner.graph_runner is not None  # decode steps replayed graphs
+        results[tp] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                 o.outputs[0].token_ids)])
+                       for o in outs]
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(results[1], results[2]):
+        assert tokens2 == tokens1
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
+
+
+@two_gpus
+def test_data_parallel_on_two_gpus_matches_one(tmp_path, seed):
+    path = make_checkpoint(tmp_path / "llama", "llama", seed=seed, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.02)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 128, 4, 30, seed)]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    tokens = {}
+    for dp in (1, 2):
+        with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
+                 data_parallel_size=dp) as llm:
+            tokens[dp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[2] == tokens[1]

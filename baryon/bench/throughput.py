@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": str(llm.config.device), "elapsed_s": round(elapsed, 3),
         "output_tok_s": round(output_tokens / elapsed, 1), "prompt_tok_s": round(prompt_tokens / elapsed, 1),
         "total_tok_s": round((prompt_tokens + output_tokens) / elapsed, 1), "startup_s": round(startup, 2),
-        "kv_cache_tokens": llm.engine.core.runner.num_blocks * llm.config.cache.block_size,
+        "kv_cache_tokens": llm.engine.core.num_kv_blocks * llm.config.cache.block_size,
     }
 
 

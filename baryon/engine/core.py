@@ -159,6 +159,10 @@ class EngineCore:
 
     # -- one step -----------------------------------------------------------------------------
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
     def shutdown(self) -> None:
         """Stop the worker processes (tensor parallelism); the engine cannot step afterwards."""
         if self.workers is not None:

@@ -34,6 +34,7 @@ class DataParallelEngineCores:
         self.replicas = [EngineProcess(async_outputs=False) for _ in range(config.parallel.data_parallel_size)]
         self.owner: dict[str, int] = {}  # unfinished core request id -> replica
         self.load = [0] * len(self.replicas)  # unfinished requests per replica
+        self.num_kv_blocks = 0  # the replicas' KV-cache blocks, added up
         self._poller = zmq.Poller()
         try:
             for index, replica in enumerate(self.replicas):
@@ -55,6 +56,7 @@ class DataParallelEngineCores:
             raise ReplicaFailedError(f"engine replica {index}: {message.message}")
         if not isinstance(message, EngineReady):
             raise ReplicaFailedError(f"unexpected first message from engine replica {index}: {type(message).__name__}")
+        self.num_kv_blocks += message.stats.num_kv_blocks
 
     # -- the EngineCore interface -------------------------------------------------------------
 

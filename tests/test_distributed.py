@@ -1,0 +1,311 @@
+"""Tensor and expert parallelism on CPU (gloo): TP=2 matches TP=1 token for token, each rank loads
+only its shard of the checkpoint, and bad parallel configurations fail clearly without leaving
+worker processes behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch.utils._pytree import tree_flatten
+
+from baryon import LLM, SamplingParams
+from conftest import TEST_SEED, make_checkpoint, random_prompts
+
+VOCAB = 128  # conftest's BASE_CONFIG
+LOGPROB_TOL = 1e-4
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _worker_children() -> set[int]:
+    """Live `python -m baryon.runner.worker` processes whose parent is this process (the engine
+    launches them with subprocess.Popen, so multiprocessing does not know them)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == me and b"baryon.runner.worker" in cmdline:
+            found.add(int(entry))
+    return found
+
+
+def _run(path, tp: int, prompts: list[list[int]], params, **engine_kwargs):
+    """Generate with a fresh engine of `tp` ranks, shut it down, and check that its workers are gone."""
+    before = _worker_children()
+    with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32", skip_tokenizer_init=True,
+             **engine_kwargs) as llm:
+        if tp > 1:
+            assert len(_worker_children() - before) == tp - 1, "expected one worker process per extra rank"
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert not _worker_children() - before, "shutdown left worker processes running"
+    return outputs
+
+
+def _chosen_logprobs(completion) -> list[float]:
+    return [position[token].logprob for position, token in zip(completion.logprobs, completion.token_ids)]
+
+
+def _assert_prompt_logprobs_match(ref, got, k: int) -> None:
+    """Position by position: the prompt token's logprob and every top-k entry agree. A top-k entry
+    of one side may only be missing on the other where it ties with the k-th (a near-tie within
+    the tolerance may order the two differently)."""
+    assert len(ref) == len(got) and ref[0] is None and got[0] is None
+    for pos, (a, b) in enumerate(zip(ref[1:], got[1:]), 1):
+        assert len(a) >= k and len(b) >= k, f"position {pos}: fewer than {k} entries"
+        for token in a.keys() & b.keys():
+            assert abs(a[token].logprob - b[token].logprob) < LOGPROB_TOL, f"position {pos}, token {token}"
+        for x, y in ((a, b), (b, a)):
+            kth = min(e.logprob for e in y.values() if e.rank <= k)
+            for token in x.keys() - y.keys():
+                assert x[token].rank <= k, f"position {pos}: prompt token {token} missing from one side"
+                assert abs(x[token].logprob - kth) < LOGPROB_TOL, \
+                    f"position {pos}: top-{k} token {token} ({x[token].logprob}) absent on the other side"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name, arch, **overrides): a random checkpoint (fresh weights each session seed),
+    made once per module."""
+    made = {}
+
+    def get(name: str, arch: str, **overrides):
+        if name not in made:
+            made[name] = make_checkpoint(tmp_path_factory.mktemp(name), arch, seed=TEST_SEED % 2**31, **overrides)
+        return made[name]
+
+    return get
+
+
+# -- 1. parity ---------------------------------------------------------------------------------------
+
+PARITY_CASES = {
+    # name: (arch, checkpoint overrides, extra engine arguments at TP=2)
+    "llama-gqa": ("llama", {}, {}),  # 4 heads / 2 KV heads: both split
+    "qwen2-1kv-tied": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True), {}),  # KV head replicated
+    "qwen3_moe-ep": ("qwen3_moe", {}, dict(enable_expert_parallel=True)),  # 4 experts per rank
+    "qwen3_moe-tp": ("qwen3_moe", {}, {}),  # every expert, half its intermediate size per rank
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY_CASES))
+def test_tp2_matches_tp1(case, checkpoint, seed):
+    arch, overrides, extra = PARITY_CASES[case]
+    path = checkpoint(case.split("-")[0] + ("-1kv" if overrides else ""), arch, **overrides)
+    prompts = random_prompts(3, VOCAB, 3, 12, seed)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1, prompt_logprobs=2)
+    ref = _run(path, 1, prompts, params)
+    got = _run(path, 2, prompts, params, **extra)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt {i}: greedy tokens differ"
+        assert len(a.outputs[0].token_ids) == 8
+        la, lb = _chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0])
+        assert max(abs(x - y) for x, y in zip(la, lb)) < LOGPROB_TOL, f"prompt {i}: logprobs {la} vs {lb}"
+        _assert_prompt_logprobs_match(a.prompt_logprobs, b.prompt_logprobs, k=2)
+
+
+def test_tp2_seeded_sampling_matches_tp1(checkpoint, seed):
+    """Random sampling with a per-request seed: rank 0 samples from the gathered logits, so TP=2
+    draws the same tokens as TP=1."""
+    path = checkpoint("llama", "llama")
+    prompts = random_prompts(3, VOCAB, 3, 12, seed)
+    params = [SamplingParams(temperature=0.8, seed=seed + i, max_tokens=10) for i in range(len(prompts))]
+    ref = [o.outputs[0].token_ids for o in _run(path, 1, prompts, params)]
+    got = [o.outputs[0].token_ids for o in _run(path, 2, prompts, params)]
+    assert ref == got
+    # Not vacuous: a different seed draws something else.
+    other = [SamplingParams(temperature=0.8, seed=seed + 1000 + i, max_tokens=10) for i in range(len(prompts))]
+    assert [o.outputs[0].token_ids for o in _run(path, 1, prompts, other)] != ref
+
+
+# -- 2. each rank loads only its shard -------------------------------------------------------------
+#
+# What is counted: the bytes of checkpoint tensors that the loader consumes, i.e. that reach a
+# parameter (copy_ into it, .to(dtype), .clone(), ...). Every tensor the checkpoint iterator yields
+# is wrapped in _Counted; a view of it (narrow, slicing, chunk) stays wrapped and counts nothing; an
+# op whose result does not share storage with a wrapped input counts the bytes of its wrapped
+# inputs. This measures the loader's sharding, not disk I/O: safetensors' get_tensor hands out each
+# tensor whole (see the report), whichever part of it a rank then keeps.
+
+
+class _Counted(torch.Tensor):
+    read_bytes = 0  # per process
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            counted = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, _Counted)]
+            result = func(*args, **kwargs)
+            storages = {t.untyped_storage().data_ptr() for t in counted}
+            nbytes = sum(t.numel() * t.element_size() for t in counted)
+
+            def settle(value):
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
+                    return value.as_subclass(cls)  # a view: still the checkpoint's bytes
+                if isinstance(value, torch.Tensor):  # data left the checkpoint tensor
+                    cls.read_bytes += nbytes
+                return value
+
+            if isinstance(result, (tuple, list)) and result and all(isinstance(v, torch.Tensor) for v in result):
+                if all(v.untyped_storage().data_ptr() in storages for v in result):
+                    return type(result)(v.as_subclass(cls) for v in result)
+                cls.read_bytes += nbytes
+                return result
+            if func in (torch.Tensor.__setitem__, torch.Tensor.item, torch.Tensor.tolist):
+                cls.read_bytes += nbytes
+                return result
+            return settle(result)
+
+
+def _counting_load(path: str) -> int:
+    """Load the model at `path` on this process's rank with every checkpoint tensor counted;
+    returns the bytes consumed."""
+    from baryon.config import EngineConfig
+    from baryon.loader import model_loader
+
+    original = model_loader.checkpoint_weights
+
+    def counted(*args, **kwargs):
+        for name, tensor, file in original(*args, **kwargs):
+            yield name, tensor.as_subclass(_Counted), file
+
+    _Counted.read_bytes = 0
+    model_loader.checkpoint_weights = counted
+    try:
+        config = EngineConfig.create(model=path, device="cpu", dtype="float32", skip_tokenizer_init=True).model
+        model = model_loader.load_model(config, torch.device("cpu"))
+    finally:
+        model_loader.checkpoint_weights = original
+    assert not any(isinstance(p, _Counted) for p in model.parameters())
+    return _Counted.read_bytes
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, path: str, queue) -> None:
+    """A spawned rank: join the group, load with counting, report (rank, bytes or a traceback)."""
+    from baryon.distributed.parallel_state import destroy_distributed, init_distributed
+
+    torch.set_num_threads(1)
+    try:
+        init_distributed(world_size, rank, init_method, "gloo", expert_parallel=False)
+        try:
+            queue.put((rank, _counting_load(path)))
+        finally:
+            destroy_distributed()
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def load_checkpoint(tmp_path_factory):
+    """Big enough that the matrices dominate: 8 heads / 4 KV heads of 32, hidden 256, vocab 512."""
+    return make_checkpoint(tmp_path_factory.mktemp("load_llama"), "llama", seed=TEST_SEED % 2**31,
+                           hidden_size=256, intermediate_size=512, vocab_size=512, num_hidden_layers=2,
+                           num_attention_heads=8, num_key_value_heads=4)
+
+
+def test_each_rank_reads_only_its_shard(load_checkpoint):
+    import queue as queue_module
+
+    import torch.multiprocessing as mp
+
+    sizes = {}
+    for file in load_checkpoint.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                t = handle.get_tensor(name)
+                sizes[name] = t.numel() * t.element_size()
+    total = sum(sizes.values())
+    replicated = sum(n for name, n in sizes.items() if name.endswith("norm.weight"))  # RMSNorm weights
+    assert 0 < replicated < 0.01 * total
+
+    # One rank: everything is read once (so the counter cannot pass vacuously).
+    assert _counting_load(str(load_checkpoint)) == total
+
+    # Two ranks, in their own processes.
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_rank_main, args=(rank, 2, init_method, str(load_checkpoint), results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    counts = {}
+    try:
+        for _ in procs:
+            rank, value = results.get(timeout=120)
+            assert isinstance(value, int), f"rank {rank} failed:\n{value}"
+            counts[rank] = value
+    except queue_module.Empty:
+        pytest.fail(f"the ranks did not report (exit codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    expected = replicated + (total - replicated) // 2  # every split here is into equal halves
+    for rank in range(2):
+        assert counts[rank] < 0.6 * total, f"rank {rank} read {counts[rank]} of {total} bytes"
+        assert counts[rank] == expected, f"rank {rank} read {counts[rank]} bytes, expected {expected}"
+    assert counts[0] + counts[1] == total + replicated
+
+
+# -- 3. configuration errors -----------------------------------------------------------------------
+
+
+def test_config_errors(tmp_path, checkpoint):
+    from baryon.config import EngineConfig
+
+    path = str(checkpoint("llama", "llama"))
+    base = dict(model=path, device="cpu", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        EngineConfig.create(**base, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="compilation_level=1"):
+        EngineConfig.create(**base, tensor_parallel_size=2, compilation_level=1)
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": path}
+    EngineConfig.create(**base, speculative_config=spec)  # fine on one rank
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig.create(**base, tensor_parallel_size=2, speculative_config=spec)
+    # Prompt lookup runs on rank 0 alone, so it is allowed with TP.
+    EngineConfig.create(**base, tensor_parallel_size=2, speculative_config={"method": "ngram",
+                                                                          "num_speculative_tokens": 2})
+
+
+def test_indivisible_heads_fail_cleanly(checkpoint):
+    """TP=3 on 4 attention heads: every rank fails building the model. The error names the
+    divisibility problem and no worker process outlives the failed engine."""
+    path = checkpoint("llama", "llama")
+    before = _worker_children()
+    with pytest.raises(Exception) as info:
+        LLM(str(path), tensor_parallel_size=3, device="cpu", dtype="float32", skip_tokenizer_init=True)
+    assert not _worker_children() - before, "a failed start left worker processes running"
+    chain, error = [], info.value
+    while error is not None:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    assert any(isinstance(e, ValueError) and "num_attention_heads=4 is not divisible by the tensor-parallel size 3"
+               in str(e) for e in chain), [f"{type(e).__name__}: {e}" for e in chain]
+    if "divisible" not in str(info.value):
+        # Known issue: when a worker dies (of the same error) within EngineCore's 1 s wait, the
+        # WorkerDiedError replaces rank 0's ValueError; the cause survives only as __context__.
+        pytest.xfail(f"the raised {type(info.value).__name__} hides the divisibility error: {info.value}")
