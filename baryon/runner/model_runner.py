@@ -88,7 +88,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, workers: WorkerGroup | None = None) -> None:
         self.config = config
         self.device = config.device
-        self.workers = workers
+        self.workers: WorkerGroup | None = None  # set once every rank has built its runner (below)
         self.is_first_rank = tp_rank() == 0
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
@@ -114,6 +114,9 @@ class ModelRunner:
         self.bind_kv_cache(self.num_blocks)
         self.graph_runner, self.piecewise_runner = self.capture_cuda_graphs(
             self.cuda_graph_sizes(), self.piecewise_graph_sizes())
+        # Until here every rank ran the same profiling and capture steps on its own; from now
+        # on rank 0 plans each step and the workers run its plans.
+        self.workers = workers
 
     def cuda_graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture (empty: no CUDA graphs)."""
