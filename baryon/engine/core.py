@@ -109,9 +109,9 @@ class EngineCore:
         self.workers = WorkerGroup.start(config, tp, config.parallel.enable_expert_parallel) if tp > 1 else None
         try:
             self.runner = ModelRunner(config, self.workers)
-        except Exception:
+        except Exception as e:
             try:
-                if self.workers is not None:
+                if self.workers is not None and isinstance(e, RuntimeError):  # a collective failed:
                     self.workers.check(wait_s=1.0)  # a worker that died is the reason to give
             finally:
                 self.shutdown()
@@ -177,7 +177,7 @@ class EngineCore:
             return self._step()
         except WorkerDiedError:
             raise
-        except Exception:
+        except RuntimeError:  # a collective failed: a worker that died is the reason to give
             self.workers.check(wait_s=1.0)
             raise
 

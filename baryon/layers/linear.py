@@ -32,6 +32,7 @@ class LinearBase(nn.Module):
 
     shard_order: tuple = (None,)  # the fused parts, in output order
     quantizable = True  # routers say False: checkpoints keep them in float
+    input_split_over_ranks = False  # row-parallel layers hold only their ranks' input columns
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -166,6 +167,7 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool, reduce_results: bool = True) -> None:
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
+        self.input_split_over_ranks = self.tp_size > 1
         self.reduce_results = reduce_results
         super().__init__(divide(input_size, self.tp_size, "input_size"), output_size, bias)
 

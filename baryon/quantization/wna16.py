@@ -74,6 +74,11 @@ class WNA16LinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         n, k, bits = layer.output_size, layer.input_size, self.bits
+        if self.act_order and getattr(layer, "input_split_over_ranks", False):
+            # A rank's input columns would fall unevenly into the permuted groups.
+            raise ValueError(f"GPTQ checkpoints with desc_act=True (act order) are not supported with "
+                             f"tensor_parallel_size > 1 yet ({layer_name(layer)} splits its input over the "
+                             f"ranks); use tensor_parallel_size=1 or a desc_act=False checkpoint")
         groups, dtype = self._groups(k), torch.get_default_dtype()
         per_word = 32 // bits
         if self.layout == "online":
