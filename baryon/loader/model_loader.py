@@ -94,8 +94,10 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
     from baryon.loader.gguf import packable_bits
     from baryon.quantization.block_quant import BlockQuantLinearMethod
 
-    if device.type != "cpu" or config.dtype != torch.float32:
-        return frozenset()
+    from baryon.distributed.parallel_state import tp_world_size
+
+    if device.type != "cpu" or config.dtype != torch.float32 or tp_world_size() > 1:
+        return frozenset()  # (packed rows are not split over tensor-parallel ranks: dequantized)
     kernel = select("block_quant_linear", device, in_features=32, bits=4, dtype=config.dtype)
     if kernel.name == "torch" and "BARYON_KERNEL_BLOCK_QUANT_LINEAR" not in os.environ:
         logger.info("GGUF weights are dequantized at load: no packed CPU kernel here")
