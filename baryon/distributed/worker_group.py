@@ -87,6 +87,8 @@ class WorkerGroup:
             group._monitor = threading.Thread(target=group._watch, name="baryon-worker-monitor", daemon=True)
             group._monitor.start()
             atexit.register(group.shutdown)
+            if config.device.type == "cpu":  # the ranks share the cores (each worker takes its share too)
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
             init_distributed(world_size, 0, init_method, backend_for(config.device), expert_parallel)
         except BaseException:
             group.shutdown()

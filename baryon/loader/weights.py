@@ -1,7 +1,8 @@
 """Find a checkpoint's weight files and stream its tensors one at a time.
 
-safetensors files are opened with `safe_open` (memory-mapped: a tensor is read when asked for,
-never a whole shard); a sharded checkpoint's index decides which file owns each tensor, so a
+safetensors files are opened with `safe_open`: a tensor it returns lies over the memory map, so
+only the pages a weight loader copies out are read (a tensor-parallel rank reads its own rows or
+columns, not the whole tensor); a sharded checkpoint's index decides which file owns each tensor, so a
 tensor repeated in two shards is loaded once. `.bin` files are the fallback when a checkpoint
 has no safetensors.
 """
