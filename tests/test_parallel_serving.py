@@ -28,6 +28,11 @@ def llama_path(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("parallel_llama"), "llama", seed=5)
 
 
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def wait_until_gone(pids: list[int], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while any(pid_alive(pid) for pid in pids):
@@ -103,7 +108,7 @@ def test_server_with_a_killed_worker_answers_503(stories_path):
     server = ServerProcess(stories_path, "--max-model-len", "512", "--tensor-parallel-size", "2")
     try:
         server.wait_ready()
-        (engine,) = child_pids(server.process.pid)[:1]
+        (engine,) = [pid for pid in child_pids(server.process.pid) if parent_pid(pid) == server.process.pid]
         workers = child_pids(engine)
         assert len(workers) == 1
         events, started = [], threading.Event()
