@@ -54,8 +54,7 @@ def _free_port() -> int:
 
 
 class WorkerGroup:
-    def __init__(self, world_size: int, socket_dir: str) -> None:
-        self.world_size = world_size
+    def __init__(self, socket_dir: str) -> None:
         self._socket_dir = socket_dir
         self._context = zmq.Context()
         self._sockets: list[zmq.Socket] = []
@@ -68,7 +67,7 @@ class WorkerGroup:
     def start(cls, config, world_size: int, expert_parallel: bool) -> WorkerGroup:
         """Launch ranks 1 .. world_size - 1 and join the process group as rank 0 (returns once
         every rank has joined)."""
-        group = cls(world_size, tempfile.mkdtemp(prefix="baryon-workers-"))
+        group = cls(tempfile.mkdtemp(prefix="baryon-workers-"))
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         payload = pickle.dumps(config)
         try:
