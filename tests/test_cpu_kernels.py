@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from baryon.kernels import selector
-from baryon.kernels.block_quant import (CpuBlockQuantLinear, TorchBlockQuantLinear, dequantize_rows, pack_rows,
-                                        row_bytes)
+from baryon.kernels.block_quant import (CpuBlockQuantLinear, CpuInt8BlockQuantLinear, TorchBlockQuantLinear,
+                                        block_quant_linear_int8_reference, dequantize_rows, pack_rows,
+                                        quantize_activation_blocks, row_bytes)
 from baryon.kernels.cpu import load_error
 from baryon.loader.gguf import PACKABLE_BITS, _block_codes
 from test_gguf import quantized
@@ -74,18 +75,64 @@ def test_block_quant_linear_matches_reference(seed, bits, in_features, rows_of_x
                                rtol=1e-4, atol=1e-4)
 
 
+INT8_REASON = CpuInt8BlockQuantLinear.unsupported_reason(CPU)
+
+
+@pytest.mark.skipif(INT8_REASON is not None, reason=f"no integer-dot kernel: {INT8_REASON}")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("in_features", [32, 96, 160, 576, 800])  # 1, 3, 5, 18, 25 blocks: every partial group
+@pytest.mark.parametrize("rows_of_x", [1, 2, 3, 5, 17, 64])
+def test_block_quant_int8_kernel_matches_its_reference(seed, bits, in_features, rows_of_x):
+    """The C++ integer-dot kernel computes exactly the reference's numerics (integer dot products per
+    block, then float scales), up to float32 summation order."""
+    rng = np.random.default_rng(seed)
+    out_features = int(rng.integers(1, 40))
+    packed = random_packed(rng, out_features, in_features, bits)
+    x = torch.from_numpy(rng.standard_normal((rows_of_x, in_features)).astype(np.float32))
+    x[0, :32] = 0  # an all-zero block: scale 0, nothing divided by it
+    bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32)) if seed % 2 else None
+    got = CpuInt8BlockQuantLinear.forward(x, packed, bits, in_features, bias)
+    assert got.shape == (rows_of_x, out_features)
+    torch.testing.assert_close(got, block_quant_linear_int8_reference(x, packed, bits, in_features, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_reference_error_is_the_activation_rounding(seed, bits):
+    """Against exact float64: each block's error is at most scale * sum|code| * d / 2 (q rounds to
+    the nearest integer); in practice far less, ~0.5% of the output's scale."""
+    rng = np.random.default_rng(seed)
+    in_features, out_features = 256, 24
+    packed = random_packed(rng, out_features, in_features, bits)
+    x = torch.from_numpy(rng.standard_normal((7, in_features)).astype(np.float32))
+    exact = x.double() @ dequantize_rows(packed, in_features, bits).double().T
+    got = block_quant_linear_int8_reference(x, packed, bits, in_features).double()
+    q, d, _ = quantize_activation_blocks(x)
+    assert q.abs().max() <= 127 and torch.equal(q, q.round())
+    scale_min = packed[:, in_features * bits // 8:].contiguous().view(torch.float32).reshape(out_features, -1, 2)
+    codes = dequantize_rows(packed, in_features, bits).double()  # bound with |w - min| = scale * |code|
+    code_sums = ((codes.reshape(out_features, -1, 32) - scale_min[..., 1:].double()).abs().sum(-1))  # [N, B]
+    bound = (code_sums[None] * d[..., 0].double()[:, None, :] / 2).sum(-1)  # [M, N]
+    assert ((got - exact).abs() <= bound + 1e-6).all()
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
 def test_block_quant_linear_rejects_bad_shapes():
     packed = torch.zeros(4, row_bytes(64, 4), dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="x must be float32"):
-        CpuBlockQuantLinear.forward(torch.zeros(2, 32), packed, 4, 64)
-    with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
-        CpuBlockQuantLinear.forward(torch.zeros(2, 64), packed[:, :-1], 4, 64)
+    for kernel in (CpuBlockQuantLinear, CpuInt8BlockQuantLinear):
+        with pytest.raises(RuntimeError, match="x must be float32"):
+            kernel.forward(torch.zeros(2, 32), packed, 4, 64)
+        with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
+            kernel.forward(torch.zeros(2, 64), packed[:, :-1], 4, 64)
     assert "multiple of 32" in CpuBlockQuantLinear.cannot_implement_reason(in_features=48, bits=4, dtype=torch.float32)
     assert TorchBlockQuantLinear.cannot_implement_reason(in_features=64, bits=8, dtype=torch.float32) is None
 
 
 def test_cpu_kernels_are_chosen_on_cpu_and_torch_can_be_forced(monkeypatch):
-    assert selector.select("block_quant_linear", CPU, in_features=64, bits=4, dtype=torch.float32).name == "cpu"
+    default = "cpu_int8" if INT8_REASON is None else "cpu_float32"
+    assert selector.select("block_quant_linear", CPU, in_features=64, bits=4, dtype=torch.float32).name == default
+    monkeypatch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", "cpu_float32")
+    assert selector.select("block_quant_linear", CPU, in_features=64, bits=4, dtype=torch.float32).name == "cpu_float32"
     for family in ("attention", "rms_norm", "qkv_prologue"):
         assert selector.select(family, CPU, head_dim=64).name == "cpu"
     monkeypatch.setenv("BARYON_KERNEL_RMS_NORM", "torch")

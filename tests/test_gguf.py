@@ -39,9 +39,16 @@ PROMPTS = [
 
 # -- the default model against transformers --------------------------------------------------
 
+EXACT = "cpu_float32"  # the block-quant kernel that multiplies in float32, as transformers does
+SMOL_ENGINE = dict(device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
+
+
 @pytest.fixture(scope="module")
 def smol_llm(smol_path) -> LLM:
-    return LLM(smol_path, device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
+    """The default model on the exact float32 path (the parity tests need transformers' numerics)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", EXACT)
+        return LLM(smol_path, **SMOL_ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +86,32 @@ def test_default_model_greedy_parity_with_transformers(smol_llm, hf_smol, seed):
         got = [entry[t].logprob for entry, t in zip(sample.logprobs, sample.token_ids)]
         worst = max(abs(a - b) for a, b in zip(got, expected_logprobs))
         assert worst < 1e-4, f"{prompt!r}: chosen-token logprobs differ from transformers by {worst:.2e}"
+
+
+def test_default_model_integer_path_follows_the_exact_path(smol_llm, smol_path):
+    """The default kernel (int8 activations, integer dot products) against the exact float32 path,
+    teacher-forced over 8 prompts x 32 greedy tokens: >= 90% of positions pick the same token,
+    and every position where the exact path is confident does."""
+    from agreement import bf16_reference, greedy_agreement
+
+    from baryon.kernels.block_quant import CpuInt8BlockQuantLinear
+
+    reason = CpuInt8BlockQuantLinear.unsupported_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"no integer-dot kernel here: {reason}")
+    tokenizer = smol_llm.get_tokenizer()
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS[:8]]
+    engine = dict(SMOL_ENGINE, skip_tokenizer_init=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", EXACT)
+        exact = bf16_reference(smol_path, prompts, engine, steps=NUM_NEW)
+    integer = LLM(smol_path, **engine)
+    assert integer.engine.core.runner.model.lm_head.method.kernel.name == "cpu_int8"
+    del integer
+    result = greedy_agreement(smol_path, exact, engine, {})
+    assert result.total == 8 * NUM_NEW, result
+    assert result.matched / result.total >= 0.9, result
+    assert result.confident_matched == result.confident_total, result
 
 
 def test_default_model_config_matches_transformers(smol_llm, hf_smol):

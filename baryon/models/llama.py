@@ -68,9 +68,17 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp  # a GatedMLP, or an MoE block in sparse layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The whole layer as one call where a kernel covers it (CPU: layers/fused_decoder_layer.py).
+        self.fused: Callable | None = None
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and not torch.compiler.is_compiling():
+            return self.fused(positions, hidden_states, residual)
+        return self.forward_modules(positions, hidden_states, residual)
+
+    def forward_modules(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:

@@ -23,6 +23,7 @@ from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, b
 from baryon.layers.attention import Attention, PagedKVLayer
 from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler, SamplingBatch
+from baryon.layers.fused_decoder_layer import fuse_decoder_layers
 from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
 from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
@@ -93,6 +94,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.model = load_model(config.model, self.device, config.seed)
+        if self.device.type == "cpu" and config.compilation.level == 0:
+            fuse_decoder_layers(self.model, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedKVLayer)]
         if config.compilation.level > 0 and not all(isinstance(a, Attention) for a in self.attention_layers):
             raise ValueError(f"compilation_level={config.compilation.level} is not supported with multi-head latent "

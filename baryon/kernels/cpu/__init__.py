@@ -21,8 +21,10 @@ from baryon.logger import get_logger
 
 logger = get_logger(__name__)
 
-OPS = ("block_quant_linear", "block_quant_dequantize", "rms_norm", "qkv_prologue", "paged_attention")
-SOURCES = ("block_quant_linear.cpp", "rms_norm.cpp", "paged_attention.cpp")
+OPS = ("block_quant_linear", "block_quant_dequantize", "block_quant_linear_int8", "rms_norm", "qkv_prologue", "paged_attention",
+       "decoder_layer")
+SOURCES = ("block_quant_linear.cpp", "block_quant_int8_dot.cpp", "rms_norm.cpp", "paged_attention.cpp",
+           "decoder_layer.cpp")
 
 
 def _cpu_fingerprint() -> str:

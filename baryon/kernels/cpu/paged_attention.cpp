@@ -84,6 +84,40 @@ void rotate_head(float* head, const float* cos, const float* sin, int64_t half) 
   }
 }
 
+// out[r] = scale * (q . keys[r]) for the 4 rows keys[0..3] of length D.
+void dot4(const float* q, const float* const* keys, int64_t D, float scale, float* out) {
+  f32xn acc[4] = {};
+  int64_t i = 0;
+  for (; i + kNativeLanes <= D; i += kNativeLanes) {
+    const f32xn qv = loadn(q + i);
+    for (int r = 0; r < 4; ++r) acc[r] += qv * loadn(keys[r] + i);
+  }
+  for (int r = 0; r < 4; ++r) {
+    float s = sumn(acc[r]);
+    for (int64_t k = i; k < D; ++k) s += q[k] * keys[r][k];
+    out[r] = s * scale;
+  }
+}
+
+// out[0..D) = scale * sum_j p[j] * rows[j], the output kept in registers a few vectors at a time.
+void weighted_rows(const float* p, const float* const* rows, int64_t n, int64_t D, float scale, float* out) {
+  constexpr int64_t kChunk = 4 * kNativeLanes;
+  int64_t d = 0;
+  for (; d + kChunk <= D; d += kChunk) {
+    f32xn acc[4] = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const f32xn w = f32xn{} + p[j];
+      for (int c = 0; c < 4; ++c) acc[c] += w * loadn(rows[j] + d + c * kNativeLanes);
+    }
+    for (int c = 0; c < 4; ++c) storen(out + d + c * kNativeLanes, acc[c] * scale);
+  }
+  for (; d < D; ++d) {
+    float acc = 0.f;
+    for (int64_t j = 0; j < n; ++j) acc += p[j] * rows[j][d];
+    out[d] = acc * scale;
+  }
+}
+
 void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                   const std::optional<at::Tensor>& q_norm_weight, const std::optional<at::Tensor>& k_norm_weight,
                   double eps, const at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t H, int64_t Hkv,
@@ -160,6 +194,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   const uint8_t* values8 = is_fp8 ? keys8 + cache_half : nullptr;
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs, key_rows, value_rows;  // fp8: this job's rows as float32
+    std::vector<const float*> key_rows_of_job, value_rows_of_job;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t t = job / Hkv, kvh = job % Hkv, s = seq_of_token[t];
       const int64_t q_len = starts[s + 1] - starts[s];
@@ -167,7 +202,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
       const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos - first + 1;
       const int32_t* table = block_tables.data_ptr<int32_t>() + s * max_blocks;
       auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size; };
-      probs.resize(n);
       if (is_fp8) {  // convert the rows once for the whole head group
         key_rows.resize(n * D);
         value_rows.resize(n * D);
@@ -177,24 +211,32 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
           dequantize_row(values8 + offset, value_rows.data() + j * D, D);
         }
       }
-      auto key_row = [&](int64_t j) {
-        return is_fp8 ? key_rows.data() + j * D : keys + (slot_of(first + j) * Hkv + kvh) * D;
-      };
-      auto value_row = [&](int64_t j) {
-        return is_fp8 ? value_rows.data() + j * D : values + (slot_of(first + j) * Hkv + kvh) * D;
-      };
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = query.data_ptr<float>() + t * query.stride(0) + (kvh * group + g) * D;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          probs[j] = dot(q, key_row(j), D) * qk_scale;
-          top = std::max(top, probs[j]);
+      // Row j of this head's keys / values: walked block by block (no division per row).
+      std::vector<const float*>& key_ptrs = key_rows_of_job, &value_ptrs = value_rows_of_job;
+      key_ptrs.resize(n);
+      value_ptrs.resize(n);
+      for (int64_t j = 0; j < n;) {
+        const int64_t p = first + j, in_block = std::min<int64_t>(block_size - p % block_size, n - j);
+        const int64_t row0 = (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * Hkv + kvh;
+        for (int64_t r = 0; r < in_block; ++r, ++j) {
+          key_ptrs[j] = is_fp8 ? key_rows.data() + j * D : keys + (row0 + r * Hkv) * D;
+          value_ptrs[j] = is_fp8 ? value_rows.data() + j * D : values + (row0 + r * Hkv) * D;
         }
-        float total = 0.f;
-        for (int64_t j = 0; j < n; ++j) total += (probs[j] = std::exp(probs[j] - top));
-        float* o = out.data_ptr<float>() + (t * H + kvh * group + g) * D;
-        std::fill(o, o + D, 0.f);
-        for (int64_t j = 0; j < n; ++j) axpy(probs[j] / total * v_mult, value_row(j), o, D);
+      }
+      auto key_row = [&](int64_t j) { return key_ptrs[j]; };
+      // Scores of every query head of the group, four keys at a time (each key row is read once
+      // for all of the group's heads; the four dot products overlap).
+      const float* q0 = query.data_ptr<float>() + t * query.stride(0) + kvh * group * D;
+      probs.resize(group * n);
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4)
+        for (int64_t g = 0; g < group; ++g) dot4(q0 + g * D, key_ptrs.data() + j, D, qk_scale, probs.data() + g * n + j);
+      for (; j < n; ++j)
+        for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot(q0 + g * D, key_row(j), D) * qk_scale;
+      for (int64_t g = 0; g < group; ++g) {
+        float* p = probs.data() + g * n;
+        const float total = exp_shifted(p, n, *std::max_element(p, p + n));
+        weighted_rows(p, value_ptrs.data(), n, D, v_mult / total, out.data_ptr<float>() + (t * H + kvh * group + g) * D);
       }
     }
   });

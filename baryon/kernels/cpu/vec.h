@@ -3,8 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -23,6 +24,13 @@ inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 inline float sum16(f32x16 v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX2__)
+  __m256 halves[2];
+  std::memcpy(halves, &v, sizeof(v));
+  const __m256 eight = _mm256_add_ps(halves[0], halves[1]);
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
 #else
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
@@ -30,12 +38,50 @@ inline float sum16(f32x16 v) {
 #endif
 }
 
-// sum(a[i] * b[i]) for i < n, 16 lanes at a time.
+// Vectors of the machine's own width (a 16-lane vector on a CPU without AVX-512 is split by the
+// compiler, often through the stack): what dot and axpy use.
+#if defined(__AVX512F__)
+constexpr int kNativeLanes = 16;
+#elif defined(__AVX__)
+constexpr int kNativeLanes = 8;
+#else
+constexpr int kNativeLanes = 4;
+#endif
+typedef float f32xn __attribute__((vector_size(kNativeLanes * sizeof(float))));
+
+inline f32xn loadn(const float* p) {
+  f32xn v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storen(float* p, f32xn v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float sumn(f32xn v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 eight = reinterpret_cast<__m256>(v);
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kNativeLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// sum(a[i] * b[i]) for i < n (two accumulators, so consecutive multiply-adds do not wait on each other).
 inline float dot(const float* a, const float* b, int64_t n) {
-  f32x16 acc = f32x16{};
+  f32xn acc0 = f32xn{}, acc1 = f32xn{};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-  float s = sum16(acc);
+  for (; i + 2 * kNativeLanes <= n; i += 2 * kNativeLanes) {
+    acc0 += loadn(a + i) * loadn(b + i);
+    acc1 += loadn(a + i + kNativeLanes) * loadn(b + i + kNativeLanes);
+  }
+  for (; i + kNativeLanes <= n; i += kNativeLanes) acc0 += loadn(a + i) * loadn(b + i);
+  float s = sumn(acc0 + acc1);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -43,8 +89,46 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // y[i] += a * x[i] for i < n.
 inline void axpy(float a, const float* x, float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(y + i, load16(y + i) + load16(x + i) * a);
+  for (; i + kNativeLanes <= n; i += kNativeLanes) storen(y + i, loadn(y + i) + loadn(x + i) * a);
   for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// e^x lane by lane: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r (Cephes'
+// expf coefficients), times 2^n built in the exponent bits. Relative error ~2e-7; x is clamped to
+// [-87.3, 88.3] (below: a tiny positive number instead of 0, which a softmax sum cannot tell apart).
+inline f32xn expn(f32xn x) {
+  typedef int32_t i32xn __attribute__((vector_size(kNativeLanes * sizeof(int32_t))));
+  const f32xn lo = f32xn{} - 87.3f, hi = f32xn{} + 88.3f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f32xn round_magic = f32xn{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  const f32xn n = (x * 1.44269504088896341f + round_magic) - round_magic;
+  const f32xn r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln2 in two parts
+  f32xn p = f32xn{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i32xn bits = (__builtin_convertvector(n, i32xn) + 127) << 23;
+  f32xn scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// p[i] = e^(p[i] - shift) for i < n; returns their sum.
+inline float exp_shifted(float* p, int64_t n, float shift) {
+  f32xn total = f32xn{};
+  int64_t i = 0;
+  for (; i + kNativeLanes <= n; i += kNativeLanes) {
+    const f32xn e = expn(loadn(p + i) - shift);
+    storen(p + i, e);
+    total += e;
+  }
+  float sum = sumn(total);
+  for (; i < n; ++i) sum += (p[i] = std::exp(p[i] - shift));
+  return sum;
 }
 
 }  // namespace baryon_cpu

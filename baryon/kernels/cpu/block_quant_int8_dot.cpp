@@ -1,0 +1,401 @@
+// y = x @ W.T (+ bias) for baryon's block-quantized rows with integer dot products (llama.cpp's
+// scheme): each 32-element block of x is quantized to int8 with its own scale d (d = max|x| / 127)
+// and its float sum kept; a weight block is  scale * code + min  with unsigned codes, so
+//
+//   sum_i w_i x_i  ~=  scale * d * sum_i code_i q_i  +  min * sum_i x_i
+//
+// and sum_i code_i q_i is an integer dot product: AVX-512 VNNI's vpdpbusd (unsigned bytes times
+// signed bytes, four products per int32 lane; 8-bit rows hold signed codes c, which enter as
+// c + 128 = c ^ 0x80, and 128 * sum_i q_i is subtracted exactly in the integer accumulator), or on
+// AVX2 vpmaddubsw + vpmaddwd (8-bit codes as |c| times q with c's sign, so no int16 sum saturates).
+// See baryon/kernels/block_quant.py for the packed row format and the torch reference of these
+// numerics (block_quant_linear_int8_reference).
+//
+// x: [M, K] float32, packed: [N, row_bytes] uint8, bias: [N] float32 or none -> y: [M, N] float32.
+// Activations are quantized once per call into per-row groups laid out for the code loads (below);
+// the multiply is tiled MR rows of x times NR weight rows (each loaded weight group is used MR
+// times), split over output rows with ATen's thread pool.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+// The width of one load of weight codes: 64 bytes with AVX-512 VNNI, else 32 (AVX2, or the
+// portable loop).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define BARYON_INT8_DOT_AVX512 1
+constexpr int64_t kVec = 64;
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BARYON_INT8_DOT_AVX2 1
+constexpr int64_t kVec = 32;
+#else
+constexpr int64_t kVec = 32;
+#endif
+
+// One group of quantized activations matches one load of weight codes: bits 4, kVec / 16 blocks
+// (the low nibbles of the loaded bytes are elements 0..15 of each block, the high nibbles 16..31,
+// so the int8 activations are stored as the first halves of the group's blocks, then the second
+// halves); bits 8, kVec / 32 blocks in element order. Then kVec / 4 float lanes of d and of
+// sum(x) / lanes_per_block (lane i belongs to the block whose bytes lane i's dot product covers),
+// and, bits 8 only, kVec / 4 int32 lanes of -128 * (the sum of that lane's 4 activation bytes).
+constexpr int64_t kGroupBytes = 4 * kVec;
+constexpr int64_t kLanes = kVec / 4;
+constexpr int64_t kCorrOffset = kVec, kDOffset = 2 * kVec, kSumOffset = 3 * kVec;
+
+template <int Bits>
+struct Layout {
+  static constexpr int64_t blocks_per_group = Bits == 4 ? kVec / 16 : kVec / 32;
+  static constexpr int64_t lanes_per_block = kLanes / blocks_per_group;
+};
+
+// One block of 32 floats -> int8 q = round-half-even(x / d) with d = max|x| / 127 (as
+// block_quant.quantize_activation_blocks: x * (1 / d), rounded), and the float sum of the block.
+inline void quantize_block(const float* x, int8_t* q, float& d, float& sum) {
+#if defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    total = _mm256_add_ps(total, v[i]);
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  sum = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+  // cvtps rounds half to even (the default rounding mode); pack with signed saturation.
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[0], id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[1], id));
+  const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2], id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v[3], id));
+  const __m256i words = _mm256_packs_epi32(i0, i1), words2 = _mm256_packs_epi32(i2, i3);  // lanes interleaved by 128
+  const __m256i bytes = _mm256_packs_epi16(words, words2);
+  // packs works within 128-bit halves: bytes holds dwords in order 0,2,4,6,1,3,5,7 (4 elements each).
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  float amax = 0.f;
+  sum = 0.f;
+  for (int i = 0; i < kBlock; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    sum += x[i];
+  }
+  d = amax / 127.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
+#endif
+}
+
+// Quantizes row x[0..K) into `groups` groups at `out` (zero-filled first: a partial last group
+// contributes nothing).
+template <int Bits>
+void quantize_row(const float* x, int64_t K, uint8_t* out, int64_t groups) {
+  using L = Layout<Bits>;
+  std::memset(out, 0, groups * kGroupBytes);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    float d, sum;
+    int8_t q[kBlock];
+    quantize_block(x + b * kBlock, q, d, sum);
+    uint8_t* group = out + (b / L::blocks_per_group) * kGroupBytes;
+    const int64_t j = b % L::blocks_per_group;  // this block's place in its group
+    int8_t* qg = reinterpret_cast<int8_t*>(group);
+    if constexpr (Bits == 4) {
+      std::memcpy(qg + 16 * j, q, 16);
+      std::memcpy(qg + kVec + 16 * j, q + 16, 16);
+    } else {
+      std::memcpy(qg + 32 * j, q, 32);
+      int32_t* corr = reinterpret_cast<int32_t*>(group + kCorrOffset);
+      for (int lane = 0; lane < 8; ++lane)
+        corr[8 * j + lane] = -128 * (q[4 * lane] + q[4 * lane + 1] + q[4 * lane + 2] + q[4 * lane + 3]);
+    }
+    float* dl = reinterpret_cast<float*>(group + kDOffset);
+    float* sl = reinterpret_cast<float*>(group + kSumOffset);
+    for (int64_t lane = 0; lane < L::lanes_per_block; ++lane) {
+      dl[j * L::lanes_per_block + lane] = d;
+      sl[j * L::lanes_per_block + lane] = sum / L::lanes_per_block;
+    }
+  }
+}
+
+// Blocks in group g of a row of K elements (the last group may be partial).
+template <int Bits>
+inline int64_t blocks_in_group(int64_t K, int64_t g) {
+  return std::min<int64_t>(Layout<Bits>::blocks_per_group, K / kBlock - g * Layout<Bits>::blocks_per_group);
+}
+
+#if defined(BARYON_INT8_DOT_AVX512)
+
+// Weights of one group of one row, ready for the dot products: the unsigned code bytes (bits 4:
+// low and high nibbles apart; bits 8: code + 128) and the scale and min of each lane's block.
+struct WeightGroup {
+  __m512i lo, hi;  // bits 8: lo only
+  __m512 scale, min;
+};
+
+template <int Bits>
+inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
+  using L = Layout<Bits>;
+  const int64_t blocks = blocks_in_group<Bits>(K, g), code_bytes = blocks * kBlock * Bits / 8;
+  const __mmask64 code_mask = code_bytes >= 64 ? ~0ULL : (1ULL << code_bytes) - 1;
+  WeightGroup w;
+  const __m512i codes = _mm512_maskz_loadu_epi8(code_mask, row + g * kVec);
+  if constexpr (Bits == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    w.lo = _mm512_and_si512(codes, nibble);
+    w.hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+  } else {
+    w.lo = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  const float* scale_min = reinterpret_cast<const float*>(row + K * Bits / 8) + g * 2 * L::blocks_per_group;
+  const __m512 pairs = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (2 * blocks)) - 1), scale_min);
+  const __m512i scale_index = Bits == 4 ? _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0)
+                                        : _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  w.scale = _mm512_permutexvar_ps(scale_index, pairs);
+  w.min = _mm512_permutexvar_ps(_mm512_add_epi32(scale_index, _mm512_set1_epi32(1)), pairs);
+  return w;
+}
+
+// MR rows of quantized x times NR weight rows, all groups; y[m * ldy + n] = the dot products.
+template <int Bits, int MR, int NR>
+inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64_t row_bytes, int64_t K,
+                 int64_t groups, float* y, int64_t ldy) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    WeightGroup w[NR];
+    for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits>(rows + n * row_bytes, K, g);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const uint8_t* group = xq + m * x_stride + g * kGroupBytes;
+      const __m512 d = _mm512_loadu_ps(group + kDOffset), sum = _mm512_loadu_ps(group + kSumOffset);
+      const __m512i q_lo = _mm512_loadu_si512(group);
+      const __m512i start = Bits == 4 ? _mm512_setzero_si512() : _mm512_loadu_si512(group + kCorrOffset);
+      for (int n = 0; n < NR; ++n) {
+        __m512i dot = _mm512_dpbusd_epi32(start, w[n].lo, q_lo);
+        if constexpr (Bits == 4) dot = _mm512_dpbusd_epi32(dot, w[n].hi, _mm512_loadu_si512(group + kVec));
+        acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[n].scale, d), acc[m][n]);
+        acc[m][n] = _mm512_fmadd_ps(w[n].min, sum, acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+
+constexpr const char* kIsa = "avx512_vnni";
+constexpr int kDecodeRows = 4;  // weight rows per tile when x has fewer than 4 rows
+
+#elif defined(BARYON_INT8_DOT_AVX2)
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Bits 4: the unsigned nibbles apart; bits 8: the signed codes as they are (the products use
+// |code| times q with code's sign, which _mm256_maddubs_epi16 cannot saturate: 2 * 128 * 127).
+struct WeightGroup {
+  __m256i lo, hi;
+  __m256 scale, min;
+};
+
+template <int Bits>
+inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
+  const float* scale_min = reinterpret_cast<const float*>(row + K * Bits / 8) + g * 2 * Layout<Bits>::blocks_per_group;
+  WeightGroup w;
+  if constexpr (Bits == 4) {
+    const bool two_blocks = blocks_in_group<Bits>(K, g) == 2;
+    const __m256i codes = two_blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kVec))
+                                     : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * kVec)));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    w.lo = _mm256_and_si256(codes, nibble);
+    w.hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
+    const __m128 pairs = two_blocks ? _mm_loadu_ps(scale_min) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale_min)));
+    const __m256 both = _mm256_set_m128(pairs, pairs);
+    w.scale = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
+    w.min = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
+    if (!two_blocks) {  // the missing block's lanes: no scale, no min (its activations are zero)
+      w.scale = _mm256_blend_ps(w.scale, _mm256_setzero_ps(), 0xF0);
+      w.min = _mm256_blend_ps(w.min, _mm256_setzero_ps(), 0xF0);
+    }
+  } else {
+    w.lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kVec));
+    w.scale = _mm256_set1_ps(scale_min[0]);
+    w.min = _mm256_set1_ps(scale_min[1]);
+  }
+  return w;
+}
+
+template <int Bits, int MR, int NR>
+inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64_t row_bytes, int64_t K,
+                 int64_t groups, float* y, int64_t ldy) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    WeightGroup w[NR];
+    for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits>(rows + n * row_bytes, K, g);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const uint8_t* group = xq + m * x_stride + g * kGroupBytes;
+      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(group + kDOffset));
+      const __m256 sum = _mm256_loadu_ps(reinterpret_cast<const float*>(group + kSumOffset));
+      const __m256i q_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group));
+      for (int n = 0; n < NR; ++n) {
+        __m256i pairs;  // 16 int16 sums of two products
+        if constexpr (Bits == 4) {
+          const __m256i q_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kVec));
+          pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w[n].lo, q_lo), _mm256_maddubs_epi16(w[n].hi, q_hi));
+        } else {
+          pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[n].lo, w[n].lo), _mm256_sign_epi8(q_lo, w[n].lo));
+        }
+        const __m256i dot = _mm256_madd_epi16(pairs, ones);
+        acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(w[n].scale, d), acc[m][n]);
+        acc[m][n] = _mm256_fmadd_ps(w[n].min, sum, acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) y[m * ldy + n] = hsum(acc[m][n]);
+}
+
+constexpr const char* kIsa = "avx2";
+constexpr int kDecodeRows = 2;
+
+#else  // neither: the same integer numerics, one lane at a time (correct, not fast)
+
+template <int Bits, int MR, int NR>
+inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64_t row_bytes, int64_t K,
+                 int64_t groups, float* y, int64_t ldy) {
+  using L = Layout<Bits>;
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* row = rows + n * row_bytes;
+      const float* scale_min = reinterpret_cast<const float*>(row + K * Bits / 8);
+      float total = 0.f;
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        const uint8_t* group = xq + m * x_stride + (b / L::blocks_per_group) * kGroupBytes;
+        const int64_t j = b % L::blocks_per_group;
+        const int8_t* q = reinterpret_cast<const int8_t*>(group);
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          if constexpr (Bits == 4) {
+            const uint8_t byte = row[b * 16 + i % 16];
+            const int code = i < 16 ? byte & 15 : byte >> 4;
+            dot += code * q[(i < 16 ? 0 : kVec) + 16 * j + i % 16];
+          } else {
+            dot += static_cast<int8_t>(row[b * 32 + i]) * q[32 * j + i];
+          }
+        }
+        const float d = reinterpret_cast<const float*>(group + kDOffset)[j * L::lanes_per_block];
+        const float sum = reinterpret_cast<const float*>(group + kSumOffset)[j * L::lanes_per_block] *
+                          L::lanes_per_block;
+        total += scale_min[2 * b] * d * static_cast<float>(dot) + scale_min[2 * b + 1] * sum;
+      }
+      y[m * ldy + n] = total;
+    }
+}
+
+constexpr const char* kIsa = "";
+constexpr int kDecodeRows = 1;
+
+#endif
+
+// Weight rows [n_begin, n_end) against every row of x: NR weight rows at a time (they stay in L1
+// while tiles of 4, 2, 1 rows of x pass over them).
+template <int Bits, int NR>
+int64_t row_tiles(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t* w, int64_t row_bytes, int64_t K,
+                  int64_t groups, float* y, int64_t N, int64_t n, int64_t n_end) {
+  for (; n + NR <= n_end; n += NR) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4)
+      tile<Bits, 4, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+    for (; m + 2 <= M; m += 2)
+      tile<Bits, 2, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+    for (; m < M; ++m)
+      tile<Bits, 1, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+  }
+  return n;
+}
+
+template <int Bits>
+void linear_rows(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t* w, int64_t row_bytes, int64_t K,
+                 int64_t groups, float* y, int64_t N, int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  if (M < 4) n = row_tiles<Bits, kDecodeRows>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
+  n = row_tiles<Bits, 2>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
+  row_tiles<Bits, 1>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
+}
+
+template <int Bits>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K) {
+  using L = Layout<Bits>;
+  const int64_t M = x.size(0), N = packed.size(0), row_bytes = packed.size(1);
+  const int64_t groups = (K / kBlock + L::blocks_per_group - 1) / L::blocks_per_group;
+  const int64_t x_stride = groups * kGroupBytes;
+  // Quantized activations, 64-byte aligned rows (x_stride is a multiple of 256).
+  std::vector<uint8_t> storage(M * x_stride + 64);
+  uint8_t* xq = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
+  const float* x_ptr = x.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row<Bits>(x_ptr + m * K, K, xq + m * x_stride, groups);
+  });
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  float* y_ptr = y.data_ptr<float>();
+  // Enough output rows per task that a task streams at least ~16 KB of weights.
+  const int64_t grain = std::max<int64_t>(4, 16384 / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    linear_rows<Bits>(xq, M, x_stride, w_ptr, row_bytes, K, groups, y_ptr, N, begin, end);
+  });
+  return y;
+}
+
+at::Tensor block_quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t in_features,
+                                   const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "block_quant_linear_int8: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
+              "block_quant_linear_int8: x must be float32 [M, ", in_features, "], got ", x.scalar_type(), " ",
+              x.sizes());
+  TORCH_CHECK(in_features % kBlock == 0, "block_quant_linear_int8: in_features ", in_features,
+              " is not a multiple of ", kBlock);
+  const int64_t row_bytes = in_features * bits / 8 + in_features / kBlock * 8;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == row_bytes &&
+                  packed.is_contiguous(),
+              "block_quant_linear_int8: packed must be contiguous uint8 [N, ", row_bytes, "], got ",
+              packed.scalar_type(), " ", packed.sizes());
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = bits == 4 ? linear<4>(xc, packed, in_features) : linear<8>(xc, packed, in_features);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// The instruction set the integer dot products were built for ("": the portable loop).
+std::string block_quant_int8_dot_isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(baryon_cpu, m) {
+  m.def("block_quant_linear_int8(Tensor x, Tensor packed, int bits, int in_features, Tensor? bias) -> Tensor");
+  m.def("block_quant_int8_dot_isa() -> str", &block_quant_int8_dot_isa);
+}
+
+TORCH_LIBRARY_IMPL(baryon_cpu, CPU, m) { m.impl("block_quant_linear_int8", &block_quant_linear_int8); }
