@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
-# CPU threads that wait for work sleep instead of spinning (read by OpenMP when torch loads, so
-# before baryon.config imports it). On a machine whose cores are busy with anything else, spinning
-# threads wait for a descheduled sibling at every op: measured on a shared 2-core VM, a 10-token
-# chat reply of the default model took 11 s with spinning and 1 s with sleeping threads. Set
-# OMP_WAIT_POLICY=ACTIVE to spin.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from baryon.engine_flags import add_engine_args, engine_kwargs  # noqa: E402  (after the OpenMP setting)
+from baryon.engine_flags import add_engine_args, engine_kwargs
 
 # `baryon chat` samples like a chat UI by default (llama.cpp's temperature; nucleus 0.9); every
 # value can be overridden with the sampling flags.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,9 @@ class EngineArgs:
     trust_remote_code: bool = _arg(False, "Allow custom code in the checkpoint's config/tokenizer")
     dtype: str = _arg("auto", "auto|float32|float16|bfloat16 (auto: checkpoint dtype on GPU, float32 on CPU)")
     device: str = _arg("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
+    cpu_threads: int | None = _arg(
+        None, "CPU: threads the engine's kernels use, shared among tensor-parallel ranks (default: the cores this "
+              "process may run on, as os.sched_getaffinity says)")
     seed: int = _arg(0, "Seed of the random sampling of requests without their own seed")
     max_model_len: int | None = _arg(None, "Longest prompt + output (default: the model's context)")
     max_num_seqs: int = _arg(256, "Most requests running at once")
@@ -83,6 +87,14 @@ class EngineArgs:
               "\"draft_model\" | \"eagle3\" | \"mtp\", \"num_speculative_tokens\": k, \"model\": draft "
               "checkpoint (draft_model, eagle3), \"prompt_lookup_min\"/\"prompt_lookup_max\": n-gram sizes "
               "(ngram)}")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all of them where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass
@@ -167,6 +179,11 @@ class EngineConfig:
     seed: int
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(1, 1, False))
     speculative: SpeculativeConfig | None = None
+    cpu_threads: int = field(default_factory=lambda: available_cores())
+
+    @property
+    def cpu_threads_per_rank(self) -> int:
+        return max(1, self.cpu_threads // self.parallel.tensor_parallel_size)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -206,7 +223,8 @@ class EngineConfig:
         speculative = _resolve_speculative(args, model)
         parallel = _resolve_parallel(args, device, compilation, speculative)
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
-                   seed=args.seed, parallel=parallel, speculative=speculative)
+                   seed=args.seed, parallel=parallel, speculative=speculative,
+                   cpu_threads=args.cpu_threads or available_cores())
 
     def replica(self, index: int) -> EngineConfig:
         """Data-parallel replica `index`: one engine (data_parallel_size 1) on the
@@ -251,6 +269,9 @@ def _check_user_values(args: EngineArgs) -> None:
         raise ValueError(f"block_size={args.block_size} is invalid: it must be a power of two <= 1024.")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={args.gpu_memory_utilization} is invalid: it must be in (0, 1].")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise ValueError(f"cpu_threads={args.cpu_threads} is invalid: it must be >= 1 (or unset: every core "
+                         f"this process may run on, {available_cores()} here).")
     if args.kv_cache_memory_gib is not None and not args.kv_cache_memory_gib > 0:
         raise ValueError(f"kv_cache_memory_gib={args.kv_cache_memory_gib} is invalid: it must be > 0.")
     if args.load_format not in LOAD_FORMATS:

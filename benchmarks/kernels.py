@@ -114,24 +114,26 @@ def rejection_sampling_kernels(record, device: torch.device, vocab: int, small: 
 
 
 def block_quant_kernels(record, device: torch.device) -> None:
-    """The packed 4-bit linear (SmolLM2-135M's gate_up and LM-head shapes) against F.linear on the
-    same weights dequantized to float32 (what a dense model multiplies). CPU only."""
+    """The packed linears (SmolLM2-135M's gate_up, down and LM-head shapes), each C++ kernel
+    (integer dots, exact float32) against F.linear on the same weights dequantized to float32 (what
+    a dense model multiplies). CPU only."""
     import numpy as np
 
-    from baryon.kernels.block_quant import dequantize_rows, pack_rows
+    from baryon.kernels.block_quant import CpuBlockQuantLinear, CpuInt8BlockQuantLinear, dequantize_rows, pack_rows
 
     rng = np.random.default_rng(0)
-    for bits, out_features, in_features in [(4, 3072, 576), (8, 49152, 576)]:
+    kernels = [k for k in (CpuInt8BlockQuantLinear, CpuBlockQuantLinear) if k.unsupported_reason(device) is None]
+    for bits, out_features, in_features in [(4, 3072, 576), (4, 576, 1536), (8, 49152, 576)]:
         low, high = (0, 16) if bits == 4 else (-128, 128)
         packed = pack_rows(rng.integers(low, high, (out_features, in_features)),
                            rng.random((out_features, in_features // 32), dtype=np.float32) * 0.01,
                            rng.random((out_features, in_features // 32), dtype=np.float32) * -0.05, bits)
         dense = dequantize_rows(packed, in_features, bits)
-        kernel = selector.select("block_quant_linear", device, in_features=in_features, bits=bits, dtype=torch.float32)
         for rows in (1, 16, 128):
             x = torch.randn(rows, in_features)
             shape = f"x={rows}x{in_features} w={out_features}x{in_features} q{bits}"
-            record(f"block_quant_linear.{kernel.name}", shape, lambda: kernel.forward(x, packed, bits, in_features))
+            for kernel in kernels:
+                record(f"block_quant_linear.{kernel.name}", shape, lambda: kernel.forward(x, packed, bits, in_features))
             record("linear.dense_float32", shape, lambda: torch.nn.functional.linear(x, dense))
 
 

@@ -62,6 +62,7 @@ INVALID = [
     (dict(load_format="gguf"), "load_format", ValueError),
     (dict(load_format="bin"), "load_format", ValueError),
     (dict(device="tpu"), "device", ValueError),
+    (dict(cpu_threads=0), "cpu_threads", ValueError),
     (dict(device="not a device"), "device", ValueError),
     (dict(max_num_seq=4), "max_num_seq", TypeError),  # a typo of max_num_seqs
     (dict(temperature=0.5), "temperature", TypeError),  # a sampling parameter, not an engine one
@@ -187,6 +188,21 @@ def test_values_reach_the_config_groups(tiny_llama, seed):
     assert config.model.max_model_len == values["max_model_len"]
     assert config.model.tokenizer_path is None  # skip_tokenizer_init
     assert Path(config.model.model_path) == Path(tiny_llama).resolve()
+
+
+def test_cpu_threads_default_to_the_affinity_and_reach_torch(tiny_llama, seed):
+    import os
+
+    from baryon import LLM
+
+    assert create(tiny_llama, device="cpu").cpu_threads == len(os.sched_getaffinity(0))
+    threads = random.Random(seed).randrange(1, 5)
+    before = torch.get_num_threads()
+    try:
+        LLM(tiny_llama, device="cpu", skip_tokenizer_init=True, cpu_threads=threads, kv_cache_memory_gib=0.01)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 # -- KV cache sizing --------------------------------------------------------------------------

@@ -64,6 +64,25 @@ def test_killed_worker_fails_generation_within_seconds(llama_path, seed):
         assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_worker_that_dies_before_joining_is_named(llama_path, tmp_path, monkeypatch):
+    """A worker that exits at start-up (before the ranks meet) fails the engine within the join
+    timeout, naming the worker, instead of leaving rank 0 waiting for the collective timeout."""
+    from datetime import timedelta
+
+    import baryon.distributed.parallel_state as parallel_state
+    import baryon.distributed.worker_group as worker_group
+
+    exits = tmp_path / "exits"
+    exits.write_text("#!/bin/sh\nexit 3\n")
+    exits.chmod(0o755)
+    monkeypatch.setattr(parallel_state, "JOIN_TIMEOUT", timedelta(seconds=3))
+    monkeypatch.setattr(worker_group.sys, "executable", str(exits))
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=r"rank 1 .*exit(ed)? .*3"):
+        LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True)
+    assert time.monotonic() - start < 30
+
+
 def test_shutdown_stops_every_worker(llama_path):
     llm = LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True)
     pids = [p.pid for p in llm.engine.core.workers.processes]

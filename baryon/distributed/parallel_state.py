@@ -15,6 +15,7 @@ gloo group over the same ranks carries host-side agreements (the KV-cache size).
 from __future__ import annotations
 
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,9 @@ _CPU_GROUP: dist.ProcessGroup | None = None
 # ranks compile kernels at different speeds on a first run; a dead worker is noticed by the
 # engine's worker monitor well before this.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+# How long the ranks may take to meet at start-up (starting Python and importing torch): a worker
+# that dies before it joins must not leave rank 0 waiting for COLLECTIVE_TIMEOUT.
+JOIN_TIMEOUT = timedelta(minutes=3)
 
 
 def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
@@ -34,12 +38,11 @@ def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
     """Join the engine's ranks (blocks until all `world_size` have joined `init_method`) and
     install the groups. backend: "nccl" (GPUs) or "gloo" (CPU)."""
     global _CPU_GROUP
-    if backend == "nccl":
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
-                                timeout=COLLECTIVE_TIMEOUT, device_id=torch.device("cuda", torch.cuda.current_device()))
-    else:
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
-                                timeout=COLLECTIVE_TIMEOUT)
+    address = urlparse(init_method)  # tcp://host:port
+    store = dist.TCPStore(address.hostname, address.port, world_size, is_master=rank == 0, timeout=JOIN_TIMEOUT)
+    device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=COLLECTIVE_TIMEOUT,
+                            **device)
     world = dist.group.WORLD
     init_tensor_parallel(world)
     init_expert_parallel(world if expert_parallel else None)

@@ -86,11 +86,13 @@ class WorkerGroup:
             group._monitor = threading.Thread(target=group._watch, name="baryon-worker-monitor", daemon=True)
             group._monitor.start()
             atexit.register(group.shutdown)
-            if config.device.type == "cpu":  # the ranks share the cores (each worker takes its share too)
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
             init_distributed(world_size, 0, init_method, backend_for(config.device), expert_parallel)
-        except BaseException:
-            group.shutdown()
+        except BaseException as e:
+            try:
+                if isinstance(e, Exception):  # the join timed out: a worker that died is the reason to give
+                    group.check(wait_s=1.0)
+            finally:
+                group.shutdown()
             raise
         logger.info("tensor parallelism: %d ranks (workers: pids %s)", world_size,
                     [p.pid for p in group.processes])

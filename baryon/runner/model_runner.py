@@ -93,6 +93,8 @@ class ModelRunner:
         self.is_first_rank = tp_rank() == 0
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
+        if self.device.type == "cpu":  # tensor-parallel ranks share the cores
+            torch.set_num_threads(config.cpu_threads_per_rank)
         self.model = load_model(config.model, self.device, config.seed)
         if self.device.type == "cpu" and config.compilation.level == 0:
             fuse_decoder_layers(self.model, self.device)

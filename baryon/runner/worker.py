@@ -39,8 +39,6 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     device = rank_device(config.device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # the ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     config = dataclasses.replace(config, device=device)
     context = zmq.Context()
     steps = context.socket(zmq.PULL)

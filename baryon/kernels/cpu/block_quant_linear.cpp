@@ -37,6 +37,12 @@ typedef int8_t i8x16 __attribute__((vector_size(16)));
 inline i32x16 widen_u8(const uint8_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<i32x16>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i halves[2] = {_mm256_cvtepu8_epi32(bytes), _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))};
+  i32x16 out;
+  std::memcpy(&out, halves, sizeof(out));
+  return out;
 #else
   u8x16 bytes;
   std::memcpy(&bytes, p, 16);
@@ -47,6 +53,12 @@ inline i32x16 widen_u8(const uint8_t* p) {
 inline i32x16 widen_i8(const uint8_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<i32x16>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i halves[2] = {_mm256_cvtepi8_epi32(bytes), _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))};
+  i32x16 out;
+  std::memcpy(&out, halves, sizeof(out));
+  return out;
 #else
   i8x16 bytes;
   std::memcpy(&bytes, p, 16);
@@ -106,7 +118,9 @@ void column_tiles(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
     constexpr int MR = decltype(mr_tag)::value;
     for (; m + MR <= M; m += MR) tile<Bits, MR, NR>(x + m * K, K, w + n * row_bytes, row_bytes, b0, b1, y + m * N + n, N);
   };
-  rows_of_x(std::integral_constant<int, 8>{});
+#if defined(__AVX512F__)
+  rows_of_x(std::integral_constant<int, 8>{});  // 16 accumulators of one register each
+#endif
   rows_of_x(std::integral_constant<int, 4>{});
   rows_of_x(std::integral_constant<int, 2>{});
   rows_of_x(std::integral_constant<int, 1>{});
