@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -307,7 +307,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec"], help="just these kernel families")
+    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant"],
+                        help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
     args = parser.parse_args()
@@ -339,6 +340,9 @@ def main() -> None:
         return
     if args.only == "spec":
         rejection_sampling_kernels(record, device, vocab, args.small)
+        return
+    if args.only == "block_quant":  # CPU: the packed GGUF linears
+        block_quant_kernels(record, device)
         return
     attention = selector.select("attention", device)
     for name, num_seqs, q_len, seq_len in [("decode", 64 // scale, 1, 1024 // scale),

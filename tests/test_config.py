@@ -199,7 +199,7 @@ def test_cpu_threads_default_to_the_affinity_and_reach_torch(tiny_llama, seed):
     threads = random.Random(seed).randrange(1, 5)
     before = torch.get_num_threads()
     try:
-        LLM(tiny_llama, device="cpu", skip_tokenizer_init=True, cpu_threads=threads, kv_cache_memory_gib=0.01)
+        LLM(str(tiny_llama), device="cpu", skip_tokenizer_init=True, cpu_threads=threads, kv_cache_memory_gib=0.01)
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
