@@ -11,7 +11,9 @@ import math
 import pytest
 import torch
 
+from baryon.kernels import sampling_cpu
 from baryon.kernels.sampling import apply_min_p, apply_penalties, apply_top_k_top_p
+from baryon.kernels.sampling_cpu import apply_top_k_top_p_candidates
 from baryon.layers.sampler import Sampler
 from baryon.request import Request
 from baryon.runner.sampling_inputs import build_sampling_batch
@@ -130,14 +132,45 @@ def sampling_distribution(row: list[float], temperature: float, top_k: int = 0, 
 
 # -- top-k / top-p / min-p kernels ----------------------------------------------------------------
 
-def test_top_k_keeps_exactly_the_k_largest(seed):
+@pytest.fixture(params=["sort", "candidates"])
+def top_k_top_p(request):
+    """The sorting reference and the CPU kernel that decides on each row's top logits."""
+    return apply_top_k_top_p if request.param == "sort" else apply_top_k_top_p_candidates
+
+
+def test_candidates_equal_the_sort_on_large_vocabularies(seed, monkeypatch):
+    """Rows whose kept set lies in the candidates and rows that fall back (k above the candidate
+    count, flat distributions whose candidates hold less than top_p): the same tokens as sorting."""
+    monkeypatch.setattr(sampling_cpu, "CANDIDATES", 64)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(12):
+        rows, vocab = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(100, 3000, (1,), generator=gen))
+        scale = float(torch.empty(1).uniform_(0.2, 8, generator=gen))  # flat to peaked
+        logits = distinct_logits(gen, rows, vocab, scale=scale)
+        ks = torch.randint(0, 100, (rows,), generator=gen) * (torch.rand(rows, generator=gen) < 0.5)  # 0: no top-k
+        ps = torch.empty(rows).uniform_(0.05, 1.0, generator=gen)
+        ps[torch.rand(rows, generator=gen) < 0.3] = 1.0
+        for top_k, top_p in ((ks, None), (None, ps), (ks, ps)):
+            expected = apply_top_k_top_p(logits.clone(), top_k, top_p)
+            got = apply_top_k_top_p_candidates(logits.clone(), top_k, top_p)
+            assert torch.equal(torch.isfinite(got), torch.isfinite(expected)), (scale, top_k, top_p)
+            assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(got)])
+
+
+def test_cpu_sampling_is_chosen_on_cpu():
+    from baryon.kernels import selector
+
+    assert selector.select("sampling", torch.device("cpu")).name == "cpu"
+
+
+def test_top_k_keeps_exactly_the_k_largest(seed, top_k_top_p):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(10):
         rows = int(torch.randint(1, 12, (1,), generator=gen))
         vocab = int(torch.randint(2, 80, (1,), generator=gen))
         logits = distinct_logits(gen, rows, vocab, scale=3.0)
         ks = torch.randint(0, vocab + 4, (rows,), generator=gen)  # 0 = all, > vocab = all
-        out = apply_top_k_top_p(logits.clone(), ks, None)
+        out = top_k_top_p(logits.clone(), ks, None)
         for r in range(rows):
             k = int(ks[r])
             expected = ref_top_k(logits[r].tolist(), k)
@@ -149,9 +182,9 @@ def test_top_k_keeps_exactly_the_k_largest(seed):
             assert torch.all(out[r][~torch.isfinite(out[r])] == float("-inf"))
 
 
-def test_top_k_keeps_ties_with_the_kth_logit():
+def test_top_k_keeps_ties_with_the_kth_logit(top_k_top_p):
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
-    out = apply_top_k_top_p(logits.clone(), torch.tensor([2]), None)
+    out = top_k_top_p(logits.clone(), torch.tensor([2]), None)
     assert finite_set(out[0]) == {0, 2, 3}
 
 
@@ -164,7 +197,7 @@ def _draw_top_p(gen: torch.Generator, row: list[float], candidates: set[int]) ->
             return p, keep
 
 
-def test_top_p_keeps_smallest_prefix_reaching_p(seed):
+def test_top_p_keeps_smallest_prefix_reaching_p(seed, top_k_top_p):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(10):
         rows = int(torch.randint(1, 10, (1,), generator=gen))
@@ -175,31 +208,31 @@ def test_top_p_keeps_smallest_prefix_reaching_p(seed):
             p, keep = _draw_top_p(gen, logits[r].tolist(), set(range(vocab)))
             ps.append(p)
             expected.append(keep)
-        out = apply_top_k_top_p(logits.clone(), None, torch.tensor(ps))
+        out = top_k_top_p(logits.clone(), None, torch.tensor(ps))
         for r in range(rows):
             assert finite_set(out[r]) == expected[r], f"row {r} p={ps[r]}"
             top = int(logits[r].argmax())
             assert top in finite_set(out[r])
 
 
-def test_top_p_tiny_keeps_only_the_top_token(seed):
+def test_top_p_tiny_keeps_only_the_top_token(seed, top_k_top_p):
     gen = torch.Generator().manual_seed(seed)
     logits = distinct_logits(gen, 6, 50, scale=0.5)  # flat: the top token alone already exceeds p
-    out = apply_top_k_top_p(logits.clone(), None, torch.full((6,), 1e-6))
+    out = top_k_top_p(logits.clone(), None, torch.full((6,), 1e-6))
     for r in range(6):
         assert finite_set(out[r]) == {int(logits[r].argmax())}
 
 
-def test_top_p_exact_mass_boundary():
+def test_top_p_exact_mass_boundary(top_k_top_p):
     # Probabilities 1/2, 1/4, 1/8, 1/16, 1/16 are exact in float32: a prefix reaching exactly p suffices.
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 1.0]]) * math.log(2)
     for p, kept in [(0.5, {0}), (0.50001, {0, 1}), (0.75, {0, 1}), (0.8, {0, 1, 2}), (0.875, {0, 1, 2}),
                     (1.0, {0, 1, 2, 3, 4})]:
-        out = apply_top_k_top_p(logits.clone(), None, torch.tensor([p]))
+        out = top_k_top_p(logits.clone(), None, torch.tensor([p]))
         assert finite_set(out[0]) == kept, p
 
 
-def test_top_k_then_top_p_combined(seed):
+def test_top_k_then_top_p_combined(seed, top_k_top_p):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(10):
         rows = int(torch.randint(1, 10, (1,), generator=gen))
@@ -218,18 +251,18 @@ def test_top_k_then_top_p_combined(seed):
             ks.append(k)
             ps.append(p)
             expected.append(keep)
-        out = apply_top_k_top_p(logits.clone(), torch.tensor(ks), torch.tensor(ps))
+        out = top_k_top_p(logits.clone(), torch.tensor(ks), torch.tensor(ps))
         for r in range(rows):
             assert finite_set(out[r]) == expected[r], f"row {r} k={ks[r]} p={ps[r]}"
 
 
-def test_top_p_one_keeps_every_token_in_a_mixed_batch(seed):
+def test_top_p_one_keeps_every_token_in_a_mixed_batch(seed, top_k_top_p):
     gen = torch.Generator().manual_seed(seed)
     # One dominant token: its float32 probability rounds to 1.0, the others are tiny but non-zero.
     logits = torch.randn(2, 100, generator=gen) - 30
     logits[:, int(torch.randint(0, 100, (1,), generator=gen))] = 0.0
     assert (logits.softmax(dim=-1) > 0).all()
-    out = apply_top_k_top_p(logits.clone(), None, torch.tensor([1.0, 0.5]))
+    out = top_k_top_p(logits.clone(), None, torch.tensor([1.0, 0.5]))
     assert torch.isfinite(out[0]).all(), f"{int((~torch.isfinite(out[0])).sum())} tokens dropped at top_p=1"
 
 

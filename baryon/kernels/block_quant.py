@@ -118,29 +118,6 @@ def _check_shape(in_features: int, bits: int, dtype: torch.dtype) -> str | None:
     return None
 
 
-class CpuInt8BlockQuantLinear(Kernel):
-    """The C++ integer-dot kernel (AVX-512 VNNI or AVX2): weights stay packed, activations are quantized
-    per 32-block to int8."""
-
-    name = "cpu_int8"
-
-    @classmethod
-    def unsupported_reason(cls, device: torch.device) -> str | None:
-        reason = CpuBlockQuantLinear.unsupported_reason(device)
-        if reason is None and not torch.ops.baryon_cpu.block_quant_int8_dot_isa():
-            return "this CPU has neither AVX-512 VNNI nor AVX2 (the integer dot products would run one lane at a time)"
-        return reason
-
-    @classmethod
-    def cannot_implement_reason(cls, *, in_features: int, bits: int, dtype: torch.dtype, **_: Any) -> str | None:
-        return _check_shape(in_features, bits, dtype)
-
-    @staticmethod
-    def forward(x: torch.Tensor, packed: torch.Tensor, bits: int, in_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.baryon_cpu.block_quant_linear_int8(x, packed, bits, in_features, bias)
-
-
 class CpuBlockQuantLinear(Kernel):
     """The exact C++ kernel: weights stay packed; each block is dequantized in registers."""
 
@@ -162,6 +139,25 @@ class CpuBlockQuantLinear(Kernel):
     def forward(x: torch.Tensor, packed: torch.Tensor, bits: int, in_features: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.baryon_cpu.block_quant_linear(x, packed, bits, in_features, bias)
+
+
+class CpuInt8BlockQuantLinear(CpuBlockQuantLinear):
+    """The C++ integer-dot kernel (AVX-512 VNNI or AVX2): weights stay packed, activations are
+    quantized per 32-block to int8."""
+
+    name = "cpu_int8"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        reason = super().unsupported_reason(device)
+        if reason is None and not torch.ops.baryon_cpu.block_quant_int8_dot_isa():
+            return "this CPU has neither AVX-512 VNNI nor AVX2 (the integer dot products would run one lane at a time)"
+        return reason
+
+    @staticmethod
+    def forward(x: torch.Tensor, packed: torch.Tensor, bits: int, in_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.baryon_cpu.block_quant_linear_int8(x, packed, bits, in_features, bias)
 
 
 class TorchBlockQuantLinear(Kernel):

@@ -180,7 +180,7 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
   for (int64_t g = 0; g < groups; ++g) {
     WeightGroup w[NR];
     for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits>(rows + n * row_bytes, K, g);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const uint8_t* group = xq + m * x_stride + g * kGroupBytes;
       const __m512 d = _mm512_loadu_ps(group + kDOffset), sum = _mm512_loadu_ps(group + kSumOffset);
@@ -227,8 +227,8 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     w.lo = _mm256_and_si256(codes, nibble);
     w.hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
-    const __m128 pairs = two_blocks ? _mm_loadu_ps(scale_min) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scale_min)));
-    const __m256 both = _mm256_set_m128(pairs, pairs);
+    const __m256 both = two_blocks ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scale_min))
+                                   : _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(scale_min)));
     w.scale = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
     w.min = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
     if (!two_blocks) {  // the missing block's lanes: no scale, no min (its activations are zero)
@@ -326,6 +326,10 @@ int64_t row_tiles(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t*
                   int64_t groups, float* y, int64_t N, int64_t n, int64_t n_end) {
   for (; n + NR <= n_end; n += NR) {
     int64_t m = 0;
+#if defined(BARYON_INT8_DOT_AVX512)
+    for (; m + 8 <= M; m += 8)  // 16 accumulators, 8 weight vectors: 32 registers
+      tile<Bits, 8, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+#endif
     for (; m + 4 <= M; m += 4)
       tile<Bits, 4, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
     for (; m + 2 <= M; m += 2)

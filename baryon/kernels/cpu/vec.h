@@ -1,5 +1,5 @@
-// Small helpers shared by baryon's C++ CPU kernels: 16-lane float vectors (GCC vector
-// extensions: AVX-512 where the CPU has it, narrower SIMD elsewhere) and dot products.
+// Small helpers shared by baryon's C++ CPU kernels (GCC vector extensions): vectors of the
+// machine's own width and 16-lane float vectors, dot products, axpy and a vector exp.
 #pragma once
 
 #include <cstdint>
@@ -12,31 +12,6 @@
 namespace baryon_cpu {
 
 typedef float f32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float sum16(f32x16 v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#elif defined(__AVX2__)
-  __m256 halves[2];
-  std::memcpy(halves, &v, sizeof(v));
-  const __m256 eight = _mm256_add_ps(halves[0], halves[1]);
-  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
-  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
-#else
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-#endif
-}
 
 // Vectors of the machine's own width (a 16-lane vector on a CPU without AVX-512 is split by the
 // compiler, often through the stack): what dot and axpy use.
@@ -70,6 +45,21 @@ inline float sumn(f32xn v) {
   for (int i = 0; i < kNativeLanes; ++i) s += v[i];
   return s;
 #endif
+}
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float sum16(f32x16 v) {
+  f32xn parts[16 / kNativeLanes];  // one (AVX-512), two (AVX) or four native vectors
+  std::memcpy(parts, &v, sizeof(v));
+  for (int i = 1; i < 16 / kNativeLanes; ++i) parts[0] += parts[i];
+  return sumn(parts[0]);
 }
 
 // sum(a[i] * b[i]) for i < n (two accumulators, so consecutive multiply-adds do not wait on each other).
