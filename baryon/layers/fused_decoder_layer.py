@@ -40,8 +40,8 @@ def why_not_fused(layer: nn.Module) -> str | None:
     """None if the C++ decoder layer covers `layer`, else what it lacks."""
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     attn = getattr(attention, "attn", None)
-    if not isinstance(attn, Attention) or not hasattr(attention, "qkv_proj"):
-        return "not multi-head attention with a fused QKV projection"
+    if not isinstance(attn, Attention) or not hasattr(attention, "qkv_proj") or not hasattr(attention, "rotary_emb"):
+        return "not multi-head attention with a fused QKV projection and rotary embedding"
     if not (hasattr(mlp, "gate_up_proj") and isinstance(getattr(mlp, "act_fn", None), SiluAndMul)):
         return "not a gated SiLU MLP"
     if attn.backend.name != "cpu" or attn.prologue.name != "cpu" or attn.backend.sinks is not None:
