@@ -355,7 +355,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K) {
   const int64_t M = x.size(0), N = packed.size(0), row_bytes = packed.size(1);
   const int64_t groups = (K / kBlock + L::blocks_per_group - 1) / L::blocks_per_group;
   const int64_t x_stride = groups * kGroupBytes;
-  // Quantized activations, 64-byte aligned rows (x_stride is a multiple of 256).
+  // Quantized activations, 64-byte aligned rows (x_stride is a multiple of kGroupBytes).
   std::vector<uint8_t> storage(M * x_stride + 64);
   uint8_t* xq = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
   const float* x_ptr = x.data_ptr<float>();
