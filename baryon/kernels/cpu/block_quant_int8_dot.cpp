@@ -23,8 +23,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
-#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -356,8 +356,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K) {
   const int64_t groups = (K / kBlock + L::blocks_per_group - 1) / L::blocks_per_group;
   const int64_t x_stride = groups * kGroupBytes;
   // Quantized activations, 64-byte aligned rows (x_stride is a multiple of kGroupBytes).
-  std::vector<uint8_t> storage(M * x_stride + 64);
-  uint8_t* xq = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
+  // (quantize_row zero-fills each row itself: no value-initialised buffer)
+  const std::unique_ptr<uint8_t[]> storage(new uint8_t[M * x_stride + 64]);
+  uint8_t* xq = storage.get() + (64 - reinterpret_cast<uintptr_t>(storage.get()) % 64) % 64;
   const float* x_ptr = x.data_ptr<float>();
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row<Bits>(x_ptr + m * K, K, xq + m * x_stride, groups);

@@ -194,7 +194,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   const uint8_t* values8 = is_fp8 ? keys8 + cache_half : nullptr;
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs, key_rows, value_rows;  // fp8: this job's rows as float32
-    std::vector<const float*> key_rows_of_job, value_rows_of_job;
+    std::vector<const float*> key_ptrs, value_ptrs;  // row j of this job's keys / values
     for (int64_t job = begin; job < end; ++job) {
       const int64_t t = job / Hkv, kvh = job % Hkv, s = seq_of_token[t];
       const int64_t q_len = starts[s + 1] - starts[s];
@@ -211,8 +211,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
           dequantize_row(values8 + offset, value_rows.data() + j * D, D);
         }
       }
-      // Row j of this head's keys / values: walked block by block (no division per row).
-      std::vector<const float*>& key_ptrs = key_rows_of_job, &value_ptrs = value_rows_of_job;
+      // Walked block by block (no division per row).
       key_ptrs.resize(n);
       value_ptrs.resize(n);
       for (int64_t j = 0; j < n;) {
@@ -223,7 +222,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
           value_ptrs[j] = is_fp8 ? value_rows.data() + j * D : values + (row0 + r * Hkv) * D;
         }
       }
-      auto key_row = [&](int64_t j) { return key_ptrs[j]; };
       // Scores of every query head of the group, four keys at a time (each key row is read once
       // for all of the group's heads; the four dot products overlap).
       const float* q0 = query.data_ptr<float>() + t * query.stride(0) + kvh * group * D;
@@ -232,7 +230,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
       for (; j + 4 <= n; j += 4)
         for (int64_t g = 0; g < group; ++g) dot4(q0 + g * D, key_ptrs.data() + j, D, qk_scale, probs.data() + g * n + j);
       for (; j < n; ++j)
-        for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot(q0 + g * D, key_row(j), D) * qk_scale;
+        for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot(q0 + g * D, key_ptrs[j], D) * qk_scale;
       for (int64_t g = 0; g < group; ++g) {
         float* p = probs.data() + g * n;
         const float total = exp_shifted(p, n, *std::max_element(p, p + n));

@@ -1,5 +1,5 @@
 // Small helpers shared by baryon's C++ CPU kernels (GCC vector extensions): vectors of the
-// machine's own width and 16-lane float vectors, dot products, axpy and a vector exp.
+// machine's own width and 16-lane float vectors, dot products and a vector exp.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,7 @@ namespace baryon_cpu {
 typedef float f32x16 __attribute__((vector_size(64)));
 
 // Vectors of the machine's own width (a 16-lane vector on a CPU without AVX-512 is split by the
-// compiler, often through the stack): what dot and axpy use.
+// compiler, often through the stack): what dot and the attention use.
 #if defined(__AVX512F__)
 constexpr int kNativeLanes = 16;
 #elif defined(__AVX__)
@@ -53,8 +53,6 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-
 inline float sum16(f32x16 v) {
   f32xn parts[16 / kNativeLanes];  // one (AVX-512), two (AVX) or four native vectors
   std::memcpy(parts, &v, sizeof(v));
@@ -74,13 +72,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = sumn(acc0 + acc1);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-// y[i] += a * x[i] for i < n.
-inline void axpy(float a, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-  for (; i + kNativeLanes <= n; i += kNativeLanes) storen(y + i, loadn(y + i) + loadn(x + i) * a);
-  for (; i < n; ++i) y[i] += a * x[i];
 }
 
 // e^x lane by lane: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r (Cephes'
