@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -135,6 +135,76 @@ def block_quant_kernels(record, device: torch.device) -> None:
             for kernel in kernels:
                 record(f"block_quant_linear.{kernel.name}", shape, lambda: kernel.forward(x, packed, bits, in_features))
             record("linear.dense_float32", shape, lambda: torch.nn.functional.linear(x, dense))
+
+
+def zentorch_kernels(record, device: torch.device) -> None:
+    """zentorch's ops (the `.[zen]` extra) against ours on SmolLM2-135M's shapes, CPU only: dense
+    linear (float32, and bfloat16 where the CPU has avx512_bf16), dynamic int8 linear, int4
+    weight-only linear, embedding and causal attention. An op this CPU or install cannot run is
+    printed with the reason instead of a time."""
+    import torch.nn.functional as F
+
+    from baryon.kernels.cpu.zentorch_support import cpu_flags, zentorch_unavailable_reason
+    from baryon.kernels.quant.int8_gemm import dequantize_int8_weights, prepare_int8_weights
+    from baryon.quantization.int8 import quantize_int8_per_channel
+
+    def able(ops: tuple[str, ...], isa: tuple[str, ...]) -> bool:
+        reason = zentorch_unavailable_reason(device, ops, isa)
+        if reason:
+            print(json.dumps({"kernel": f"zentorch.{ops[0]}", "skipped": reason}), flush=True)
+        return reason is None
+
+    zt = torch.ops.zentorch
+    print(json.dumps({"cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx")))}), flush=True)
+    shapes = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]
+    dtypes = [torch.float32] + ([torch.bfloat16] if "avx512_bf16" in cpu_flags() else [])
+    for dtype in dtypes:
+        for n, k in shapes:
+            w = torch.randn(n, k).to(dtype)
+            for rows in (1, 16, 128):
+                x = torch.randn(rows, k).to(dtype)
+                shape = f"x={rows}x{k} w={n}x{k} {str(dtype).split('.')[1]}"
+                record("dense_linear.torch", shape, lambda: F.linear(x, w))
+                if able(("zentorch_linear_unary",), ("avx2",) + (("avx512_bf16",) if dtype == torch.bfloat16 else ())):
+                    record("dense_linear.zentorch", shape, lambda: zt.zentorch_linear_unary(x, w, None))
+    for n, k in shapes:  # W8A8: the torch kernel dequantizes per call (our CPU path today)
+        weights = prepare_int8_weights(*quantize_int8_per_channel(torch.randn(n, k)))
+        for rows in (1, 16, 128):
+            x = torch.randn(rows, k)
+            shape = f"x={rows}x{k} w={n}x{k} int8"
+            record("int8_linear.torch", shape, lambda: F.linear(x, dequantize_int8_weights(weights)))
+            if able(("zentorch_dynamic_qlinear",), ("avx512f", "avx512bw", "avx512_vnni")):
+                record("int8_linear.zentorch", shape,
+                       lambda: zt.zentorch_dynamic_qlinear(x, weights.w_q, weights.w_scale, None))
+    for n, k in shapes:  # int4 weight-only, groups of 32, bfloat16 activations
+        codes = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+        scales = torch.rand(k // 32, n).to(torch.bfloat16) * 0.01
+        dense = (codes.float() * scales.float().t().repeat_interleave(32, 1)).to(torch.bfloat16)
+        for rows in (1, 16, 128):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            shape = f"x={rows}x{k} w={n}x{k} int4 g32 bfloat16"
+            record("w4a16_linear.torch_dequantized", shape, lambda: F.linear(x, dense))
+            if able(("zentorch_woq_linear", "zentorch_woq_repack_weight"), ("avx512f", "avx512_bf16")):
+                packed = zt.zentorch_woq_repack_weight(codes).t()
+                record("w4a16_linear.zentorch", shape, lambda: zt.zentorch_woq_linear(x, packed, scales, None, None))
+    table = torch.randn(49152, 576)
+    for rows in (1, 16, 128):
+        ids = torch.randint(0, 49152, (rows,))
+        record("embedding.torch", f"ids={rows} table=49152x576", lambda: F.embedding(ids, table))
+        if able(("zentorch_embedding",), ("avx2",)):
+            record("embedding.zentorch", f"ids={rows} table=49152x576", lambda: zt.zentorch_embedding(table, ids))
+    for length in (128, 512):  # a fresh prompt, 9 query heads over 3 KV heads of 64
+        q, kv, cache, md = _attention_case(device, torch.float32, 1, length, length, 9, 3, 64)
+        shape = f"prefill q={length} kv={length} heads=9/3 d=64"
+        for impl in selector.candidates("attention"):
+            if impl.unsupported_reason(device) is None:
+                attention = impl(9, 64, 3, 0.125, None)
+                record(f"attention.{impl.name}", shape, lambda: attention.forward(q, kv, kv, cache, md))
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, 9, L, 64]
+        kh = kv.transpose(0, 1).unsqueeze(0).repeat_interleave(3, dim=1)
+        record("sdpa.torch", shape, lambda: F.scaled_dot_product_attention(qh, kh, kh, is_causal=True))
+        if able(("zentorch_sdpa",), ("avx2",)):
+            record("sdpa.zentorch", shape, lambda: zt.zentorch_sdpa(qh, kh, kh, is_causal=True))
 
 
 def mla_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
@@ -307,7 +377,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant"],
+    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
@@ -340,6 +410,9 @@ def main() -> None:
         return
     if args.only == "spec":
         rejection_sampling_kernels(record, device, vocab, args.small)
+        return
+    if args.only == "zentorch":  # CPU: zentorch's ops against ours
+        zentorch_kernels(record, device)
         return
     if args.only == "block_quant":  # CPU: the packed GGUF linears
         block_quant_kernels(record, device)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -51,6 +53,7 @@ _REGISTRY: dict[str, list[str]] = {
     "qkv_prologue": ["baryon.kernels.qkv_prologue:TritonQKVPrologue", "baryon.kernels.qkv_prologue:CpuQKVPrologue",
                      "baryon.kernels.qkv_prologue:TorchQKVPrologue"],
     "decoder_layer": ["baryon.kernels.decoder_layer:CpuDecoderLayer", "baryon.kernels.decoder_layer:ModulesDecoderLayer"],
+    "dense_linear": ["baryon.kernels.dense_linear:ZentorchDenseLinear", "baryon.kernels.dense_linear:TorchDenseLinear"],
     "block_quant_linear": ["baryon.kernels.block_quant:CpuInt8BlockQuantLinear",
                            "baryon.kernels.block_quant:CpuBlockQuantLinear",
                            "baryon.kernels.block_quant:TorchBlockQuantLinear"],
@@ -58,7 +61,8 @@ _REGISTRY: dict[str, list[str]] = {
     "fp8_linear": ["baryon.kernels.quant.fp8_gemm:ScaledMMFp8Linear", "baryon.kernels.quant.fp8_gemm:TritonFp8Linear",
                    "baryon.kernels.quant.fp8_gemm:TorchFp8Linear"],
     "w8_gemv": ["baryon.kernels.quant.w8_gemv:TritonW8Gemv", "baryon.kernels.quant.w8_gemv:TorchW8Gemv"],
-    "int8_linear": ["baryon.kernels.quant.int8_gemm:TritonInt8Linear", "baryon.kernels.quant.int8_gemm:TorchInt8Linear"],
+    "int8_linear": ["baryon.kernels.quant.int8_gemm:TritonInt8Linear", "baryon.kernels.quant.int8_zentorch:ZentorchInt8Linear",
+                    "baryon.kernels.quant.int8_gemm:TorchInt8Linear"],
     "w4a16_linear": ["baryon.kernels.quant.w4a16:TritonW4A16Linear", "baryon.kernels.quant.w4a16:TorchW4A16Linear"],
     "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling_cpu:CpuSampling",
                  "baryon.kernels.sampling:TorchSampling"],
@@ -73,6 +77,7 @@ _REGISTRY: dict[str, list[str]] = {
                       "baryon.kernels.moe.experts_torch:TorchFp8FusedExperts"],
 }
 _logged: set[tuple[str, str]] = set()
+_fastest: dict[tuple, type[Kernel]] = {}
 
 
 def families() -> list[str]:
@@ -107,3 +112,38 @@ def select(family: str, device: torch.device, **config: Any) -> type[Kernel]:
         names = [c.name for c in candidates(family)]
         raise ValueError(f"BARYON_KERNEL_{family.upper()}={forced!r} names no {family} kernel; known: {names}")
     raise ValueError(f"no {family} kernel can serve {config} on {device}: " + "; ".join(reasons))
+
+
+def select_fastest(family: str, device: torch.device, trial: Callable[[type[Kernel]], Callable[[], Any]],
+                   repeats: int = 5, **config: Any) -> type[Kernel]:
+    """For families where no implementation wins everywhere: every implementation that runs on
+    `device` and accepts `config` is timed (`trial(cls)` returns a call that runs it once on
+    representative inputs; the best of `repeats` runs counts) and the fastest is returned. One
+    that accepts alone is returned untimed, a forced one (`BARYON_KERNEL_<FAMILY>`) as `select`
+    does; the choice is remembered per (family, device, config) and logged with the timings."""
+    forced = os.environ.get(f"BARYON_KERNEL_{family.upper()}")
+    if forced:
+        return select(family, device, **config)
+    key = (family, str(device), tuple(sorted((k, str(v)) for k, v in config.items())))
+    if key in _fastest:
+        return _fastest[key]
+    able = [cls for cls in candidates(family)
+            if cls.unsupported_reason(device) is None and cls.cannot_implement_reason(**config) is None]
+    if len(able) <= 1:
+        choice = select(family, device, **config)
+    else:
+        times = {}
+        for cls in able:
+            run = trial(cls)
+            run()  # first-call costs (packing, page faults) are not the steady state
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - start)
+            times[cls] = best
+        choice = min(able, key=times.__getitem__)
+        logger.info("kernel %s %s: %s -> %s", family, dict(config),
+                    ", ".join(f"{cls.name} {times[cls] * 1e6:.0f} us" for cls in able), choice.name)
+    _fastest[key] = choice
+    return choice

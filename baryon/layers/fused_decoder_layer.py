@@ -11,6 +11,8 @@ cache at run time) keeps the op-by-op path.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -30,6 +32,11 @@ def _linear_reason(name: str, linear: LinearBase) -> str | None:
     if getattr(linear, "tp_size", 1) != 1:
         return f"{name} is split over tensor-parallel ranks"
     if linear.method is DENSE:
+        # The op multiplies with torch's linear. A layer-by-layer timing that preferred another
+        # kernel (zentorch) does not count the calls the op saves; a forced choice does win.
+        kernel = linear.__dict__.get("dense_kernel")
+        if kernel is not None and os.environ.get("BARYON_KERNEL_DENSE_LINEAR") == kernel.name:
+            return f"{name} is forced onto {kernel.name}"
         return None if linear.weight.dtype == torch.float32 else f"{name} is {linear.weight.dtype}"
     if isinstance(linear.method, BlockQuantLinearMethod) and linear.method.kernel.name in ("cpu_int8", "cpu_float32"):
         return None

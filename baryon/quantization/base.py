@@ -15,6 +15,8 @@ Layers start dense (`DenseLinearMethod`); the loader swaps methods in before any
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,12 +57,31 @@ class LinearMethod:
 
 
 class DenseLinearMethod(LinearMethod):
-    """A float weight [out, in] multiplied with F.linear."""
+    """A float weight [out, in] multiplied with F.linear; on CPU by the `dense_linear` kernel
+    that measured fastest on the layer's shape (F.linear unless zentorch is installed and wins)."""
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.add_param("weight", (layer.output_size, layer.input_size))
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        is_matrix = hasattr(layer, "output_size") or hasattr(layer, "compute_logits")  # not an embedding table
+        if not is_matrix or weight.device.type != "cpu":
+            return
+        from baryon.kernels.selector import select_fastest
+
+        def trial(kernel: type) -> Callable[[], None]:
+            rows = [torch.randn(m, weight.shape[1], dtype=weight.dtype) for m in (1, 16)]  # decode batch sizes
+            return lambda: [kernel.forward(x, weight, None) for x in rows]
+
+        kernel = select_fastest("dense_linear", weight.device, trial, in_features=weight.shape[1],
+                                out_features=weight.shape[0], dtype=weight.dtype)
+        layer.dense_kernel = kernel if kernel.name != "torch" else None
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernel = layer.__dict__.get("dense_kernel")
+        if kernel is not None:
+            return kernel.forward(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
@@ -103,7 +124,9 @@ class ActivationQuantizedLinearMethod(LinearMethod):
         if self.kernel.name == "torch":
             return F.linear(x, self.kernel.dequantize(self.weights).to(x.dtype), bias)
         x2 = x.reshape(-1, x.shape[-1])
-        if self.gemv is not None and x2.shape[0] <= self.gemv.max_m:
+        if getattr(self.kernel, "takes_float_input", False):  # quantizes the activations itself
+            out = self.kernel.forward_float(x2, self.weights, bias)
+        elif self.gemv is not None and x2.shape[0] <= self.gemv.max_m:
             out = self.gemv.forward(x2, self.gemv_weight, self.gemv_scale, None, bias)
         else:
             x_q, x_scale = self.quantize_input(x2)
