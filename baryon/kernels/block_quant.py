@@ -1,4 +1,4 @@
-"""Linear layers over block-quantized weights, kept quantized in memory (GGUF's Q4_0/Q4_1/Q4_K/Q8_0).
+"""Linear layers over block-quantized weights, kept quantized in memory (GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q8_0).
 
 baryon's packed format stores each row of a weight [N, K] (K a multiple of 32) as one run of bytes,
 so a row slice of the packed tensor is a row slice of the weight (fused q/k/v and gate/up load

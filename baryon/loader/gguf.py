@@ -43,7 +43,9 @@ _PERMUTED_QK = ("llama",)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Types that can also stay packed (baryon.kernels.block_quant's layout), with their code width.
-PACKABLE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}
+# The 5-bit types are stored as 8-bit codes (0..31): exact, and the integer kernels read them as
+# they read Q8_0. Q6_K is not packable: a scale per 16 elements does not fit the 32-element blocks.
+PACKABLE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q8_0": 8}
 
 # GGUF tensor name -> Hugging Face checkpoint name; `{bid}` is the layer index.
 _GLOBAL_NAMES = {
@@ -311,6 +313,21 @@ def _block_codes(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.nda
         minimum = -8 * scale if type_name == "Q4_0" else _fp16(blocks, 2)
         qs = blocks[..., 2 if type_name == "Q4_0" else 4:]
         codes = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    elif type_name in ("Q5_0", "Q5_1"):  # d (, m), 4 bytes of high bits (bit j: element j), 16 as Q4_0
+        scale = _fp16(blocks, 0)
+        minimum = -16 * scale if type_name == "Q5_0" else _fp16(blocks, 2)
+        high_at = 2 if type_name == "Q5_0" else 4
+        high = np.unpackbits(np.ascontiguousarray(blocks[..., high_at:high_at + 4]), axis=-1, bitorder="little")
+        qs = blocks[..., high_at + 4:]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1) | (high << 4)
+    elif type_name == "Q5_K":  # as Q4_K, then 32 bytes of high bits (bit i of byte j: sub-block i), 128 bytes
+        sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        scale = (_fp16(blocks, 0)[..., None] * sc.reshape(*blocks.shape[:2], 8).astype(np.float32))
+        minimum = -(_fp16(blocks, 2)[..., None] * m.reshape(*blocks.shape[:2], 8).astype(np.float32))
+        qh = blocks[..., 16:48].reshape(*blocks.shape[:2], 1, 32)
+        high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [rows, blocks, 8 sub-blocks, 32]
+        qs = blocks[..., 48:].reshape(*blocks.shape[:2], 4, 1, 32)  # sub-block 2c: low nibbles, 2c + 1: high
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-2).reshape(*blocks.shape[:2], 8, 32) | (high << 4)
     elif type_name == "Q8_0":  # d, 32 int8
         scale = _fp16(blocks, 0)
         minimum = np.zeros_like(scale)
@@ -327,7 +344,7 @@ def _block_codes(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 def pack_gguf_tensor(tensor: Any) -> torch.Tensor:
-    """A Q4_0 / Q4_1 / Q4_K / Q8_0 matrix [out, in] -> baryon's packed rows, uint8
+    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 matrix [out, in] -> baryon's packed rows, uint8
     [out, row_bytes(in, bits)], holding exactly the values gguf.quants.dequantize gives."""
     from baryon.kernels.block_quant import pack_rows
 

@@ -1,5 +1,5 @@
 """Block-quantized weights kept packed in memory (the layout of `baryon.kernels.block_quant`):
-GGUF's Q4_0 / Q4_1 / Q4_K matrices as 4-bit codes, Q8_0 as 8-bit, each 32-element block with a
+GGUF's Q4_0 / Q4_1 / Q4_K matrices as 4-bit codes, Q8_0 and Q5_0 / Q5_1 / Q5_K as 8-bit, each 32-element block with a
 float32 scale and offset, multiplied by a kernel that dequantizes in registers."""
 
 from __future__ import annotations
