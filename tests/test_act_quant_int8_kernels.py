@@ -159,13 +159,18 @@ def test_triton_act_quant_strided_rows(seed):
         assert_quantized(q, ref_q)
 
 
-def test_selector_keeps_torch_on_cpu_unless_forced(monkeypatch):
+def test_selector_keeps_triton_off_the_cpu_unless_forced(monkeypatch):
     from baryon.kernels import selector
+    from baryon.kernels.cpu import load_error
+    from baryon.kernels.quant.int8_zentorch import ZentorchInt8Linear
     from baryon.kernels.triton_utils import INTERPRETED
 
     cpu = torch.device("cpu")
     assert selector.select("act_quant", cpu).name == "torch"
-    assert selector.select("int8_linear", cpu, in_features=64, out_features=32, dtype=torch.float32).name == "torch"
+    expected = ("zentorch" if ZentorchInt8Linear.unsupported_reason(cpu) is None
+                else "cpu" if load_error() is None else "torch")
+    assert selector.select("int8_linear", cpu, in_features=64, out_features=32, dtype=torch.float32).name == expected
+    assert selector.select("int8_linear", cpu, in_features=48, out_features=32, dtype=torch.bfloat16).name == "torch"
     if aq.triton is None or not INTERPRETED:
         pytest.skip("forcing Triton on CPU needs triton and the interpreter")
     monkeypatch.setenv("BARYON_KERNEL_ACT_QUANT", "triton")

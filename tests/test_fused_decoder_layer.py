@@ -67,6 +67,24 @@ def test_fused_layer_on_the_default_model(smol_path, monkeypatch, seed, block_qu
     assert got == expected
 
 
+@pytest.mark.parametrize("quantization", ["w8a8", "w4a16"])
+@pytest.mark.parametrize("block_quant", ["cpu_int8", "cpu_float32"])
+def test_fused_layer_on_repacked_int8_and_w4a16(tmp_path, monkeypatch, seed, quantization, block_quant):
+    """W8A8 / W4A16 layers repacked into the GGUF blocks on CPU: the fused layer equals the modules."""
+    from baryon.kernels.block_quant import CpuInt8BlockQuantLinear
+
+    if block_quant == "cpu_int8" and CpuInt8BlockQuantLinear.unsupported_reason(torch.device("cpu")):
+        pytest.skip("no integer-dot kernel on this CPU")
+    monkeypatch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", block_quant)
+    monkeypatch.setenv("BARYON_KERNEL_INT8_LINEAR", "cpu")  # not zentorch, where it is installed
+    ckpt = make_checkpoint(tmp_path / "llama", "llama", seed=seed, num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts(4, 128, 3, 90, seed)
+    fused, got = generate(str(ckpt), prompts, monkeypatch, quantization=quantization)
+    modules, expected = generate(str(ckpt), prompts, monkeypatch, force="modules", quantization=quantization)
+    assert fused == 2 and modules == 0
+    assert got == expected
+
+
 def test_uncovered_layers_keep_the_modules(tmp_path, monkeypatch, seed):
     """MoE blocks are not fused; an fp8 KV cache falls back to the modules at run time, with the
     modules' results."""

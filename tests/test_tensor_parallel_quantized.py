@@ -21,6 +21,16 @@ FORMATS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def exact_packed_kernels():
+    """On CPU the int8 / W4A16 layers run on the packed block kernels; these tests compare them
+    with float checkpoints token for token, so they take the exact float32 one (not the default
+    integer dots, which round the activations)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", "cpu_float32")
+        yield
+
+
 @pytest.fixture(scope="module")
 def float_llama(tmp_path_factory):
     # Widths whose halves are still multiples of 128 (online W4A16's group size).

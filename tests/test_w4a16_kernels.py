@@ -250,12 +250,16 @@ def test_cannot_implement_reasons():
     assert (fp32 is None) == INTERPRETED
 
 
-def test_selector_picks_torch_on_cpu_unless_forced(monkeypatch):
+def test_selector_picks_the_packed_cpu_kernel_unless_forced(monkeypatch):
     from baryon.kernels import selector
+    from baryon.kernels.cpu import load_error
 
     cpu = torch.device("cpu")
     config = dict(in_features=256, out_features=64, bits=4, group_size=128, dtype=torch.float32)
-    assert selector.select("w4a16_linear", cpu, **config) is TorchW4A16Linear
+    expected = "cpu" if load_error() is None else "torch"  # the block kernels need the C++ build
+    assert selector.select("w4a16_linear", cpu, **config).name == expected
+    assert selector.select("w4a16_linear", cpu, **{**config, "group_size": 48}) is TorchW4A16Linear
+    assert selector.select("w4a16_linear", cpu, **{**config, "dtype": torch.bfloat16}) is TorchW4A16Linear
     if w4a16.triton is None or not INTERPRETED:
         pytest.skip("forcing Triton on CPU needs the interpreter")
     monkeypatch.setenv("BARYON_KERNEL_W4A16_LINEAR", "triton")

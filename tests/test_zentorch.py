@@ -80,7 +80,7 @@ def test_without_zentorch_the_cpu_choices_are_ours(monkeypatch):
         if "avx2" in zentorch_support.cpu_flags():
             assert reason is not None and ".[zen]" in reason
         assert selector.select("dense_linear", CPU, dtype=torch.float32).name == "torch"
-        assert selector.select("int8_linear", CPU, dtype=torch.float32).name == "torch"
+        assert selector.select("int8_linear", CPU, dtype=torch.float32).name in ("cpu", "torch")  # ours
     finally:
         zentorch_support._import_error.cache_clear()
 

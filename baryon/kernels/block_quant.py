@@ -69,7 +69,9 @@ def dequantize_rows(packed: torch.Tensor, in_features: int, bits: int) -> torch.
         codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # [n, blocks, 32]
     else:
         codes = code_bytes.contiguous().view(torch.int8).reshape(n, k // BLOCK, BLOCK).float()
-    return (codes * scale_min[..., :1] + scale_min[..., 1:]).reshape(n, k)
+    # In float64, then rounded once: the C++ kernels' fused multiply-add (scale * code + min is
+    # exact there too), so a block holding scale * (code - z) with a power-of-two z reads back exactly.
+    return (codes.double() * scale_min[..., :1].double() + scale_min[..., 1:].double()).float().reshape(n, k)
 
 
 def block_quant_linear_reference(x: torch.Tensor, packed: torch.Tensor, bits: int, in_features: int,

@@ -4,9 +4,9 @@ After loading, the runner calls `fuse_decoder_layers(model, device)`: every `Lla
 whose parts the C++ op covers gets a `FusedDecoderLayer` as its `fused` attribute, which its
 forward then calls instead of its modules. Covered: float32 activations, one rank, the CPU
 attention backend and prologue without attention sinks, a gated SiLU MLP without biases, and
-linears that are dense float32 or packed GGUF blocks (`BlockQuantLinearMethod` on either C++
-kernel). Anything else (MoE blocks, latent attention, other quantization methods, an fp8 KV
-cache at run time) keeps the op-by-op path.
+linears that are dense float32 or in the packed GGUF blocks on either C++ kernel (GGUF matrices,
+and W8A8 / W4A16 layers repacked into them). Anything else (MoE blocks, latent attention, other
+quantization methods, GPTQ act order, an fp8 KV cache at run time) keeps the op-by-op path.
 """
 
 from __future__ import annotations
@@ -22,10 +22,24 @@ from baryon.layers.attention import Attention
 from baryon.layers.forward_context import current_attn_metadata
 from baryon.layers.linear import LinearBase
 from baryon.logger import get_logger
+from baryon.kernels.quant.cpu_block_linear import PackedBlockWeights
 from baryon.quantization.base import DENSE
 from baryon.quantization.block_quant import BlockQuantLinearMethod
 
 logger = get_logger(__name__)
+
+
+def packed_blocks(linear: LinearBase) -> tuple[torch.Tensor, int, str] | None:
+    """(packed rows, code width, block kernel name) of a linear held in the GGUF block layout:
+    GGUF matrices, and W8A8 / W4A16 layers repacked for the CPU (`kernels/quant/cpu_block_linear`)
+    unless their activations are permuted (GPTQ act order); None otherwise."""
+    method = linear.method
+    if isinstance(method, BlockQuantLinearMethod):
+        return linear.weight, method.bits, method.kernel.name
+    weights = getattr(method, "weights", None)
+    if isinstance(weights, PackedBlockWeights) and getattr(method, "perm", None) is None:
+        return weights.packed, weights.bits, weights.kernel.name
+    return None
 
 
 def _linear_reason(name: str, linear: LinearBase) -> str | None:
@@ -38,7 +52,8 @@ def _linear_reason(name: str, linear: LinearBase) -> str | None:
         if kernel is not None and os.environ.get("BARYON_KERNEL_DENSE_LINEAR") == kernel.name:
             return f"{name} is forced onto {kernel.name}"
         return None if linear.weight.dtype == torch.float32 else f"{name} is {linear.weight.dtype}"
-    if isinstance(linear.method, BlockQuantLinearMethod) and linear.method.kernel.name in ("cpu_int8", "cpu_float32"):
+    blocks = packed_blocks(linear)
+    if blocks is not None and blocks[2] in ("cpu_int8", "cpu_float32"):
         return None
     return f"{name} uses {type(linear.method).__name__}"
 
@@ -59,15 +74,16 @@ def why_not_fused(layer: nn.Module) -> str | None:
         return "the two norms have different eps"
     linears = {"qkv_proj": attention.qkv_proj, "o_proj": attention.o_proj, "gate_up_proj": mlp.gate_up_proj,
                "down_proj": mlp.down_proj}
-    kernels = {l.method.kernel.name for l in linears.values() if isinstance(l.method, BlockQuantLinearMethod)}
+    kernels = {blocks[2] for blocks in map(packed_blocks, linears.values()) if blocks is not None}
     if len(kernels) > 1:
         return f"its packed linears use different kernels ({sorted(kernels)})"
     return next((r for r in (_linear_reason(n, l) for n, l in linears.items()) if r), None)
 
 
-def _bits(linear: LinearBase) -> int:
-    """The packed width of a block-quantized linear, 0 for a dense one."""
-    return linear.method.bits if isinstance(linear.method, BlockQuantLinearMethod) else 0
+def _weight_and_bits(linear: LinearBase) -> tuple[torch.Tensor, int]:
+    """What the op reads for a linear: (packed rows, code width) or (dense weight, 0)."""
+    blocks = packed_blocks(linear)
+    return (linear.weight, 0) if blocks is None else blocks[:2]
 
 
 class FusedDecoderLayer:
@@ -81,8 +97,7 @@ class FusedDecoderLayer:
         self.q_norm = attention.q_norm if getattr(attention, "qk_norm", False) else None
         self.k_norm = attention.k_norm if self.q_norm is not None else None
         self.linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        self.integer_dots = any(isinstance(l.method, BlockQuantLinearMethod) and l.method.kernel.name == "cpu_int8"
-                                for l in self.linears)
+        self.integer_dots = any((blocks := packed_blocks(l)) is not None and blocks[2] == "cpu_int8" for l in self.linears)
         self.weights: tuple | None = None  # read at the first call, once the weights are loaded
         self.rotary_args: tuple = ()
         self.attention_args = (self.attn.num_heads, self.attn.num_kv_heads, self.attn.head_dim,
@@ -92,8 +107,8 @@ class FusedDecoderLayer:
         """The layer's own arguments of the op (fixed once the weights are loaded)."""
         layer, (qkv, o, gate_up, down) = self.layer, self.linears
         return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-                qkv.weight, _bits(qkv), qkv.bias, o.weight, _bits(o), o.bias,
-                gate_up.weight, _bits(gate_up), down.weight, _bits(down), self.integer_dots)
+                *_weight_and_bits(qkv), qkv.bias, *_weight_and_bits(o), o.bias,
+                *_weight_and_bits(gate_up), *_weight_and_bits(down), self.integer_dots)
 
     def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
