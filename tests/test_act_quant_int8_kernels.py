@@ -167,8 +167,8 @@ def test_selector_keeps_triton_off_the_cpu_unless_forced(monkeypatch):
 
     cpu = torch.device("cpu")
     assert selector.select("act_quant", cpu).name == "torch"
-    expected = ("zentorch" if ZentorchInt8Linear.unsupported_reason(cpu) is None
-                else "cpu" if load_error() is None else "torch")
+    expected = ("cpu" if load_error() is None
+                else "zentorch" if ZentorchInt8Linear.unsupported_reason(cpu) is None else "torch")
     assert selector.select("int8_linear", cpu, in_features=64, out_features=32, dtype=torch.float32).name == expected
     assert selector.select("int8_linear", cpu, in_features=48, out_features=32, dtype=torch.bfloat16).name == "torch"
     if aq.triton is None or not INTERPRETED:
