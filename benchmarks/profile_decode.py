@@ -37,7 +37,7 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     # Tensor parallelism: the collectives' device time per step (NCCL kernels, any custom all-reduce).
-    collective_us = sum(getattr(e, "self_device_time_total", 0) or e.self_cuda_time_total
+    collective_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
                         for e in prof.key_averages() if "nccl" in e.key.lower() or "all_reduce" in e.key.lower())
     print(f"collectives: {collective_us / args.steps / 1e3:.3f} ms of device time per step "
           f"(tensor_parallel_size={args.tensor_parallel_size}, batch {args.batch_size})")
