@@ -165,6 +165,16 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
 
 
 
+@pytest.fixture(scope="module")
+def exact_packed_kernels():
+    """On CPU, GGUF matrices and int8 / W4A16 layers run on the packed block kernels, by default
+    with integer dots that round the activations; a module comparing token for token with float
+    weights takes the exact float32 kernel (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", "cpu_float32")
+        yield
+
+
 @pytest.fixture(scope="session")
 def smol_path() -> str:
     """The built-in default model's GGUF file (SmolLM2-135M-Instruct; CI installs it)."""

@@ -33,6 +33,9 @@ import quant_checkpoints as qc
 from baryon import LLM, SamplingParams
 from conftest import TEST_SEED, make_checkpoint, random_prompts
 
+# Token-for-token comparisons with float checkpoints: the exact packed CPU kernel.
+pytestmark = pytest.mark.usefixtures("exact_packed_kernels")
+
 NUM_NEW = 16
 VOCAB = 128
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
@@ -160,16 +163,6 @@ class Built:
     qc: qc.QuantizedCheckpoint
     ref_path: Path  # the float checkpoint of the dequantized weights
     prompts: list[list[int]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def exact_packed_kernels():
-    """On CPU the int8 / W4A16 layers run on the packed block kernels; these tests compare them
-    with float checkpoints token for token, so they take the exact float32 one (not the default
-    integer dots, which round the activations)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", "cpu_float32")
-        yield
 
 
 _BUILT: dict[str, Built] = {}

@@ -11,6 +11,9 @@ import quant_checkpoints as qc
 from baryon import LLM, SamplingParams
 from conftest import make_checkpoint, random_prompts
 
+# Token-for-token comparisons with float checkpoints: the exact packed CPU kernel.
+pytestmark = pytest.mark.usefixtures("exact_packed_kernels")
+
 FORMATS = {
     "fp8-block16": lambda src, dst: qc.fp8_block(src, dst, (16, 16)),
     "fp8-tensor": lambda src, dst: qc.fp8_per_tensor(src, dst),
@@ -19,16 +22,6 @@ FORMATS = {
     "ct-w8a8": lambda src, dst: qc.compressed_tensors(src, dst, qc.ct_scheme("W8A8")),
     "ct-w4a16-g32": lambda src, dst: qc.compressed_tensors(src, dst, qc.ct_scheme("W4A16", group_size=32)),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def exact_packed_kernels():
-    """On CPU the int8 / W4A16 layers run on the packed block kernels; these tests compare them
-    with float checkpoints token for token, so they take the exact float32 one (not the default
-    integer dots, which round the activations)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", "cpu_float32")
-        yield
 
 
 @pytest.fixture(scope="module")
