@@ -16,13 +16,13 @@ import os
 import torch
 from torch import nn
 
+from baryon.kernels.quant.cpu_block_linear import PackedBlockWeights
 from baryon.kernels.selector import select
 from baryon.layers.activation import SiluAndMul
 from baryon.layers.attention import Attention
 from baryon.layers.forward_context import current_attn_metadata
 from baryon.layers.linear import LinearBase
 from baryon.logger import get_logger
-from baryon.kernels.quant.cpu_block_linear import PackedBlockWeights
 from baryon.quantization.base import DENSE
 from baryon.quantization.block_quant import BlockQuantLinearMethod
 
