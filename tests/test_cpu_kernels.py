@@ -181,3 +181,23 @@ def test_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rotary_dim,
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
     assert int((results[1][1].flatten(1, 2).abs().sum((0, 2, 3)) > 0).sum()) == int((slots >= 0).sum())
+
+
+def test_a_killed_build_does_not_hang_later_loads():
+    """torch's build lock left by a build that was killed (Ctrl-C during the first run) made every
+    later process wait forever; now it is removed under baryon's own flock."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils import cpp_extension
+
+    from baryon.kernels.cpu import _cpu_fingerprint
+
+    build_dir = cpp_extension._get_build_directory(f"baryon_cpu_{_cpu_fingerprint()}", verbose=False)
+    leftover = os.path.join(build_dir, "lock")
+    open(leftover, "w").close()
+    proc = subprocess.run([sys.executable, "-c", "from baryon.kernels.cpu import load_error; print(load_error())"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
+    assert not os.path.exists(leftover)

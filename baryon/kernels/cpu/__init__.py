@@ -10,10 +10,13 @@ kernel selector falls back to the torch references.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
+from collections.abc import Iterator
 
 import torch
 
@@ -38,6 +41,22 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:10]
 
 
+@contextlib.contextmanager
+def _build_guard(build_dir: str) -> Iterator[None]:
+    """One baryon process at a time builds or loads the ops of `build_dir`, under an flock that
+    the kernel drops if its holder dies. torch's own lock (a `lock` file that every load takes,
+    even of an up-to-date build) stays behind when a build is killed (Ctrl-C during the first
+    run), and then every later load waits on it forever; found while we hold the flock, it can
+    only be such a leftover, so it is removed."""
+    with open(os.path.join(build_dir, "baryon.flock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        leftover = os.path.join(build_dir, "lock")
+        if os.path.exists(leftover):
+            logger.warning("removing %s, left by a build of the C++ CPU kernels that did not finish", leftover)
+            os.remove(leftover)
+        yield
+
+
 @functools.cache
 def load_error() -> str | None:
     """None once the ops are loaded (building them if needed), else why they cannot be."""
@@ -48,16 +67,18 @@ def load_error() -> str | None:
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
     folder = os.path.dirname(__file__)
+    name = f"baryon_cpu_{_cpu_fingerprint()}"
     try:
-        cpp_extension.load(
-            name=f"baryon_cpu_{_cpu_fingerprint()}",
-            sources=[os.path.join(folder, source) for source in SOURCES],
-            extra_include_paths=[folder],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_guard(cpp_extension._get_build_directory(name, verbose=False)):
+            cpp_extension.load(
+                name=name,
+                sources=[os.path.join(folder, source) for source in SOURCES],
+                extra_include_paths=[folder],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # no compiler, headers missing, ...
         logger.warning("baryon's C++ CPU kernels could not be built; using the torch references: %s", e)
         return f"building the C++ CPU kernels failed ({type(e).__name__}: {str(e).strip()[:300]})"
