@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from baryon.kernels.block_quant import BLOCK, CpuBlockQuantLinear, dequantize_rows, pack_rows
+from baryon.kernels.block_quant import BLOCK, CpuBlockQuantLinear, _check_shape, dequantize_rows, pack_rows
 from baryon.kernels.quant.w4a16 import _check_canonical
 from baryon.kernels.selector import Kernel, select
 
@@ -53,12 +53,9 @@ def _pack(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: 
     return PackedBlockWeights(packed, bits, k, n, _block_kernel(k, bits))
 
 
-def _reason(in_features: int | None, dtype: torch.dtype | None) -> str | None:
-    if dtype not in (None, torch.float32):
-        return f"activations in {dtype} (the packed CPU kernels compute in float32)"
-    if in_features is not None and in_features % BLOCK:
-        return f"in_features={in_features} is not a multiple of {BLOCK}"
-    return None
+def _reason(in_features: int | None, bits: int, dtype: torch.dtype | None) -> str | None:
+    """The block kernels' own limits (a layer not yet sized or typed passes those checks)."""
+    return _check_shape(in_features or BLOCK, bits, dtype or torch.float32)
 
 
 class _CpuBlockKernel(Kernel):
@@ -90,7 +87,7 @@ class CpuBlockInt8Linear(_CpuBlockKernel):
     @classmethod
     def cannot_implement_reason(cls, in_features: int | None = None, dtype: torch.dtype | None = None,
                                 **_: Any) -> str | None:
-        return _reason(in_features, dtype)
+        return _reason(in_features, 8, dtype)
 
     @staticmethod
     def prepare(w_q: torch.Tensor, w_scale: torch.Tensor) -> PackedBlockWeights:
@@ -113,11 +110,9 @@ class CpuBlockW4A16Linear(_CpuBlockKernel):
     @classmethod
     def cannot_implement_reason(cls, *, in_features: int = BLOCK, bits: int = 4, group_size: int = 128,
                                 dtype: torch.dtype = torch.float32, **_: Any) -> str | None:
-        if bits not in (4, 8):
-            return f"bits={bits} (supported: 4, 8)"
         if group_size % BLOCK:
             return f"group_size={group_size} is not a multiple of {BLOCK}"
-        return _reason(in_features, dtype)
+        return _reason(in_features, bits, dtype)
 
     @staticmethod
     def prepare(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
