@@ -15,6 +15,26 @@ import torch
 from baryon.bench.common import add_engine_flags, build_llm, random_token_prompts
 
 
+def device_timeline(prof: torch.profiler.profile, steps: int) -> str:
+    """Kernels per step, the device's busy time per step (the union of kernel intervals) and the
+    span from the first kernel to the last, per step: busy / span is how full the GPU was kept."""
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not intervals:
+        return "device timeline: no kernels recorded"
+    busy, start, end = 0.0, *intervals[0]
+    for s, e in intervals[1:]:
+        if s > end:
+            busy += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    span = intervals[-1][1] - intervals[0][0]
+    return (f"device timeline: {len(intervals) / steps:.0f} kernels per step, busy {busy / steps / 1e3:.3f} ms "
+            f"of {span / steps / 1e3:.3f} ms per step ({100 * busy / span:.0f}% busy; prefill included)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=1)
@@ -41,6 +61,7 @@ def main() -> None:
                         for e in prof.key_averages() if "nccl" in e.key.lower() or "all_reduce" in e.key.lower())
     print(f"collectives: {collective_us / args.steps / 1e3:.3f} ms of device time per step "
           f"(tensor_parallel_size={args.tensor_parallel_size}, batch {args.batch_size})")
+    print(device_timeline(prof, args.steps))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 

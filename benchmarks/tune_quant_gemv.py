@@ -38,11 +38,11 @@ def _w8_cases(n, k, block, m, quick):
                              (4,) if quick else (4, 8))
     tried = {}
     for tiles in [None, *grid]:
-        key = tile_config(m, block, tiles)
+        key = tile_config(m, n, tiles)
         if key in tried:
             continue
         tried[key] = _bench(lambda: [TritonW8Gemv.forward(x, w, scale, block, tiles=key) for w in weights], copies)
-    return tried, tile_config(m, block), n * k
+    return tried, tile_config(m, n), n * k
 
 
 def _w4_cases(n, k, bits, m, quick):

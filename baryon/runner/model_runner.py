@@ -95,8 +95,8 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         if self.device.type == "cpu":  # tensor-parallel ranks share the cores
             torch.set_num_threads(config.cpu_threads_per_rank)
-        else:  # Triton launches on the current device: a data-parallel replica's rank 0 is not on cuda:0
-            torch.cuda.set_device(self.device)
+        elif self.device.index is not None:  # Triton launches on the current device: a data-parallel
+            torch.cuda.set_device(self.device)  # replica's rank 0 is not on cuda:0 ("cuda" alone: the current one)
         self.model = load_model(config.model, self.device, config.seed)
         if self.device.type == "cpu" and config.compilation.level == 0:
             fuse_decoder_layers(self.model, self.device)
