@@ -9,6 +9,8 @@ import torch
 
 from baryon.kernels.quant import w8_gemv
 from baryon.kernels.quant.act_quant import FP8
+from baryon.kernels.quant.fp8_decode_gemm import MAX_M as DECODE_GEMM_MAX_M
+from baryon.kernels.quant.fp8_decode_gemm import TritonFp8DecodeLinear
 from baryon.kernels.quant.w8_gemv import (DECODE_MAX_M, MAX_M, TorchW8Gemv, TritonW8Gemv, tile_config,
                                           w8_gemv_reference)
 from baryon.kernels.triton_utils import INTERPRETED
@@ -98,15 +100,16 @@ def test_tile_config_table_and_block_limits():
 @needs_triton
 def test_fp8_layers_use_the_gemv_for_decode_batches(seed, monkeypatch):
     """An FP8 layer with per-channel scales routes at most DECODE_MAX_M rows to the GEMV (the
-    activations not quantized) and larger batches to its GEMM; both follow the float32 product of
-    the dequantized weight. (Block-scaled FP8 and INT8 W8A8 layers keep their GEMMs at every batch:
-    the GEMV measured no faster for them; block FP8 layers have no GEMV.)"""
+    activations not quantized), up to fp8_decode_gemm.MAX_M rows to the decode GEMM and larger
+    batches to its GEMM; all follow the float32 product of the dequantized weight. (Block-scaled
+    FP8 and INT8 W8A8 layers keep their GEMMs at every batch: the GEMV measured no faster for
+    them; block FP8 layers have neither decode kernel.)"""
     from baryon.layers.linear import ReplicatedLinear
     from baryon.loader.quantized import process_weights_after_loading
     from baryon.quantization.fp8 import Fp8LinearMethod
 
     if DEVICE == "cpu":  # the interpreter: ask for the Triton kernels by name
-        for family in ("W8_GEMV", "FP8_LINEAR", "ACT_QUANT"):
+        for family in ("W8_GEMV", "FP8_LINEAR", "ACT_QUANT", "FP8_DECODE_LINEAR"):
             monkeypatch.setenv(f"BARYON_KERNEL_{family}", "triton")
     gen = torch.Generator().manual_seed(seed)
     n, k = 48, 256
@@ -127,12 +130,14 @@ def test_fp8_layers_use_the_gemv_for_decode_batches(seed, monkeypatch):
             process_weights_after_loading(layer)
     finally:
         torch.set_default_dtype(previous)
-    assert method.gemv is TritonW8Gemv
+    assert method.gemv is TritonW8Gemv and method.decode_gemm is TritonFp8DecodeLinear
     weight = method.dequantize(layer).cpu()  # float32 [N, K]
     calls = []
-    original = TritonW8Gemv.forward
-    monkeypatch.setattr(TritonW8Gemv, "forward", staticmethod(lambda *a, **kw: calls.append(1) or original(*a, **kw)))
-    for m in (1, DECODE_MAX_M, DECODE_MAX_M + 1, 7):
+    for kernel, name in ((TritonW8Gemv, "gemv"), (TritonFp8DecodeLinear, "decode"), (method.kernel, "gemm")):
+        original = kernel.forward
+        monkeypatch.setattr(kernel, "forward", staticmethod(
+            lambda *a, _name=name, _original=original, **kw: calls.append(_name) or _original(*a, **kw)))
+    for m in (1, DECODE_MAX_M, DECODE_MAX_M + 1, 7, DECODE_GEMM_MAX_M, DECODE_GEMM_MAX_M + 1):
         x = torch.randn(m, k, generator=gen).to(DTYPE)
         out = layer(x.to(DEVICE))
         ref = (x.float() @ weight.t() + layer.bias.float().cpu()).to(DTYPE)
@@ -140,8 +145,8 @@ def test_fp8_layers_use_the_gemv_for_decode_batches(seed, monkeypatch):
         # the GEMM quantizes the activations too (FP8: 3 mantissa bits): a looser bound
         tol = 5e-2 if m > DECODE_MAX_M else (1e-5 if DTYPE == torch.float32 else 1e-2)
         torch.testing.assert_close(out.cpu().float() / top, ref.float() / top, atol=tol, rtol=0)
-    assert len(calls) == 2  # the two batches of at most DECODE_MAX_M rows, not the larger ones
+    assert calls == ["gemv", "gemv", "decode", "decode", "decode", "gemm"]
     block = Fp8LinearMethod("block", False, (128, 128), scale_name="weight_scale_inv")
     with torch.device(DEVICE):
         block.create_weights(ReplicatedLinear(k, n, bias=False))
-    assert block.gemv is None
+    assert block.gemv is None and block.decode_gemm is None

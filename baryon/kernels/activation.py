@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, pdl_enabled, tl, triton
 
 
 class TorchSiluAndMul(Kernel):
@@ -22,7 +22,9 @@ class TorchSiluAndMul(Kernel):
 if triton is not None:
 
     @triton.jit
-    def _silu_and_mul_kernel(x, out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(x, out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the next kernel (a decode GEMV) may start streaming its weights now
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
@@ -42,5 +44,6 @@ class TritonSiluAndMul(TritonKernel):
         out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
         if rows:
             block = min(1024, next_power_of_2(d))
-            _silu_and_mul_kernel[(rows, -(-d // block))](x, out, x.stride(0), out.stride(0), D=d, BLOCK=block)
+            _silu_and_mul_kernel[(rows, -(-d // block))](x, out, x.stride(0), out.stride(0), D=d, BLOCK=block,
+                                                                 PDL=pdl_enabled(x.device))
         return out

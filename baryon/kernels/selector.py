@@ -61,6 +61,8 @@ _REGISTRY: dict[str, list[str]] = {
     "fp8_linear": ["baryon.kernels.quant.fp8_gemm:ScaledMMFp8Linear", "baryon.kernels.quant.fp8_gemm:TritonFp8Linear",
                    "baryon.kernels.quant.fp8_gemm:TorchFp8Linear"],
     "w8_gemv": ["baryon.kernels.quant.w8_gemv:TritonW8Gemv", "baryon.kernels.quant.w8_gemv:TorchW8Gemv"],
+    "fp8_decode_linear": ["baryon.kernels.quant.fp8_decode_gemm:TritonFp8DecodeLinear",
+                          "baryon.kernels.quant.fp8_decode_gemm:TorchFp8DecodeLinear"],
     "int8_linear": ["baryon.kernels.quant.int8_gemm:TritonInt8Linear", "baryon.kernels.quant.cpu_block_linear:CpuBlockInt8Linear",
                     "baryon.kernels.quant.int8_zentorch:ZentorchInt8Linear", "baryon.kernels.quant.int8_gemm:TorchInt8Linear"],
     "w4a16_linear": ["baryon.kernels.quant.w4a16:TritonW4A16Linear", "baryon.kernels.quant.cpu_block_linear:CpuBlockW4A16Linear",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import os
-
 from typing import ClassVar
 
 import torch
@@ -33,6 +33,20 @@ def triton_unsupported_reason(device: torch.device, family: str) -> str | None:
     if INTERPRETED and forced:
         return None
     return f"needs a CUDA device (on CPU: TRITON_INTERPRET=1 and BARYON_KERNEL_{family.upper()}=triton)"
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` use programmatic dependent launch (Hopper and later, compiled
+    kernels only). A kernel launched with it (`launch_pdl=True`) may start while the kernel before
+    it still runs, once every program of that one has called `gdc_launch_dependents()` (or exited):
+    it must call `gdc_wait()` before it reads anything an earlier kernel wrote and before it writes
+    anything, and may read constant data (weights) before. Decode GEMVs use it to start streaming
+    their weights during the previous kernel's tail; the small kernels before them release them
+    early. Both calls are no-ops in a kernel launched without it."""
+    if triton is None or INTERPRETED or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def next_power_of_2(n: int) -> int:

@@ -99,12 +99,15 @@ class ActivationQuantizedLinearMethod(LinearMethod):
     a forward quantizes the activations (`quantize_input`) and runs the kernel. Decode batches
     (at most `gemv.max_m` rows) of methods that chose a GEMV skip the activation quantization:
     the weight-only GEMV (family `w8_gemv`) reads the 8-bit weight `gemv_weight` [N, K] with its
-    rowwise scales `gemv_scale` [N] and multiplies the activations as they are. With the torch kernel (CPU)
+    rowwise scales `gemv_scale` [N] and multiplies the activations as they are. Somewhat larger
+    batches (at most `decode_gemm.max_m` rows) of methods that chose a decode GEMM quantize the
+    activations and run it over the same `gemv_weight` and `gemv_scale`. With the torch kernel (CPU)
     the weight is dequantized and multiplies the float activations instead."""
 
     kernel: type
     weights: object
     gemv: type | None = None
+    decode_gemm: type | None = None
     gemv_weight: torch.Tensor
     gemv_scale: torch.Tensor
 
@@ -115,6 +118,14 @@ class ActivationQuantizedLinearMethod(LinearMethod):
 
         gemv = select("w8_gemv", torch.get_default_device(), dtype=torch.get_default_dtype())
         self.gemv = gemv if gemv.name != "torch" else None
+
+    def select_decode_gemm(self, family: str) -> None:
+        """Picks the GEMM for decode batches of quantized activations with rowwise scales (none
+        where only the torch one runs)."""
+        from baryon.kernels.selector import select
+
+        kernel = select(family, torch.get_default_device())
+        self.decode_gemm = kernel if kernel.name != "torch" else None
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (quantized [M, K], scales as the kernel reads them)."""
@@ -130,7 +141,10 @@ class ActivationQuantizedLinearMethod(LinearMethod):
             out = self.gemv.forward(x2, self.gemv_weight, self.gemv_scale, None, bias)
         else:
             x_q, x_scale = self.quantize_input(x2)
-            out = self.kernel.forward(x_q, x_scale, self.weights, x.dtype, bias)
+            if self.decode_gemm is not None and x2.shape[0] <= self.decode_gemm.max_m:
+                out = self.decode_gemm.forward(x_q, x_scale, self.gemv_weight, self.gemv_scale, x.dtype, bias)
+            else:
+                out = self.kernel.forward(x_q, x_scale, self.weights, x.dtype, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:

@@ -24,7 +24,8 @@ import torch
 
 from baryon.kernels.attention.backend import AttentionBackend, check_fp8_scales, is_fp8_cache
 from baryon.kernels.attention.metadata import AttentionMetadata
-from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton, triton_unsupported_reason
+from baryon.kernels.triton_utils import (INTERPRETED, next_power_of_2, pdl_enabled, tl, triton,
+                                         triton_unsupported_reason)
 from baryon.transfer import to_device
 
 
@@ -211,8 +212,10 @@ if triton is not None:
     @triton.jit
     def combine_splits_kernel(partial_acc, partial_m, partial_l, output, stride_ot, stride_oh,
                                NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               HEAD_DIM_PADDED: tl.constexpr):
+                               HEAD_DIM_PADDED: tl.constexpr, PDL: tl.constexpr):
         """Merge one (token, head)'s per-split softmax partials into the output row."""
+        if PDL:  # the next kernel (a decode GEMV) may start streaming its weights now
+            tl.extra.cuda.gdc_launch_dependents()
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         part = (token * NUM_HEADS + head) * SPLITS + tl.arange(0, SPLITS)  # [SPLITS]
@@ -343,7 +346,8 @@ class TritonPagedAttention(AttentionBackend):
         if splits > 1:
             combine_splits_kernel[(query.shape[0], self.num_heads)](
                 partial_acc, partial_m, partial_l, output, output.stride(0), output.stride(1),
-                NUM_HEADS=self.num_heads, SPLITS=splits, HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=head_dim_padded)
+                NUM_HEADS=self.num_heads, SPLITS=splits, HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=head_dim_padded,
+                PDL=pdl_enabled(query.device))
         return output
 
     def _decode_splits(self, num_seqs: int, device: torch.device) -> int:

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, pdl_enabled, tl, triton
 
 BITS = (4, 8)
 KBLOCK = 128  # codes per packed block of the Triton layout (and the kernel's K step)
@@ -388,11 +388,13 @@ if triton is not None:
     def _wna16_gemv_kernel(x, qweight, scales, zeros, bias, out, M, N, K, stride_xm, stride_om, words_per_row,
                            zf_const, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUP_MODE: tl.constexpr,
                            HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
         """out[m, n] for BLOCK_N rows over the whole of K, without tl.dot: [BLOCK_N, BLOCK_W] word
         tiles (BLOCK_W a multiple of CK, so a tile holds whole 128-code blocks), unpacked field by
         field; field i of word (block b, position j) is column 128 b + i CK + j, so each field
-        multiplies a [BLOCK_M, BLOCK_W] gather of x. Float32 partial sums [BM, BN, BW], reduced once."""
+        multiplies a [BLOCK_M, BLOCK_W] gather of x. Float32 partial sums [BM, BN, BW], reduced once.
+        With PDL the programs start during the previous kernel's tail and wait for it before the
+        loop (only x depends on it)."""
         KB: tl.constexpr = 128
         PACK: tl.constexpr = 32 // BITS
         CK: tl.constexpr = KB // PACK
@@ -409,8 +411,12 @@ if triton is not None:
         col0 = tl.max_contiguous(tl.multiple_of(col0, CK), CK)  # runs of CK columns: vector loads of x
         w_ptrs = qweight + n2.to(tl.int64) * words_per_row + offs_w[None, :]  # [BN, BW]
         x_rows = x + offs_m[:, None] * stride_xm  # [BM, 1]
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         if GROUP_MODE == 0:
             s, zf = _group_params(scales, zeros, 0, n2, n2_mask, N, zf_const, HAS_ZEROS)  # [BN, 1]
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], dtype=tl.float32)
         for w0 in range(0, words_per_row, BLOCK_W):
             tile_mask = n2_mask & (w0 + offs_w < words_per_row)[None, :]  # [BN, BW]: the last step may overhang
@@ -543,12 +549,13 @@ class TritonW4A16Linear(TritonKernel):
         mode = _group_mode(weights.group_size, k, chunk)
         if (tiles is None and m <= GEMV_MAX_M) or isinstance(tiles, GemvTiles):
             cfg = tiles or gemv_tiles(m, bits)
+            pdl = pdl_enabled(x.device)
             _wna16_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
                 x2, weights.qweight, weights.scales, zeros, bias_arg, out, m, n, k, x2.stride(0), out.stride(0),
                 weights.qweight.shape[1], float(2**23 + weights.zero_point),
                 BITS=bits, GROUP_SIZE=weights.group_size, GROUP_MODE=mode, HAS_ZEROS=weights.zeros is not None,
                 HAS_BIAS=has_bias, BLOCK_M=next_power_of_2(m), BLOCK_N=cfg.block_n,
-                BLOCK_W=cfg.block_w(bits), num_warps=cfg.num_warps)
+                BLOCK_W=cfg.block_w(bits), PDL=pdl, num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
             return out.view(*lead, n)
         cfg = tiles or tile_config(m, n, k, x.device)
         blocks = triton.cdiv(k, KBLOCK)

@@ -1,0 +1,134 @@
+"""FP8 GEMM for decode batches (family `fp8_decode_linear`): rowwise scales, 2 to 64 tokens.
+
+    y[m, n] = x_scale[m] * w_scale[n] * sum_k x_q[m, k] * w_q[n, k]  (+ bias[n])
+    x_q [M, K], w_q [N, K] float8_e4m3fn (row-major, the layout every FP8 kernel keeps),
+    x_scale [M, 1] (per token, or a static scale expanded), w_scale [N] float32 -> y [M, N]
+
+A decode batch is a weight stream: a few tokens against the whole weight. The general GEMMs tile
+the tokens on the MMA's tall side (cuBLAS picks 128 x 128 tiles, `fp8_gemm`'s Triton kernel 16 x
+64 with Ampere-style MMAs) and waste most of it. This kernel computes the transposed product
+out^T[n, m] = sum_k w[n, k] x[m, k] ("swap AB"): BLOCK_N = 64 weight rows are the left operand
+(a warpgroup MMA's 64 rows), the tokens padded to BLOCK_M = 16, 32 or 64 the right one, both
+K-major as FP8 MMAs need; each program owns BLOCK_N rows over the whole of K (no split, no second
+pass) with deep software pipelining (BLOCK_K = 256). The FP8 partial sums are promoted to float32
+every K tile; the scales, the bias and the cast come in the epilogue.
+
+Measured on an H100 (a sweep of this kernel's tiles against the other kernels on Qwen3-8B's
+projections, CUDA-graph replays over L2-overflowing weight copies; BENCHMARKS.md): qkv / o / gate-up / down at 16 tokens 11.0 / 8.4 /
+36.6 / 21.0 us (cuBLAS 17.9 / 14.5 / 44.6 / 38.4, `fp8_gemm`'s Triton 14.4 / 12.1 / 39.0 / 31.5),
+at 64 tokens 12.1 / 10.0 / 40.7 / 22.9 (cuBLAS 15.2 / 14.0 / 44.9 / 32.6). A single token takes
+the weight-only GEMV (`w8_gemv`), which needs no activation quantization.
+
+Kernels: `triton` (TritonFp8DecodeLinear) and the reference `torch` (TorchFp8DecodeLinear, the
+float32 product of the dequantized operands).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from baryon.kernels.quant.act_quant import FP8
+from baryon.kernels.quant.fp8_gemm import fp8_linear_reference
+from baryon.kernels.selector import Kernel
+from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+
+MAX_M = 64  # the most tokens a call takes (larger batches have enough rows for the general GEMMs)
+BLOCK_N = 64
+BLOCK_K = 256
+
+
+def _check(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
+    if x_q.dtype != FP8 or w_q.dtype != FP8:
+        raise ValueError(f"fp8_decode_linear takes float8_e4m3fn operands, got {x_q.dtype} and {w_q.dtype}")
+    m, k = x_q.shape
+    n = w_q.shape[0]
+    if w_q.shape[1] != k:
+        raise ValueError(f"x has {k} features, the weight {w_q.shape[1]}")
+    if m > MAX_M:
+        raise ValueError(f"fp8_decode_linear serves at most {MAX_M} tokens, got {m}")
+    if w_scale.numel() != n or x_scale.numel() not in (1, m):
+        raise ValueError(f"fp8_decode_linear takes rowwise scales: w_scale [{n}] and x_scale [{m}, 1], got "
+                         f"{tuple(w_scale.shape)} and {tuple(x_scale.shape)}")
+
+
+class TorchFp8DecodeLinear(Kernel):
+    name = "torch"
+    max_m = MAX_M
+
+    @staticmethod
+    def forward(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+        _check(x_q, x_scale, w_q, w_scale)
+        return fp8_linear_reference(x_q, x_scale.float().reshape(-1, 1).expand(x_q.shape[0], 1), w_q,
+                                    w_scale.reshape(-1), out_dtype, bias, None)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_swap_ab_kernel(x, w, xs, ws, bias, out, M, N, K, stride_xm, stride_xsm, stride_om,
+                            HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[:, n tile] for BLOCK_N weight rows over all of K: acc [BN, BM] = w [BN, BK] @ x^T [BK, BM]."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        offs_m = tl.arange(0, BLOCK_M)  # [BM]
+        rows_n = offs_n % N  # wrapped: the loop loads without row masks
+        rows_m = offs_m % M
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w + rows_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [BN, BK]
+        x_ptrs = x + rows_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kt in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(w_ptrs)
+                b = tl.load(x_ptrs)
+            else:
+                k_left = K - kt * BLOCK_K
+                a = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(x_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            # Promote the FP8 partial sums to float32 every tile (Hopper's tensor cores otherwise
+            # accumulate the whole K in reduced precision).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        acc = acc * tl.load(ws + rows_n)[:, None] * tl.load(xs + rows_m * stride_xsm)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias + rows_n).to(tl.float32)[:, None]
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out.dtype.element_ty), mask=mask)
+
+
+class TritonFp8DecodeLinear(TritonKernel):
+    family = "fp8_decode_linear"
+    max_m = MAX_M
+
+    @classmethod
+    def cannot_implement_reason(cls, *, block: tuple[int, int] | None = None, **_: Any) -> str | None:
+        if block is not None:
+            return f"block scales {tuple(block)} (the decode GEMM takes rowwise scales; block layers keep fp8_linear)"
+        return None
+
+    @staticmethod
+    def forward(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x_q [M, K] fp8 (M <= MAX_M), x_scale [M, 1] or [1, 1] float32, w_q [N, K] fp8, w_scale [N]
+        float32 -> [M, N] out_dtype."""
+        _check(x_q, x_scale, w_q, w_scale)
+        if x_q.stride(-1) != 1:
+            x_q = x_q.contiguous()
+        m, k = x_q.shape
+        n = w_q.shape[0]
+        out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)  # [M, N]
+        if m == 0:
+            return out
+        x_scale = x_scale.float().reshape(-1)  # [M] or [1]; an expanded static scale may keep stride 0
+        block_m = max(16, next_power_of_2(m))
+        _fp8_swap_ab_kernel[(triton.cdiv(n, BLOCK_N),)](
+            x_q, w_q, x_scale, w_scale, bias if bias is not None else out, out, m, n, k, x_q.stride(0),
+            x_scale.stride(0) if x_scale.numel() > 1 else 0, out.stride(0),
+            HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
+            num_warps=4, num_stages=4 if block_m == 64 else 6)
+        return out
