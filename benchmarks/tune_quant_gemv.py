@@ -34,7 +34,7 @@ def _w8_cases(n, k, block, m, quick):
     shape = (n,) if block is None else (-(-n // block[0]), -(-k // block[1]))
     scale = torch.rand(shape, device="cuda") * 1e-3
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    grid = itertools.product((4, 8) if quick else (2, 4, 8, 16), (256, 512) if quick else (256, 512, 1024),
+    grid = itertools.product((4, 8) if quick else (4, 8, 16, 32), (256, 512) if quick else (256, 512, 1024),
                              (4,) if quick else (4, 8))
     tried = {}
     for tiles in [None, *grid]:
@@ -54,7 +54,7 @@ def _w4_cases(n, k, bits, m, quick):
     zeros = torch.full((n, k // 128), 1 << (bits - 1), device="cuda", dtype=torch.uint8)
     weights = [TritonW4A16Linear.prepare(codes, scales, zeros, bits, 128) for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    grid = itertools.product((4, 8) if quick else (2, 4, 8, 16), (1, 2, 4), (4,) if quick else (4, 8))
+    grid = itertools.product((4, 8) if quick else (8, 16, 32, 64), (1, 2, 4), (4,) if quick else (4, 8))
     tried = {}
     for tiles in [gemv_tiles(m, bits), *(GemvTiles(*t) for t in grid)]:
         if tiles in tried:

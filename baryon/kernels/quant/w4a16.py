@@ -270,12 +270,14 @@ class GemvTiles:
 
 
 # Batches of at most GEMV_MAX_M rows take the GEMV. On an H100 (benchmarks/tune_quant_gemv.py,
-# Qwen3-8B's projections) it beats the tiled GEMM by 10-25% at one row (0.65-1.05 TB/s of 4-bit
-# weight: unpacking, not memory, bounds both) and loses to it at four.
+# Qwen3-8B's projections) it beats the tiled GEMM by 10-25% at one row and loses to it at four.
+# It streams 0.5-1.2 TB/s of 4-bit weight (16 rows x 512 codes per step, 8 warps; 2026-11-24),
+# bound by the L1 traffic of x (Nsight Compute, gate/up with 8-row tiles: L1/TEX 86% busy, DRAM
+# 32%): each thread holds one or two weight rows, so x is gathered about once per code.
 GEMV_MAX_M = 1
 # (largest M, bits, block_n, blocks_per_step, num_warps): first match wins; any M up to 4 runs.
 GEMV_TABLE: tuple[tuple[int, int, int, int, int], ...] = (
-    (1, 4, 8, 4, 4),
+    (1, 4, 16, 4, 8),
     (4, 4, 8, 4, 8),
     (1, 8, 8, 2, 4),
     (4, 8, 4, 2, 4),
