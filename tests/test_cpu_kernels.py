@@ -12,7 +12,7 @@ import torch
 
 from baryon.kernels import selector
 from baryon.kernels.block_quant import (CpuBlockQuantLinear, CpuInt8BlockQuantLinear, TorchBlockQuantLinear,
-                                        block_quant_linear_int8_reference, dequantize_rows, pack_rows,
+                                        block_quant_linear_int8_reference, code_bytes, dequantize_rows, pack_rows,
                                         quantize_activation_blocks, row_bytes)
 from baryon.kernels.cpu import load_error
 from baryon.loader.gguf import PACKABLE_BITS, _block_codes
@@ -22,9 +22,17 @@ pytestmark = pytest.mark.skipif(load_error() is not None, reason=f"C++ CPU kerne
 CPU = torch.device("cpu")
 
 
+def random_codes(rng: np.random.Generator, rows: int, in_features: int, bits: int) -> np.ndarray:
+    """Codes over the whole range of `bits`: 0..15, Q6_K's -32..31, or int8."""
+    low, high = {4: (0, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
+    return rng.integers(low, high, (rows, in_features))
+
+
 def random_packed(rng: np.random.Generator, rows: int, in_features: int, bits: int) -> torch.Tensor:
-    codes = (rng.integers(0, 16, (rows, in_features)) if bits == 4
-             else rng.integers(-128, 128, (rows, in_features)))
+    codes = random_codes(rng, rows, in_features, bits)
+    if bits == 6:  # a scale per 16 elements, of either sign (Q6_K's int8 sub-block scales), no offset
+        scale = rng.uniform(1e-3, 2e-2, (rows, in_features // 16)) * rng.choice([-1, 1], (rows, in_features // 16))
+        return pack_rows(codes, scale.astype(np.float32), None, bits)
     scale = rng.uniform(1e-3, 2e-2, (rows, in_features // 32)).astype(np.float32)
     minimum = rng.uniform(-0.2, 0.2, (rows, in_features // 32)).astype(np.float32)
     return pack_rows(codes, scale, minimum, bits)
@@ -32,12 +40,17 @@ def random_packed(rng: np.random.Generator, rows: int, in_features: int, bits: i
 
 def test_packed_layout_round_trips(seed):
     rng = np.random.default_rng(seed)
-    for bits in (4, 8):
-        codes = rng.integers(0, 16, (5, 64)) if bits == 4 else rng.integers(-128, 128, (5, 64))
-        scale, minimum = rng.random((5, 2), dtype=np.float32), rng.standard_normal((5, 2)).astype(np.float32)
-        packed = pack_rows(codes, scale, minimum, bits)
+    for bits in (4, 6, 8):
+        codes = random_codes(rng, 5, 64, bits)
+        if bits == 6:
+            scale = rng.standard_normal((5, 4)).astype(np.float32)  # one per 16 elements
+            packed = pack_rows(codes, scale, None, bits)
+            expected = codes.reshape(5, 4, 16) * scale[..., None]
+        else:
+            scale, minimum = rng.random((5, 2), dtype=np.float32), rng.standard_normal((5, 2)).astype(np.float32)
+            packed = pack_rows(codes, scale, minimum, bits)
+            expected = codes.reshape(5, 2, 32) * scale[..., None] + minimum[..., None]
         assert packed.dtype == torch.uint8 and packed.shape == (5, row_bytes(64, bits))
-        expected = codes.reshape(5, 2, 32) * scale[..., None] + minimum[..., None]
         torch.testing.assert_close(dequantize_rows(packed, 64, bits), torch.from_numpy(expected.reshape(5, 64)).float())
 
 
@@ -46,17 +59,28 @@ def test_gguf_blocks_pack_to_exactly_what_gguf_dequantizes(seed, type_name):
     rng = np.random.default_rng(seed)
     qtype = gguf.GGMLQuantizationType[type_name]
     weight = rng.standard_normal((6, 512)).astype(np.float32)
-    raw = quantized(weight, qtype, rng)  # uint8 [6, bytes per row] (random blocks for Q4_K)
+    raw = quantized(weight, qtype, rng)  # uint8 [6, bytes per row] (random blocks for Q4_K and Q5_K)
     expected = gguf.quants.dequantize(raw, qtype)
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
     codes, scale, minimum = _block_codes(type_name, raw.reshape(6, -1, type_size))
     packed = pack_rows(codes, scale, minimum, PACKABLE_BITS[type_name])
     got = dequantize_rows(packed, 512, PACKABLE_BITS[type_name]).numpy()
+    if type_name == "Q6_K":  # scale * code, rounded once in both: the very same values
+        np.testing.assert_array_equal(got, expected)
     # Same float32 values, up to the one rounding the reference's separate multiply and add may differ by.
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_cpp_dequantize_matches_reference(seed, bits):
+    """The C++ dequantization (the float32 kernel's prefill path) gives the reference's values."""
+    rng = np.random.default_rng(seed)
+    packed = random_packed(rng, int(rng.integers(1, 40)), 800, bits)
+    got = torch.ops.baryon_cpu.block_quant_dequantize(packed, bits, 800)
+    torch.testing.assert_close(got, dequantize_rows(packed, 800, bits), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("in_features", [32, 96, 800])  # 800: more than one 768-wide chunk of K
 @pytest.mark.parametrize("rows_of_x", [1, 3, 8, 17, 50])  # 50: the dequantize-then-BLAS path
 def test_block_quant_linear_matches_reference(seed, bits, in_features, rows_of_x):
@@ -79,7 +103,7 @@ INT8_REASON = CpuInt8BlockQuantLinear.unsupported_reason(CPU)
 
 
 @pytest.mark.skipif(INT8_REASON is not None, reason=f"no integer-dot kernel: {INT8_REASON}")
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("in_features", [32, 96, 160, 576, 800])  # 1, 3, 5, 18, 25 blocks: every partial group
 @pytest.mark.parametrize("rows_of_x", [1, 2, 3, 5, 17, 64])
 def test_block_quant_int8_kernel_matches_its_reference(seed, bits, in_features, rows_of_x):
@@ -97,9 +121,9 @@ def test_block_quant_int8_kernel_matches_its_reference(seed, bits, in_features, 
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_int8_reference_error_is_the_activation_rounding(seed, bits):
-    """Against exact float64: each block's error is at most scale * sum|code| * d / 2 (q rounds to
+    """Against exact float64: each block's error is at most sum|scale * code| * d / 2 (q rounds to
     the nearest integer); in practice far less, ~0.5% of the output's scale."""
     rng = np.random.default_rng(seed)
     in_features, out_features = 256, 24
@@ -109,9 +133,10 @@ def test_int8_reference_error_is_the_activation_rounding(seed, bits):
     got = block_quant_linear_int8_reference(x, packed, bits, in_features).double()
     q, d, _ = quantize_activation_blocks(x)
     assert q.abs().max() <= 127 and torch.equal(q, q.round())
-    scale_min = packed[:, in_features * bits // 8:].contiguous().view(torch.float32).reshape(out_features, -1, 2)
-    codes = dequantize_rows(packed, in_features, bits).double()  # bound with |w - min| = scale * |code|
-    code_sums = ((codes.reshape(out_features, -1, 32) - scale_min[..., 1:].double()).abs().sum(-1))  # [N, B]
+    pairs = packed[:, code_bytes(in_features, bits):].contiguous().view(torch.float32).reshape(out_features, -1, 2)
+    minimum = torch.zeros_like(pairs[..., 1:]) if bits == 6 else pairs[..., 1:]  # bits 6: no offset
+    weight = dequantize_rows(packed, in_features, bits).double()  # bound with |w - min| = |scale * code|
+    code_sums = ((weight.reshape(out_features, -1, 32) - minimum.double()).abs().sum(-1))  # [N, B]
     bound = (code_sums[None] * d[..., 0].double()[:, None, :] / 2).sum(-1)  # [M, N]
     assert ((got - exact).abs() <= bound + 1e-6).all()
     assert (got - exact).abs().max() <= 0.02 * exact.abs().max()
@@ -124,8 +149,12 @@ def test_block_quant_linear_rejects_bad_shapes():
             kernel.forward(torch.zeros(2, 32), packed, 4, 64)
         with pytest.raises(RuntimeError, match="packed must be contiguous uint8"):
             kernel.forward(torch.zeros(2, 64), packed[:, :-1], 4, 64)
+        with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
+            kernel.forward(torch.zeros(2, 64), packed, 5, 64)
     assert "multiple of 32" in CpuBlockQuantLinear.cannot_implement_reason(in_features=48, bits=4, dtype=torch.float32)
-    assert TorchBlockQuantLinear.cannot_implement_reason(in_features=64, bits=8, dtype=torch.float32) is None
+    assert "bits=5" in CpuBlockQuantLinear.cannot_implement_reason(in_features=64, bits=5, dtype=torch.float32)
+    for bits in (6, 8):
+        assert TorchBlockQuantLinear.cannot_implement_reason(in_features=64, bits=bits, dtype=torch.float32) is None
 
 
 def test_cpu_kernels_are_chosen_on_cpu_and_torch_can_be_forced(monkeypatch):

@@ -5,24 +5,36 @@ decodes. Layers the op does not cover keep the module path."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from baryon import LLM, SamplingParams
 from baryon.kernels.cpu import load_error
 from conftest import make_checkpoint, random_prompts
+from test_gguf import QUANT_CONFIG, random_llama_tensors, write_gguf
 
 pytestmark = pytest.mark.skipif(load_error() is not None, reason=f"C++ CPU kernels unavailable: {load_error()}")
 NUM_NEW = 12
 
 
-def generate(path: str, prompts: list[list[int]], monkeypatch, force: str | None = None, **engine):
-    """(fused layer count, [(tokens, logprobs)] per prompt) with the decoder_layer kernel forced to `force`."""
+def load(path: str, monkeypatch, force: str | None = None, **engine) -> LLM:
+    """The engine with the decoder_layer kernel forced to `force`."""
     with monkeypatch.context() as patch:
         if force:
             patch.setenv("BARYON_KERNEL_DECODER_LAYER", force)
-        llm = LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.05,
-                  max_num_batched_tokens=64, **engine)
+        return LLM(path, skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.05,
+                   max_num_batched_tokens=64, **engine)
+
+
+def generate(path: str, prompts: list[list[int]], monkeypatch, force: str | None = None, **engine):
+    """(fused layer count, [(tokens, logprobs)] per prompt) with the decoder_layer kernel forced to `force`."""
+    return run(load(path, monkeypatch, force, **engine), prompts)
+
+
+def run(llm: LLM, prompts: list[list[int]]):
+    """(fused layer count, [(tokens, logprobs)] per prompt)."""
     layers = llm.engine.core.runner.model.model.layers
     fused = sum(getattr(layer, "fused", None) is not None for layer in layers)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
@@ -82,6 +94,31 @@ def test_fused_layer_on_repacked_int8_and_w4a16(tmp_path, monkeypatch, seed, qua
     fused, got = generate(str(ckpt), prompts, monkeypatch, quantization=quantization)
     modules, expected = generate(str(ckpt), prompts, monkeypatch, force="modules", quantization=quantization)
     assert fused == 2 and modules == 0
+    assert got == expected
+
+
+@pytest.mark.parametrize("block_quant", ["cpu_int8", "cpu_float32"])
+def test_fused_layer_on_q6_k_gguf(tmp_path, monkeypatch, seed, block_quant):
+    """Q6_K matrices stay packed (bits 6, a scale per 16 weights) and the fused layer runs them:
+    it equals the modules."""
+    from baryon.kernels.block_quant import CpuInt8BlockQuantLinear
+
+    if block_quant == "cpu_int8" and CpuInt8BlockQuantLinear.unsupported_reason(torch.device("cpu")):
+        pytest.skip("no integer-dot kernel on this CPU")
+    monkeypatch.setenv("BARYON_KERNEL_BLOCK_QUANT_LINEAR", block_quant)
+    rng = np.random.default_rng(seed)
+    tensors = {name: array * 0.1 for name, array in random_llama_tensors(rng).items()}
+    config = {**QUANT_CONFIG, "max_position_embeddings": 256}  # long prompts prefill in chunks beside decodes
+    write_gguf(tmp_path / "q6_k.gguf", "llama", config, tensors, GGMLQuantizationType.Q6_K, rng)
+    prompts = random_prompts(4, config["vocab_size"], 3, 90, seed)
+    llm = load(str(tmp_path / "q6_k.gguf"), monkeypatch)
+    layer = llm.engine.core.runner.model.model.layers[0]
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert linear.weight.dtype == torch.uint8 and linear.method.bits == 6
+        assert linear.method.kernel.name == block_quant
+    fused, got = run(llm, prompts)
+    modules, expected = generate(str(tmp_path / "q6_k.gguf"), prompts, monkeypatch, force="modules")
+    assert fused == 1 and modules == 0
     assert got == expected
 
 

@@ -185,13 +185,38 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qt
 
 def quantized(array: np.ndarray, qtype: QType, rng: np.random.Generator) -> np.ndarray:
     """`array` in ggml type `qtype`: bytes [rows, row_bytes]."""
+    if qtype == QType.Q6_K:
+        return quantize_q6_k(array)
     try:
         return gguf.quants.quantize(array.astype(np.float32), qtype)
-    except NotImplementedError:  # gguf cannot quantize the K-quants: random blocks instead
+    except NotImplementedError:  # gguf cannot quantize the other K-quants: random blocks instead
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         # No byte has a float16 exponent of all ones, so no scale in any block is inf or NaN.
         finite = np.array([b for b in range(256) if b & 0x7C != 0x7C], dtype=np.uint8)
         return rng.choice(finite, size=(array.shape[0], array.shape[1] // block * block_bytes))
+
+
+def quantize_q6_k(array: np.ndarray) -> np.ndarray:
+    """A plain Q6_K quantizer (gguf.quants has none): float [rows, K] -> bytes [rows, K / 256 * 210].
+    As llama.cpp's, each 16 elements' scale maps their largest-magnitude element to -32, so the
+    scales take either sign; the super-block's d maps the largest scale to 127."""
+    rows = array.shape[0]
+    w = array.astype(np.float32).reshape(rows, -1, 16, 16)  # [rows, super-blocks, 16 groups, 16]
+    peak = np.take_along_axis(w, np.abs(w).argmax(-1)[..., None], -1)[..., 0]  # [rows, sb, 16]
+    group_scale = peak / -32
+    d = (np.abs(group_scale).max(-1) / 127).astype(np.float16)  # [rows, sb]
+    d32 = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(group_scale, d32, out=np.zeros_like(group_scale), where=d32 > 0)), -127, 127)
+    step = (d32 * sc)[..., None]  # the scale gguf dequantizes each group with
+    q = np.round(np.divide(w, step, out=np.zeros_like(w), where=step != 0))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # [.., half, 32-group, 32]
+    # Half h: ql byte 32c + i holds group c's element i (low nibble) and group c + 2's (high);
+    # qh byte i holds the top two bits of group t's element i at bits 2t..2t+1.
+    ql = (q[:, :, :, :2] & 15) | ((q[:, :, :, 2:] & 15) << 4)  # [rows, sb, 2, 2, 32]
+    qh = ((q >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]).sum(axis=3, dtype=np.uint8)  # [rows, sb, 2, 32]
+    blocks = np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64),
+                             sc.astype(np.int8).view(np.uint8), d[..., None].view(np.uint8)], axis=-1)
+    return blocks.reshape(rows, -1)
 
 
 def hf_state(path) -> tuple[dict, dict[str, np.ndarray]]:

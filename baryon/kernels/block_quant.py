@@ -1,4 +1,4 @@
-"""Linear layers over block-quantized weights, kept quantized in memory (GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q8_0).
+"""Linear layers over block-quantized weights, kept quantized in memory (GGUF's Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0).
 
 baryon's packed format stores each row of a weight [N, K] (K a multiple of 32) as one run of bytes,
 so a row slice of the packed tensor is a row slice of the weight (fused q/k/v and gate/up load
@@ -6,19 +6,23 @@ row ranges into it like float weights):
 
     codes      bits 4: K/2 bytes; byte j of a 32-element block holds element j in its low nibble
                and element j + 16 in its high nibble
-               bits 8: K bytes, int8 codes in element order
-    scale_min  K/32 float32 pairs (scale, min), one per block
+               bits 6 and 8: K bytes, int8 codes in element order
+    pairs      K/32 float32 pairs, one per block: bits 4 and 8, (scale, min); bits 6, (scale of
+               elements 0..15, scale of elements 16..31)
 
-and weight[n, k] = scale * code + min for k's block. Every GGUF type with one scale and one offset
-per 32 elements maps onto it exactly (Q4_K's 6-bit sub-block scales are multiplied out into the
-float32 scale and min; Q4_0 is min = -8 * scale).
+and weight[n, k] = scale * code + min for k's block (bits 6: scale of k's half-block * code, no
+offset). Every GGUF type with one scale and one offset per 32 elements maps onto bits 4 or 8
+exactly (Q4_K's 6-bit sub-block scales are multiplied out into the float32 scale and min; Q4_0 is
+min = -8 * scale); Q6_K, a scale per 16 elements and no offset, is bits 6: its codes q - 32
+(-32..31) as int8 and d * sc (exact in float32: a float16 times an int8) for each half-block.
 
 Kernels (family `block_quant_linear`, in the selector's order):
 - `cpu_int8` (`kernels/cpu/block_quant_int8_dot.cpp`, the default where the CPU has AVX-512 VNNI
   or AVX2):
   llama.cpp's integer scheme. Each 32-block of x is quantized to int8 (scale max|x| / 127, the
   float sum kept), the codes are multiplied as integers (vpdpbusd) and the scales applied per
-  block: y ~= sum over blocks of scale * d * sum(code * q) + min * sum(x). Not float32-exact: the
+  block: y ~= sum over blocks of scale * d * sum(code * q) + min * sum(x) (bits 6: each
+  16-element half's integer dot times its own scale, no min term). Not float32-exact: the
   activation rounding costs ~0.3% relative error per dot product; the torch reference of these
   numerics is `block_quant_linear_int8_reference`.
 - `cpu_float32` (`kernels/cpu/block_quant_linear.cpp`): exact float32 arithmetic, dequantizing in
@@ -37,41 +41,65 @@ import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
 
-BLOCK = 32  # elements per (scale, min) pair
-BITS = (4, 8)
+BLOCK = 32  # elements per float32 pair
+BITS = (4, 6, 8)
+
+
+def code_bytes(in_features: int, bits: int) -> int:
+    """Bytes of one packed row's codes: K/2 nibble pairs (bits 4) or K int8 codes (bits 6, 8)."""
+    return in_features // 2 if bits == 4 else in_features
 
 
 def row_bytes(in_features: int, bits: int) -> int:
-    """Bytes of one packed row: the codes, then a float32 (scale, min) per block."""
-    return in_features * bits // 8 + in_features // BLOCK * 8
+    """Bytes of one packed row: the codes, then a float32 pair per block."""
+    return code_bytes(in_features, bits) + in_features // BLOCK * 8
 
 
-def pack_rows(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int) -> torch.Tensor:
-    """codes [N, K] (uint8 0..15 for bits 4, int8 for bits 8), scale / minimum [N, K/32] float32
-    -> packed uint8 [N, row_bytes(K, bits)]."""
+def pack_rows(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, bits: int) -> torch.Tensor:
+    """codes [N, K] (uint8 0..15 for bits 4, int8 for bits 6 and 8) and their scales -> packed uint8
+    [N, row_bytes(K, bits)]. Bits 4 and 8: scale / minimum [N, K/32] float32; bits 6: scale
+    [N, K/16] float32 (one per 16 elements, in element order) and minimum None."""
     n, k = codes.shape
     if bits == 4:
         blocks = codes.reshape(n, k // BLOCK, 2, BLOCK // 2).astype(np.uint8)
-        code_bytes = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+        code_data = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
     else:
-        code_bytes = codes.astype(np.int8).view(np.uint8)
-    scale_min = np.stack([scale, minimum], axis=-1).astype(np.float32).reshape(n, -1).view(np.uint8)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([code_bytes, scale_min], axis=1)))
+        code_data = codes.astype(np.int8).view(np.uint8)
+    # [N, K/32, 2]: a block's two half-block scales are consecutive in element order already.
+    pairs = scale.reshape(n, k // BLOCK, 2) if bits == 6 else np.stack([scale, minimum], axis=-1)
+    pair_bytes = pairs.astype(np.float32).reshape(n, -1).view(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([code_data, pair_bytes], axis=1)))
+
+
+def _codes(packed: torch.Tensor, in_features: int, bits: int) -> torch.Tensor:
+    """The raw codes of packed rows: [N, row_bytes] -> float32 [N, K/32, 32] (0..15 or int8)."""
+    n, k = packed.shape[0], in_features
+    data = packed[:, : code_bytes(k, bits)]
+    if bits == 4:
+        blocks = data.reshape(n, k // BLOCK, BLOCK // 2)
+        return torch.cat([blocks & 15, blocks >> 4], dim=-1).float()
+    return data.contiguous().view(torch.int8).reshape(n, k // BLOCK, BLOCK).float()
+
+
+def _scales(packed: torch.Tensor, in_features: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 pairs of packed rows as float64 (half-block scales [N, K/32, 2], the scale of
+    elements 0..15 and of 16..31 of each block; mins [N, K/32], zero for bits 6)."""
+    n, k = packed.shape[0], in_features
+    pairs = packed[:, code_bytes(k, bits):].contiguous().view(torch.float32).reshape(n, k // BLOCK, 2).double()
+    if bits == 6:
+        return pairs, torch.zeros_like(pairs[..., 0])
+    return pairs[..., :1].expand(-1, -1, 2), pairs[..., 1]
 
 
 def dequantize_rows(packed: torch.Tensor, in_features: int, bits: int) -> torch.Tensor:
     """packed uint8 [N, row_bytes] -> float32 [N, in_features] (the reference dequantization)."""
-    n, k = packed.shape[0], in_features
-    code_bytes = packed[:, : k * bits // 8]
-    scale_min = packed[:, k * bits // 8:].contiguous().view(torch.float32).reshape(n, k // BLOCK, 2)
-    if bits == 4:
-        blocks = code_bytes.reshape(n, k // BLOCK, BLOCK // 2)
-        codes = torch.cat([blocks & 15, blocks >> 4], dim=-1).float()  # [n, blocks, 32]
-    else:
-        codes = code_bytes.contiguous().view(torch.int8).reshape(n, k // BLOCK, BLOCK).float()
+    n = packed.shape[0]
+    codes = _codes(packed, in_features, bits).reshape(n, -1, 2, BLOCK // 2)  # [N, B, 2 halves, 16]
+    half_scales, minimum = _scales(packed, in_features, bits)  # [N, B, 2], [N, B]
     # In float64, then rounded once: the C++ kernels' fused multiply-add (scale * code + min is
     # exact there too), so a block holding scale * (code - z) with a power-of-two z reads back exactly.
-    return (codes.double() * scale_min[..., :1].double() + scale_min[..., 1:].double()).float().reshape(n, k)
+    weight = codes.double() * half_scales[..., None] + minimum[..., None, None]
+    return weight.float().reshape(n, in_features)
 
 
 def block_quant_linear_reference(x: torch.Tensor, packed: torch.Tensor, bits: int, in_features: int,
@@ -91,28 +119,23 @@ def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def block_quant_linear_int8_reference(x: torch.Tensor, packed: torch.Tensor, bits: int, in_features: int,
                                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The integer-dot numerics in torch: x [M, K] float32 -> [M, N]. The per-block integer dot
-    products are exact in float64; each block adds scale * d * dot + min * sum(x)."""
+    """The integer-dot numerics in torch: x [M, K] float32 -> [M, N]. The integer dot products of
+    each 16-element half-block are exact in float64; each block adds
+    (scale of half 0 * dot of half 0 + scale of half 1 * dot of half 1) * d + min * sum(x)."""
     n, k = packed.shape[0], in_features
     q, d, sums = quantize_activation_blocks(x)  # [M, B, 32], [M, B, 1], [M, B, 1]
-    scale_min = packed[:, k * bits // 8:].contiguous().view(torch.float32).reshape(n, k // BLOCK, 2)
-    codes = (dequantize_rows(torch.cat([packed[:, : k * bits // 8], _unit_scales(n, k)], dim=1), k, bits)
-             .reshape(n, k // BLOCK, BLOCK))  # the raw codes: scale 1, min 0
-    dots = torch.einsum("mbi,nbi->mnb", q.double(), codes.double())  # [M, N, B], exact integers
-    y = (dots * (scale_min[..., 0].double() * d[..., 0].double()[:, None, :])
-         + scale_min[..., 1].double() * sums[..., 0].double()[:, None, :]).sum(dim=-1).float()
+    half_scales, minimum = _scales(packed, k, bits)  # [N, B, 2], [N, B]
+    codes = _codes(packed, k, bits).reshape(n, k // BLOCK, 2, BLOCK // 2)  # [N, B, 2 halves, 16]
+    q_halves = q.reshape(q.shape[0], k // BLOCK, 2, BLOCK // 2)  # [M, B, 2, 16]
+    dots = torch.einsum("mbhi,nbhi->mnbh", q_halves.double(), codes.double())  # [M, N, B, 2], exact integers
+    y = ((dots * half_scales).sum(dim=-1) * d[..., 0].double()[:, None, :]  # [M, N, B]
+         + minimum * sums[..., 0].double()[:, None, :]).sum(dim=-1).float()
     return y if bias is None else y + bias
-
-
-def _unit_scales(rows: int, in_features: int) -> torch.Tensor:
-    """(scale 1, min 0) pairs for every block of `rows` packed rows, as the packed bytes."""
-    pairs = torch.tensor([1.0, 0.0]).repeat(rows, in_features // BLOCK)
-    return pairs.view(torch.uint8).reshape(rows, -1)
 
 
 def _check_shape(in_features: int, bits: int, dtype: torch.dtype) -> str | None:
     if bits not in BITS:
-        return f"bits={bits} (supported: {BITS})"
+        return f"bits={bits} (supported: {BITS}; 6 is Q6_K's layout)"
     if in_features % BLOCK:
         return f"in_features={in_features} is not a multiple of {BLOCK}"
     if dtype != torch.float32:

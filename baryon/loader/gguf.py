@@ -44,8 +44,9 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # Types that can also stay packed (baryon.kernels.block_quant's layout), with their code width.
 # The 5-bit types are stored as 8-bit codes (0..31): exact, and the integer kernels read them as
-# they read Q8_0. Q6_K is not packable: a scale per 16 elements does not fit the 32-element blocks.
-PACKABLE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q8_0": 8}
+# they read Q8_0. Q6_K (a scale per 16 elements, no offset) has its own layout, bits 6: int8 codes
+# q - 32 and the two 16-element scales of each 32-block.
+PACKABLE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 6, "Q8_0": 8}
 
 # GGUF tensor name -> Hugging Face checkpoint name; `{bid}` is the layer index.
 _GLOBAL_NAMES = {
@@ -291,7 +292,7 @@ def _permuted_heads(arch: str, hf_config: Any) -> dict[str, int]:
 
 
 def packable_bits(path: str) -> dict[str, int | None]:
-    """Checkpoint name -> code width (4 or 8) of every matrix the file stores in a packable type,
+    """Checkpoint name -> code width (4, 6 or 8) of every matrix the file stores in a packable type,
     None for the other tensors (stacked expert tensors are left out: they are dequantized)."""
     reader = open_gguf(path)
     mixtral = _is_mixtral(_Metadata(reader, path))
@@ -304,9 +305,11 @@ def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
     return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
 
 
-def _block_codes(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _block_codes(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """GGUF blocks [rows, blocks, type_size] -> codes [rows, K], scale and min [rows, K / 32], with
-    weight = scale * code + min for each 32 elements (the values gguf.quants.dequantize gives)."""
+    weight = scale * code + min for each 32 elements (the values gguf.quants.dequantize gives);
+    Q6_K: int8 codes [rows, K], scale [rows, K / 16] and min None, weight = scale * code for each
+    16 elements (what `pack_rows` takes for bits 6)."""
     rows = blocks.shape[0]
     if type_name in ("Q4_0", "Q4_1"):  # d (, m), 16 bytes: element j low nibble, j + 16 high
         scale = _fp16(blocks, 0)
@@ -338,13 +341,24 @@ def _block_codes(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.nda
         minimum = -(_fp16(blocks, 2)[..., None] * m.reshape(*blocks.shape[:2], 8).astype(np.float32))
         qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 1, 32)  # sub-block 2c: low nibbles, 2c + 1: high
         codes = np.concatenate([qs & 15, qs >> 4], axis=-2)
+    elif type_name == "Q6_K":  # 256-element super-blocks: 128 bytes ql, 64 bytes qh, 16 int8 scales, d
+        # Each 128-element half h: ql[h] holds elements 0..63 in its low nibbles and 64..127 in its high
+        # nibbles; bits 2s..2s+1 of qh[h]'s byte i are the top bits of element 32s + i.
+        lead = blocks.shape[:2]
+        ql = blocks[..., :128].reshape(*lead, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32) >> np.arange(0, 8, 2, dtype=np.uint8).reshape(4, 1)
+        q = (ql & 15).reshape(*lead, 8, 32) | ((qh & 3).reshape(*lead, 8, 32) << 4)  # [rows, blocks, 8, 32]
+        codes = q.astype(np.int8) - 32  # -32..31
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+        scale = _fp16(blocks, 208)[..., None] * sc  # [rows, blocks, 16]: exact (float16 times int8)
+        return codes.reshape(rows, -1), scale.reshape(rows, -1), None
     else:
         raise GGUFError(f"ggml type {type_name} cannot stay packed; packable: {sorted(PACKABLE_BITS)}")
     return codes.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
 
 
 def pack_gguf_tensor(tensor: Any) -> torch.Tensor:
-    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 matrix [out, in] -> baryon's packed rows, uint8
+    """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 matrix [out, in] -> baryon's packed rows, uint8
     [out, row_bytes(in, bits)], holding exactly the values gguf.quants.dequantize gives."""
     from baryon.kernels.block_quant import pack_rows
 

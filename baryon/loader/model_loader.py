@@ -84,7 +84,7 @@ def checkpoint_weights(config: ModelConfig,
 
 
 def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device) -> frozenset[str]:
-    """Switch the layers whose GGUF matrices are Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q8_0 to packed weights
+    """Switch the layers whose GGUF matrices are Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 to packed weights
     (BlockQuantLinearMethod) and return the checkpoint names to load packed. Only where a packed
     kernel runs: on CPU in float32 with the C++ kernels built (or the torch reference forced with
     BARYON_KERNEL_BLOCK_QUANT_LINEAR=torch); elsewhere everything is dequantized at load."""

@@ -1,6 +1,7 @@
 """Block-quantized weights kept packed in memory (the layout of `baryon.kernels.block_quant`):
 GGUF's Q4_0 / Q4_1 / Q4_K matrices as 4-bit codes, Q8_0 and Q5_0 / Q5_1 / Q5_K as 8-bit, each 32-element block with a
-float32 scale and offset, multiplied by a kernel that dequantizes in registers."""
+float32 scale and offset, and Q6_K as int8 codes with a float32 scale per 16 elements (bits 6), multiplied by a
+kernel that dequantizes in registers or takes integer dot products."""
 
 from __future__ import annotations
 

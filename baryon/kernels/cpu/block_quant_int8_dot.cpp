@@ -8,6 +8,13 @@
 // signed bytes, four products per int32 lane; 8-bit rows hold signed codes c, which enter as
 // c + 128 = c ^ 0x80, and 128 * sum_i q_i is subtracted exactly in the integer accumulator), or on
 // AVX2 vpmaddubsw + vpmaddwd (8-bit codes as |c| times q with c's sign, so no int16 sum saturates).
+// Bits 6 (GGUF's Q6_K) rows hold int8 codes as bits 8 does, multiplied the same way, but each
+// 32-block has a scale per 16-element half and no min:
+//
+//   sum_i w_i x_i  ~=  d * (scale_0 * sum_{i<16} code_i q_i  +  scale_1 * sum_{i>=16} code_i q_i)
+//
+// Both instruction sets sum 4 consecutive bytes per int32 lane, so lanes 0..3 of a block's 8 are
+// half 0 and lanes 4..7 half 1: each lane takes its half's scale, nothing else changes.
 // See baryon/kernels/block_quant.py for the packed row format and the torch reference of these
 // numerics (block_quant_linear_int8_reference).
 //
@@ -48,9 +55,10 @@ constexpr int64_t kVec = 32;
 // One group of quantized activations matches one load of weight codes: bits 4, kVec / 16 blocks
 // (the low nibbles of the loaded bytes are elements 0..15 of each block, the high nibbles 16..31,
 // so the int8 activations are stored as the first halves of the group's blocks, then the second
-// halves); bits 8, kVec / 32 blocks in element order. Then kVec / 4 float lanes of d and of
-// sum(x) / lanes_per_block (lane i belongs to the block whose bytes lane i's dot product covers),
-// and, bits 8 only, kVec / 4 int32 lanes of -128 * (the sum of that lane's 4 activation bytes).
+// halves); bits 6 and 8, kVec / 32 blocks in element order. Then kVec / 4 float lanes of d and,
+// bits 4 and 8, of sum(x) / lanes_per_block (lane i belongs to the block whose bytes lane i's dot
+// product covers), and, bits 6 and 8, kVec / 4 int32 lanes of -128 * (the sum of that lane's 4
+// activation bytes).
 constexpr int64_t kGroupBytes = 4 * kVec;
 constexpr int64_t kLanes = kVec / 4;
 constexpr int64_t kCorrOffset = kVec, kDOffset = 2 * kVec, kSumOffset = 3 * kVec;
@@ -117,7 +125,7 @@ void quantize_row(const float* x, int64_t K, uint8_t* out, int64_t groups) {
     if constexpr (Bits == 4) {
       std::memcpy(qg + 16 * j, q, 16);
       std::memcpy(qg + kVec + 16 * j, q + 16, 16);
-    } else {
+    } else {  // bits 6 and 8
       std::memcpy(qg + 32 * j, q, 32);
       int32_t* corr = reinterpret_cast<int32_t*>(group + kCorrOffset);
       for (int lane = 0; lane < 8; ++lane)
@@ -127,7 +135,7 @@ void quantize_row(const float* x, int64_t K, uint8_t* out, int64_t groups) {
     float* sl = reinterpret_cast<float*>(group + kSumOffset);
     for (int64_t lane = 0; lane < L::lanes_per_block; ++lane) {
       dl[j * L::lanes_per_block + lane] = d;
-      sl[j * L::lanes_per_block + lane] = sum / L::lanes_per_block;
+      if constexpr (Bits != 6) sl[j * L::lanes_per_block + lane] = sum / L::lanes_per_block;  // bits 6: no min
     }
   }
 }
@@ -138,19 +146,26 @@ inline int64_t blocks_in_group(int64_t K, int64_t g) {
   return std::min<int64_t>(Layout<Bits>::blocks_per_group, K / kBlock - g * Layout<Bits>::blocks_per_group);
 }
 
+// A row's float32 pairs, after its codes (K / 2 nibble pairs or K int8 codes).
+template <int Bits>
+inline const float* row_pairs(const uint8_t* row, int64_t K) {
+  return reinterpret_cast<const float*>(row + (Bits == 4 ? K / 2 : K));
+}
+
 #if defined(BARYON_INT8_DOT_AVX512)
 
 // Weights of one group of one row, ready for the dot products: the unsigned code bytes (bits 4:
-// low and high nibbles apart; bits 8: code + 128) and the scale and min of each lane's block.
+// low and high nibbles apart; bits 6 and 8: code + 128) and the scale and min of each lane's
+// block (bits 6: the scale of each lane's half-block, min 0).
 struct WeightGroup {
-  __m512i lo, hi;  // bits 8: lo only
+  __m512i lo, hi;  // bits 6 and 8: lo only
   __m512 scale, min;
 };
 
 template <int Bits>
 inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
   using L = Layout<Bits>;
-  const int64_t blocks = blocks_in_group<Bits>(K, g), code_bytes = blocks * kBlock * Bits / 8;
+  const int64_t blocks = blocks_in_group<Bits>(K, g), code_bytes = blocks * (Bits == 4 ? kBlock / 2 : kBlock);
   const __mmask64 code_mask = code_bytes >= 64 ? ~0ULL : (1ULL << code_bytes) - 1;
   WeightGroup w;
   const __m512i codes = _mm512_maskz_loadu_epi8(code_mask, row + g * kVec);
@@ -161,8 +176,13 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
   } else {
     w.lo = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
   }
-  const float* scale_min = reinterpret_cast<const float*>(row + K * Bits / 8) + g * 2 * L::blocks_per_group;
+  const float* scale_min = row_pairs<Bits>(row, K) + g * 2 * L::blocks_per_group;
   const __m512 pairs = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (2 * blocks)) - 1), scale_min);
+  if constexpr (Bits == 6) {  // pairs = (scale of half 0, of half 1) per block; lanes 4h..4h+3 are half h
+    w.scale = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), pairs);
+    w.min = _mm512_setzero_ps();
+    return w;
+  }
   const __m512i scale_index = Bits == 4 ? _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0)
                                         : _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
   w.scale = _mm512_permutexvar_ps(scale_index, pairs);
@@ -190,7 +210,7 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
         __m512i dot = _mm512_dpbusd_epi32(start, w[n].lo, q_lo);
         if constexpr (Bits == 4) dot = _mm512_dpbusd_epi32(dot, w[n].hi, _mm512_loadu_si512(group + kVec));
         acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[n].scale, d), acc[m][n]);
-        acc[m][n] = _mm512_fmadd_ps(w[n].min, sum, acc[m][n]);
+        if constexpr (Bits != 6) acc[m][n] = _mm512_fmadd_ps(w[n].min, sum, acc[m][n]);
       }
     }
   }
@@ -209,8 +229,9 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Bits 4: the unsigned nibbles apart; bits 8: the signed codes as they are (the products use
+// Bits 4: the unsigned nibbles apart; bits 6 and 8: the signed codes as they are (the products use
 // |code| times q with code's sign, which _mm256_maddubs_epi16 cannot saturate: 2 * 128 * 127).
+// Bits 6: the scale of each lane's half-block (lanes 0..3: elements 0..15), min 0.
 struct WeightGroup {
   __m256i lo, hi;
   __m256 scale, min;
@@ -218,7 +239,7 @@ struct WeightGroup {
 
 template <int Bits>
 inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
-  const float* scale_min = reinterpret_cast<const float*>(row + K * Bits / 8) + g * 2 * Layout<Bits>::blocks_per_group;
+  const float* scale_min = row_pairs<Bits>(row, K) + g * 2 * Layout<Bits>::blocks_per_group;
   WeightGroup w;
   if constexpr (Bits == 4) {
     const bool two_blocks = blocks_in_group<Bits>(K, g) == 2;
@@ -235,6 +256,10 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
       w.scale = _mm256_blend_ps(w.scale, _mm256_setzero_ps(), 0xF0);
       w.min = _mm256_blend_ps(w.min, _mm256_setzero_ps(), 0xF0);
     }
+  } else if constexpr (Bits == 6) {
+    w.lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kVec));
+    w.scale = _mm256_setr_m128(_mm_set1_ps(scale_min[0]), _mm_set1_ps(scale_min[1]));
+    w.min = _mm256_setzero_ps();
   } else {
     w.lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kVec));
     w.scale = _mm256_set1_ps(scale_min[0]);
@@ -264,12 +289,12 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
         if constexpr (Bits == 4) {
           const __m256i q_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kVec));
           pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w[n].lo, q_lo), _mm256_maddubs_epi16(w[n].hi, q_hi));
-        } else {
+        } else {  // bits 6 and 8
           pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w[n].lo, w[n].lo), _mm256_sign_epi8(q_lo, w[n].lo));
         }
-        const __m256i dot = _mm256_madd_epi16(pairs, ones);
+        const __m256i dot = _mm256_madd_epi16(pairs, ones);  // int32 lane i: bytes 4i..4i+3
         acc[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(w[n].scale, d), acc[m][n]);
-        acc[m][n] = _mm256_fmadd_ps(w[n].min, sum, acc[m][n]);
+        if constexpr (Bits != 6) acc[m][n] = _mm256_fmadd_ps(w[n].min, sum, acc[m][n]);
       }
     }
   }
@@ -289,26 +314,31 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
       const uint8_t* row = rows + n * row_bytes;
-      const float* scale_min = reinterpret_cast<const float*>(row + K * Bits / 8);
+      const float* scale_min = row_pairs<Bits>(row, K);
       float total = 0.f;
       for (int64_t b = 0; b < K / kBlock; ++b) {
         const uint8_t* group = xq + m * x_stride + (b / L::blocks_per_group) * kGroupBytes;
         const int64_t j = b % L::blocks_per_group;
         const int8_t* q = reinterpret_cast<const int8_t*>(group);
-        int32_t dot = 0;
+        int32_t dot[2] = {0, 0};  // elements 0..15, 16..31
         for (int i = 0; i < kBlock; ++i) {
           if constexpr (Bits == 4) {
             const uint8_t byte = row[b * 16 + i % 16];
             const int code = i < 16 ? byte & 15 : byte >> 4;
-            dot += code * q[(i < 16 ? 0 : kVec) + 16 * j + i % 16];
+            dot[i / 16] += code * q[(i < 16 ? 0 : kVec) + 16 * j + i % 16];
           } else {
-            dot += static_cast<int8_t>(row[b * 32 + i]) * q[32 * j + i];
+            dot[i / 16] += static_cast<int8_t>(row[b * 32 + i]) * q[32 * j + i];
           }
         }
         const float d = reinterpret_cast<const float*>(group + kDOffset)[j * L::lanes_per_block];
-        const float sum = reinterpret_cast<const float*>(group + kSumOffset)[j * L::lanes_per_block] *
-                          L::lanes_per_block;
-        total += scale_min[2 * b] * d * static_cast<float>(dot) + scale_min[2 * b + 1] * sum;
+        if constexpr (Bits == 6) {  // a scale per half, no min
+          total += d * (scale_min[2 * b] * static_cast<float>(dot[0]) +
+                        scale_min[2 * b + 1] * static_cast<float>(dot[1]));
+        } else {
+          const float sum = reinterpret_cast<const float*>(group + kSumOffset)[j * L::lanes_per_block] *
+                            L::lanes_per_block;
+          total += scale_min[2 * b] * d * static_cast<float>(dot[0] + dot[1]) + scale_min[2 * b + 1] * sum;
+        }
       }
       y[m * ldy + n] = total;
     }
@@ -376,19 +406,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K) {
 
 at::Tensor block_quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t in_features,
                                    const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_quant_linear_int8: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "block_quant_linear_int8: bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
               "block_quant_linear_int8: x must be float32 [M, ", in_features, "], got ", x.scalar_type(), " ",
               x.sizes());
   TORCH_CHECK(in_features % kBlock == 0, "block_quant_linear_int8: in_features ", in_features,
               " is not a multiple of ", kBlock);
-  const int64_t row_bytes = in_features * bits / 8 + in_features / kBlock * 8;
+  const int64_t row_bytes = (bits == 4 ? in_features / 2 : in_features) + in_features / kBlock * 8;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == row_bytes &&
                   packed.is_contiguous(),
               "block_quant_linear_int8: packed must be contiguous uint8 [N, ", row_bytes, "], got ",
               packed.scalar_type(), " ", packed.sizes());
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = bits == 4 ? linear<4>(xc, packed, in_features) : linear<8>(xc, packed, in_features);
+  at::Tensor y = bits == 4   ? linear<4>(xc, packed, in_features)
+                 : bits == 6 ? linear<6>(xc, packed, in_features)
+                             : linear<8>(xc, packed, in_features);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }

@@ -3,9 +3,10 @@
 //
 //   one row of W (in_features K, K % 32 == 0) is
 //     codes      K/2 bytes (bits 4: byte j of a block holds element j in its low nibble and
-//                element j + 16 in its high nibble) or K bytes (bits 8: int8, in order)
-//     scale_min  K/32 pairs of float32 (scale, min)
-//   and element k of a block is  scale * code + min.
+//                element j + 16 in its high nibble) or K bytes (bits 6 and 8: int8, in order)
+//     pairs      K/32 pairs of float32: bits 4 and 8, (scale, min); bits 6 (GGUF's Q6_K), the
+//                scales of elements 0..15 and of 16..31
+//   and element k of a block is  scale * code + min  (bits 6: its half's scale * code).
 //
 // x: [M, K] float32 contiguous, packed: [N, row_bytes] uint8, bias: [N] float32 or none
 // -> y: [M, N] float32. Work is split over output rows (N) with ATen's thread pool; within a task, K is walked in chunks of 768 (8 rows of x stay in L1) and a register
@@ -31,6 +32,14 @@ constexpr int64_t kChunkBlocks = 24;  // K is walked in chunks of 768 elements: 
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+// Bytes of codes per block (nibble pairs or int8), and a row's float32 pairs, after its codes.
+template <int Bits>
+constexpr int64_t kBlockCodeBytes = Bits == 4 ? kBlock / 2 : kBlock;
+template <int Bits>
+inline const float* block_pairs(const uint8_t* row, int64_t K) {
+  return reinterpret_cast<const float*>(row + (Bits == 4 ? K / 2 : K));
+}
 
 // 16 bytes -> 16 int32 lanes, zero-extended (unsigned) or sign-extended. Compilers do not turn a
 // vector-extension conversion of these widths into one instruction, hence the intrinsics.
@@ -71,9 +80,14 @@ inline f32x16 to_float(i32x16 v) { return __builtin_convertvector(v, f32x16); }
 // Block b of a packed row -> lo (elements 0..15) and hi (elements 16..31), as float32.
 template <int Bits>
 inline void dequantize_block(const uint8_t* row, int64_t K, int64_t b, f32x16& lo, f32x16& hi) {
-  const float* scale_min = reinterpret_cast<const float*>(row + K * Bits / 8) + 2 * b;
-  const float scale = scale_min[0], min = scale_min[1];
-  const uint8_t* codes = row + b * (kBlock * Bits / 8);
+  const float* pair = block_pairs<Bits>(row, K) + 2 * b;
+  const uint8_t* codes = row + b * kBlockCodeBytes<Bits>;
+  if constexpr (Bits == 6) {  // a scale per half, no offset
+    lo = to_float(widen_i8(codes)) * pair[0];
+    hi = to_float(widen_i8(codes + 16)) * pair[1];
+    return;
+  }
+  const float scale = pair[0], min = pair[1];
   if constexpr (Bits == 4) {
     const i32x16 wide = widen_u8(codes);
     lo = to_float(wide & 15) * scale + min;
@@ -150,11 +164,15 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out,
     }
 }
 
+inline int64_t packed_row_bytes(int64_t in_features, int64_t bits) {
+  return (bits == 4 ? in_features / 2 : in_features) + in_features / kBlock * 8;
+}
+
 at::Tensor block_quant_dequantize(const at::Tensor& packed, int64_t bits, int64_t in_features) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_quant_dequantize: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "block_quant_dequantize: bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(in_features % kBlock == 0, "block_quant_dequantize: in_features ", in_features,
               " is not a multiple of ", kBlock);
-  const int64_t row_bytes = in_features * bits / 8 + in_features / kBlock * 8;
+  const int64_t row_bytes = packed_row_bytes(in_features, bits);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == row_bytes &&
                   packed.is_contiguous(),
               "block_quant_dequantize: packed must be contiguous uint8 [N, ", row_bytes, "], got ",
@@ -166,6 +184,8 @@ at::Tensor block_quant_dequantize(const at::Tensor& packed, int64_t bits, int64_
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     if (bits == 4)
       dequantize_rows<4>(w_ptr, row_bytes, in_features, out_ptr, begin, end);
+    else if (bits == 6)
+      dequantize_rows<6>(w_ptr, row_bytes, in_features, out_ptr, begin, end);
     else
       dequantize_rows<8>(w_ptr, row_bytes, in_features, out_ptr, begin, end);
   });
@@ -174,13 +194,13 @@ at::Tensor block_quant_dequantize(const at::Tensor& packed, int64_t bits, int64_
 
 at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t bits,
                               int64_t in_features, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "block_quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "block_quant_linear: bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == in_features,
               "block_quant_linear: x must be float32 [M, ", in_features, "], got ", x.scalar_type(), " ",
               x.sizes());
   TORCH_CHECK(in_features % kBlock == 0, "block_quant_linear: in_features ", in_features,
               " is not a multiple of ", kBlock);
-  const int64_t row_bytes = in_features * bits / 8 + in_features / kBlock * 8;
+  const int64_t row_bytes = packed_row_bytes(in_features, bits);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == row_bytes &&
                   packed.is_contiguous(),
               "block_quant_linear: packed must be contiguous uint8 [N, ", row_bytes, "], got ",
@@ -200,6 +220,8 @@ at::Tensor block_quant_linear(const at::Tensor& x, const at::Tensor& packed, int
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     if (bits == 4)
       linear_rows<4>(x_ptr, M, K, w_ptr, row_bytes, y_ptr, N, begin, end);
+    else if (bits == 6)
+      linear_rows<6>(x_ptr, M, K, w_ptr, row_bytes, y_ptr, N, begin, end);
     else
       linear_rows<8>(x_ptr, M, K, w_ptr, row_bytes, y_ptr, N, begin, end);
   });

@@ -11,7 +11,7 @@
 //
 // The steps are the very kernels the op-by-op path runs (called through the dispatcher, a
 // fraction of a microsecond each), so the result is bit-identical to it. Each linear's weight is
-// baryon's packed block-quantized rows (bits 4 or 8, multiplied by the integer-dot kernel when
+// baryon's packed block-quantized rows (bits 4, 6 or 8, multiplied by the integer-dot kernel when
 // `integer_dots`, else by the exact float32 one) or a dense float32 matrix (bits 0, at::linear).
 // hidden / residual: [T, hidden] float32; returns (the MLP's output, the residual stream), as
 // LlamaDecoderLayer.forward does.
