@@ -13,11 +13,12 @@ K-major as FP8 MMAs need; each program owns BLOCK_N rows over the whole of K (no
 pass) with deep software pipelining (BLOCK_K = 256). The FP8 partial sums are promoted to float32
 every K tile; the scales, the bias and the cast come in the epilogue.
 
-Measured on an H100 (a sweep of this kernel's tiles against the other kernels on Qwen3-8B's
-projections, CUDA-graph replays over L2-overflowing weight copies; BENCHMARKS.md): qkv / o / gate-up / down at 16 tokens 11.0 / 8.4 /
-36.6 / 21.0 us (cuBLAS 17.9 / 14.5 / 44.6 / 38.4, `fp8_gemm`'s Triton 14.4 / 12.1 / 39.0 / 31.5),
-at 64 tokens 12.1 / 10.0 / 40.7 / 22.9 (cuBLAS 15.2 / 14.0 / 44.9 / 32.6). A single token takes
-the weight-only GEMV (`w8_gemv`), which needs no activation quantization.
+Measured on an H100 (`python benchmarks/fp8_decode.py`, Qwen3-8B's projections, CUDA-graph
+replays over L2-overflowing weight copies): qkv / o / gate-up / down at 16 tokens 11.8 / 8.9 /
+38.2 / 20.9 us (cuBLAS 17.9 / 14.5 / 47.1 / 38.7, `fp8_gemm`'s Triton 14.6 / 12.3 / 38.9 / 31.6),
+at 64 tokens 12.9 / 10.8 / 42.1 / 25.2 (cuBLAS 15.3 / 14.0 / 46.0 / 33.0); at 128 tokens it only
+ties cuBLAS. A single token takes the weight-only GEMV (`w8_gemv`), which needs no activation
+quantization.
 
 Kernels: `triton` (TritonFp8DecodeLinear) and the reference `torch` (TorchFp8DecodeLinear, the
 float32 product of the dequantized operands).

@@ -20,7 +20,8 @@ min(BLOCK_K, bk) columns, one scale each. Many small programs per SM keep enough
 to stream the weight at memory speed. On Hopper the kernel is launched with programmatic
 dependent launch (`triton_utils.pdl_enabled`): its programs start during the previous kernel's
 tail and load their first weight tile before waiting for x (measured on an H100 over Qwen3-8B's
-36 x 4 projections chained in a CUDA graph: 3.15 ms before this kernel's rewrite, 2.60 ms with it).
+36 x 4 projections chained in a CUDA graph, `benchmarks/fp8_decode.py`: 3.15 ms before this
+kernel's rewrite, 2.54 ms with it).
 
 Kernels: `triton` (TritonW8Gemv) and `torch` (TorchW8Gemv, the reference: dequantize, float32
 matmul; runs anywhere).
