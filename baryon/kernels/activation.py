@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, pdl_enabled, tl, triton
+from baryon.kernels.triton_utils import (TritonKernel, next_power_of_2, pdl_launch, tl, triton,
+                                         wait_and_release)
 
 
 class TorchSiluAndMul(Kernel):
@@ -23,8 +24,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_and_mul_kernel(x, out, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # the next kernel (a decode GEMV) may start streaming its weights now
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_and_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < D
@@ -45,5 +45,5 @@ class TritonSiluAndMul(TritonKernel):
         if rows:
             block = min(1024, next_power_of_2(d))
             _silu_and_mul_kernel[(rows, -(-d // block))](x, out, x.stride(0), out.stride(0), D=d, BLOCK=block,
-                                                                 PDL=pdl_enabled(x.device))
+                                                         **pdl_launch(x.device))
         return out

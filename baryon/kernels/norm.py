@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, pdl_enabled, tl, triton
+from baryon.kernels.triton_utils import (TritonKernel, next_power_of_2, pdl_launch, tl, triton,
+                                         wait_and_release)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,8 +56,7 @@ if triton is not None:
     def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r, stride_o, stride_ro,
                          eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          PDL: tl.constexpr):
-        if PDL:  # the next kernel (a decode GEMV) may start streaming its weights now
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_and_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
@@ -94,6 +94,6 @@ class TritonRMSNorm(TritonKernel):
             _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0),
                                       out.stride(0), res_out.stride(0), eps, HIDDEN=hidden,
                                       BLOCK=next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
-                                      PDL=pdl_enabled(x.device))
+                                      **pdl_launch(x.device))
         out = out.view(x.shape)
         return out, (None if residual is None else res_out.view(x.shape))

@@ -27,7 +27,8 @@ from baryon.kernels.attention.torch_paged import store_kv
 from baryon.kernels.norm import rms_norm_reference
 from baryon.kernels.rotary import apply_rotary
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import (INTERPRETED, TritonKernel, next_power_of_2, pdl_launch, tl,
+                                         triton, wait_and_release)
 
 if triton is not None:
     from baryon.kernels.attention.triton_paged import quantize_fp8_kv
@@ -120,7 +121,8 @@ if triton is not None:
                              NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                              ROTARY_DIM: tl.constexpr, DIM_PADDED: tl.constexpr, Q_HEADS_PADDED: tl.constexpr,
                              KV_HEADS_PADDED: tl.constexpr, HAS_NORM: tl.constexpr, FP8_KV: tl.constexpr,
-                             INTERPRETED: tl.constexpr):
+                             INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+        wait_and_release(PDL)
         token = tl.program_id(0).to(tl.int64)
         pos = tl.load(positions + token)
         dims = tl.arange(0, DIM_PADDED)
@@ -188,5 +190,5 @@ class TritonQKVPrologue(TritonKernel):
                 NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                 ROTARY_DIM=cos_sin_cache.shape[-1], DIM_PADDED=next_power_of_2(head_dim),
                 Q_HEADS_PADDED=next_power_of_2(num_heads), KV_HEADS_PADDED=next_power_of_2(num_kv_heads),
-                HAS_NORM=has_norm, FP8_KV=fp8, INTERPRETED=INTERPRETED)
+                HAS_NORM=has_norm, FP8_KV=fp8, INTERPRETED=INTERPRETED, **pdl_launch(qkv.device))
         return qkv[:, :num_heads * head_dim]

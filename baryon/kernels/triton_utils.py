@@ -42,11 +42,31 @@ def pdl_enabled(device: torch.device) -> bool:
     it still runs, once every program of that one has called `gdc_launch_dependents()` (or exited):
     it must call `gdc_wait()` before it reads anything an earlier kernel wrote and before it writes
     anything, and may read constant data (weights) before. Decode GEMVs use it to start streaming
-    their weights during the previous kernel's tail; the small kernels before them release them
-    early. Both calls are no-ops in a kernel launched without it."""
+    their weights during the previous kernel's tail; the small kernels of a decode step (norms,
+    activation, QKV prologue, attention, split combine) wait and release at their first
+    statement, which hides their launch behind the kernel before. Both calls are no-ops in a
+    kernel launched without it."""
     if triton is None or INTERPRETED or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch keywords of a kernel that takes a `PDL: tl.constexpr` argument: its flag and, where
+    programmatic dependent launch is on, the launch option."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}
+
+
+wait_and_release = None  # a Triton helper where Triton is installed (below)
+if triton is not None:
+
+    @triton.jit
+    def wait_and_release(PDL: tl.constexpr):
+        """The first statement of a PDL-launched kernel that reads its inputs at once: wait for
+        the kernel before (its outputs visible), then let the next kernel start launching."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 def next_power_of_2(n: int) -> int:

@@ -25,7 +25,7 @@ from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.attention.mla_backend import MLABackend
 from baryon.kernels.attention.mla_indexer import token_sequences
 from baryon.kernels.attention.triton_paged import combine_splits_kernel, query_tiles
-from baryon.kernels.triton_utils import (INTERPRETED, next_power_of_2, pdl_enabled, tl, triton,
+from baryon.kernels.triton_utils import (INTERPRETED, next_power_of_2, pdl_launch, tl, triton,
                                          triton_unsupported_reason)
 
 MAX_KV_SPLITS = 32
@@ -244,7 +244,7 @@ class TritonMLAAttention(MLABackend):
         if splits > 1:
             combine_splits_kernel[(tokens, heads)](partial_acc, partial_m, partial_l, output, output.stride(0),
                                                    output.stride(1), NUM_HEADS=heads, SPLITS=splits, HEAD_DIM=rank,
-                                                   HEAD_DIM_PADDED=rank, PDL=pdl_enabled(output.device))
+                                                   HEAD_DIM_PADDED=rank, **pdl_launch(output.device))
         return output
 
     def forward_sparse(self, q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,

@@ -24,8 +24,8 @@ import torch
 
 from baryon.kernels.attention.backend import AttentionBackend, check_fp8_scales, is_fp8_cache
 from baryon.kernels.attention.metadata import AttentionMetadata
-from baryon.kernels.triton_utils import (INTERPRETED, next_power_of_2, pdl_enabled, tl, triton,
-                                         triton_unsupported_reason)
+from baryon.kernels.triton_utils import (INTERPRETED, next_power_of_2, pdl_launch, tl, triton,
+                                         triton_unsupported_reason, wait_and_release)
 from baryon.transfer import to_device
 
 
@@ -131,8 +131,9 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
         TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr, TILED: tl.constexpr,
         IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-        FP8_KV: tl.constexpr,
+        FP8_KV: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_and_release(PDL)
         if TILED:  # program -> (sequence, query tile) from the step's tile table: no idle programs
             seq = tl.load(tile_seq + tl.program_id(0))
             q_tile = tl.load(tile_q + tl.program_id(0))
@@ -214,8 +215,7 @@ if triton is not None:
                                NUM_HEADS: tl.constexpr, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                HEAD_DIM_PADDED: tl.constexpr, PDL: tl.constexpr):
         """Merge one (token, head)'s per-split softmax partials into the output row."""
-        if PDL:  # the next kernel (a decode GEMV) may start streaming its weights now
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_and_release(PDL)
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         part = (token * NUM_HEADS + head) * SPLITS + tl.arange(0, SPLITS)  # [SPLITS]
@@ -341,13 +341,13 @@ class TritonPagedAttention(AttentionBackend):
             HEAD_DIM_PADDED=head_dim_padded, PAGE=page, TILE_N=max(16, min(64, page * 4)),
             WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED, TILED=tiled,
             IEEE_DOT=query.dtype == torch.float32, HAS_SINKS=self.sinks is not None,
-            SPLITS=splits, NUM_HEADS=self.num_heads, FP8_KV=fp8,
+            SPLITS=splits, NUM_HEADS=self.num_heads, FP8_KV=fp8, **pdl_launch(query.device),
         )
         if splits > 1:
             combine_splits_kernel[(query.shape[0], self.num_heads)](
                 partial_acc, partial_m, partial_l, output, output.stride(0), output.stride(1),
                 NUM_HEADS=self.num_heads, SPLITS=splits, HEAD_DIM=self.head_dim, HEAD_DIM_PADDED=head_dim_padded,
-                PDL=pdl_enabled(query.device))
+                **pdl_launch(query.device))
         return output
 
     def _decode_splits(self, num_seqs: int, device: torch.device) -> int:

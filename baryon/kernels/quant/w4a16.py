@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, pdl_enabled, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, pdl_launch, tl, triton
 
 BITS = (4, 8)
 KBLOCK = 128  # codes per packed block of the Triton layout (and the kernel's K step)
@@ -551,13 +551,12 @@ class TritonW4A16Linear(TritonKernel):
         mode = _group_mode(weights.group_size, k, chunk)
         if (tiles is None and m <= GEMV_MAX_M) or isinstance(tiles, GemvTiles):
             cfg = tiles or gemv_tiles(m, bits)
-            pdl = pdl_enabled(x.device)
             _wna16_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
                 x2, weights.qweight, weights.scales, zeros, bias_arg, out, m, n, k, x2.stride(0), out.stride(0),
                 weights.qweight.shape[1], float(2**23 + weights.zero_point),
                 BITS=bits, GROUP_SIZE=weights.group_size, GROUP_MODE=mode, HAS_ZEROS=weights.zeros is not None,
                 HAS_BIAS=has_bias, BLOCK_M=next_power_of_2(m), BLOCK_N=cfg.block_n,
-                BLOCK_W=cfg.block_w(bits), PDL=pdl, num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
+                BLOCK_W=cfg.block_w(bits), num_warps=cfg.num_warps, **pdl_launch(x.device))
             return out.view(*lead, n)
         cfg = tiles or tile_config(m, n, k, x.device)
         blocks = triton.cdiv(k, KBLOCK)

@@ -35,7 +35,7 @@ import torch
 
 from baryon.kernels.quant.act_quant import FP8, fp8_to_float
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, pdl_enabled, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, pdl_launch, tl, triton
 
 MAX_M = 4  # the most rows the kernel takes
 # The most rows a layer sends it: on an H100 (benchmarks/tune_quant_gemv.py) the GEMV streams an FP8
@@ -201,11 +201,10 @@ class TritonW8Gemv(TritonKernel):
         block_n, block_k, warps = tile_config(m, n, tiles)
         bn, bk = block or (1, block_k)
         sub = min(block_k, bk)  # columns per scale within a step
-        pdl = pdl_enabled(x.device)
         _w8_gemv_kernel[(triton.cdiv(n, block_n), m)](
             x, w_q, scale, bias if bias is not None else out, out, n, k, x.stride(0), out.stride(0),
             scale.stride(0) if block is not None else 0, bn, bk,
             BLOCK_SCALES=block is not None, HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0,
-            EVEN_K=k % block_k == 0, BLOCK_N=block_n, NB=block_k // sub, SB=sub, PDL=pdl, num_warps=warps,
-            **({"launch_pdl": True} if pdl else {}))
+            EVEN_K=k % block_k == 0, BLOCK_N=block_n, NB=block_k // sub, SB=sub, num_warps=warps,
+            **pdl_launch(x.device))
         return out
