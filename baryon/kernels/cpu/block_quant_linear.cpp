@@ -87,7 +87,7 @@ inline void dequantize_block(const uint8_t* row, int64_t K, int64_t b, f32x16& l
     hi = to_float(widen_i8(codes + 16)) * pair[1];
     return;
   }
-  const float scale = pair[0], min = pair[1];
+  const f32x16 scale = broadcast16(pair[0]), min = broadcast16(pair[1]);
   if constexpr (Bits == 4) {
     const i32x16 wide = widen_u8(codes);
     lo = to_float(wide & 15) * scale + min;

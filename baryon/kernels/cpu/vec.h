@@ -53,6 +53,16 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 
+// v in all 16 lanes, built from native broadcasts (GCC otherwise widens a scalar operand of a
+// 16-lane vector through 16 stack stores where the native vector is narrower than 16 lanes).
+inline f32x16 broadcast16(float v) {
+  f32xn parts[16 / kNativeLanes];
+  for (int i = 0; i < 16 / kNativeLanes; ++i) parts[i] = f32xn{} + v;
+  f32x16 out;
+  std::memcpy(&out, parts, sizeof(out));
+  return out;
+}
+
 inline float sum16(f32x16 v) {
   f32xn parts[16 / kNativeLanes];  // one (AVX-512), two (AVX) or four native vectors
   std::memcpy(parts, &v, sizeof(v));
