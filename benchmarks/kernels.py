@@ -123,11 +123,14 @@ def block_quant_kernels(record, device: torch.device) -> None:
 
     rng = np.random.default_rng(0)
     kernels = [k for k in (CpuInt8BlockQuantLinear, CpuBlockQuantLinear) if k.unsupported_reason(device) is None]
-    for bits, out_features, in_features in [(4, 3072, 576), (4, 576, 1536), (8, 49152, 576)]:
-        low, high = (0, 16) if bits == 4 else (-128, 128)
-        packed = pack_rows(rng.integers(low, high, (out_features, in_features)),
-                           rng.random((out_features, in_features // 32), dtype=np.float32) * 0.01,
-                           rng.random((out_features, in_features // 32), dtype=np.float32) * -0.05, bits)
+    for bits, out_features, in_features in [(4, 3072, 576), (4, 576, 1536), (6, 576, 1536), (8, 49152, 576)]:
+        low, high = {4: (0, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
+        codes = rng.integers(low, high, (out_features, in_features))
+        if bits == 6:  # Q6_K: a scale per 16 weights, no offset
+            packed = pack_rows(codes, rng.random((out_features, in_features // 16), dtype=np.float32) * 0.01, None, 6)
+        else:
+            packed = pack_rows(codes, rng.random((out_features, in_features // 32), dtype=np.float32) * 0.01,
+                               rng.random((out_features, in_features // 32), dtype=np.float32) * -0.05, bits)
         dense = dequantize_rows(packed, in_features, bits)
         for rows in (1, 16, 128):
             x = torch.randn(rows, in_features)
