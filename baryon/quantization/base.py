@@ -111,21 +111,17 @@ class ActivationQuantizedLinearMethod(LinearMethod):
     gemv_weight: torch.Tensor
     gemv_scale: torch.Tensor
 
-    def select_gemv(self) -> None:
-        """Picks the decode GEMV for this device and dtype (none where only the torch one runs:
-        the layer's own path is as good there)."""
+    def select_decode_kernels(self) -> None:
+        """Picks the decode GEMV (family `w8_gemv`) and the decode GEMM (`fp8_decode_linear`) for
+        this device, each None where only its torch reference runs (the layer's own path is as
+        good there)."""
         from baryon.kernels.selector import select
 
-        gemv = select("w8_gemv", torch.get_default_device(), dtype=torch.get_default_dtype())
+        device = torch.get_default_device()
+        gemv = select("w8_gemv", device, dtype=torch.get_default_dtype())
+        decode_gemm = select("fp8_decode_linear", device)
         self.gemv = gemv if gemv.name != "torch" else None
-
-    def select_decode_gemm(self, family: str) -> None:
-        """Picks the GEMM for decode batches of quantized activations with rowwise scales (none
-        where only the torch one runs)."""
-        from baryon.kernels.selector import select
-
-        kernel = select(family, torch.get_default_device())
-        self.decode_gemm = kernel if kernel.name != "torch" else None
+        self.decode_gemm = decode_gemm if decode_gemm.name != "torch" else None
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [M, K] -> (quantized [M, K], scales as the kernel reads them)."""

@@ -66,8 +66,7 @@ class Fp8LinearMethod(ActivationQuantizedLinearMethod):
         self.act_quant = select("act_quant", device)
         self.kernel = select("fp8_linear", device, in_features=k, out_features=n, block=self.block, dtype=dtype)
         if self.block is None:  # block-scaled layers keep their GEMM: the GEMV measured no faster
-            self.select_gemv()  # for them (H100, Qwen3-8B shapes: 125 us against 118 us a layer)
-            self.select_decode_gemm("fp8_decode_linear")
+            self.select_decode_kernels()  # for them (H100, Qwen3-8B shapes: 125 us against 118 us a layer)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.online:
