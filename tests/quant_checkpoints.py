@@ -316,6 +316,16 @@ def compressed_tensors(src: Path, dst: Path, scheme, ignore: list[str] | None = 
     compressor.quantization_config.quantization_status = QuantizationStatus.COMPRESSED
     out = {k: v.detach().clone() for k, v in model.state_dict().items()
            if k != "lm_head.weight" or k in state}  # a tied LM head is not saved
+    if kv_cache and not any(k.endswith(".self_attn.k_scale") for k in out):
+        # With transformers >= 5.24 the package attaches no KV scales to the attention modules
+        # (nor infers the scheme back): write what it writes otherwise, a [1] scale per layer
+        # and projection (calibrated max / 448), and the scheme in the config.
+        for key in [k for k in out if k.endswith(".self_attn.k_proj.weight")]:
+            prefix = key[:-len("k_proj.weight")]
+            for kv in ("k_scale", "v_scale"):
+                scale = float(1.0 + 4.0 * torch.rand((), generator=gen)) / FP8_MAX
+                out[prefix + kv] = torch.full((1,), scale, dtype=dtype)
+        compressor.quantization_config.kv_cache_scheme = kv_scheme
     dst = Path(dst)
     write_checkpoint(src, dst, out, None)
     compressor.update_config(str(dst))
