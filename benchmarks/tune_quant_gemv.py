@@ -54,13 +54,16 @@ def _w4_cases(n, k, bits, m, quick):
     zeros = torch.full((n, k // 128), 1 << (bits - 1), device="cuda", dtype=torch.uint8)
     weights = [TritonW4A16Linear.prepare(codes, scales, zeros, bits, 128) for _ in range(copies)]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    grid = itertools.product((4, 8) if quick else (8, 16, 32, 64), (1, 2, 4), (4,) if quick else (4, 8))
+    # (row groups of 8 rows, 128-code blocks per step, warps, prefetch)
+    grid = itertools.product((1, 2) if quick else (1, 2, 4), (4, 16, 32) if quick else (2, 4, 8, 16, 32),
+                             (4, 8), (True, False))
     tried = {}
-    for tiles in [gemv_tiles(m, bits), *(GemvTiles(*t) for t in grid)]:
+    table = gemv_tiles(n, k, bits)
+    for tiles in [table, *(GemvTiles(*t) for t in grid)]:
         if tiles in tried:
             continue
         tried[tiles] = _bench(lambda: [TritonW4A16Linear.forward(x, w, tiles=tiles) for w in weights], copies)
-    return tried, gemv_tiles(m, bits), n * k * bits / 8
+    return tried, table, n * k * bits / 8
 
 
 def main() -> None:

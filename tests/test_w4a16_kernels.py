@@ -176,7 +176,8 @@ GEMV_CASES = [  # (bits, n, k, group_size, symmetric)
 
 @needs_triton
 @pytest.mark.parametrize("bits,n,k,group_size,symmetric", GEMV_CASES)
-@pytest.mark.parametrize("tiles", [GemvTiles(8, 2), GemvTiles(4, 1, 2), None], ids=["8x2", "4x1", "table"])
+@pytest.mark.parametrize("tiles", [GemvTiles(2, 2), GemvTiles(4, 1, 2, prefetch=False), None],
+                         ids=["2x2", "4x1-no-prefetch", "table"])
 def test_triton_gemv_matches_reference(seed, bits, n, k, group_size, symmetric, tiles):
     """The decode GEMV (no tl.dot; whole K per program) for every group layout, against the
     reference and against the tiled GEMM on the same inputs."""
@@ -186,10 +187,31 @@ def test_triton_gemv_matches_reference(seed, bits, n, k, group_size, symmetric, 
         codes, scales, zeros, x, bias, weights = _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype)
         with_bias = m == 1
         b = bias.to(DEVICE) if with_bias else None
-        out = TritonW4A16Linear.forward(x.to(DEVICE), weights, b, tiles=tiles or gemv_tiles(m, bits))
+        out = TritonW4A16Linear.forward(x.to(DEVICE), weights, b, tiles=tiles or gemv_tiles(n, k, bits))
         _check(out, x, codes, scales, zeros, group_size, bias if with_bias else None)
         gemm = TritonW4A16Linear.forward(x.to(DEVICE), weights, b, tiles=TileConfig(16, 32))
         _check(gemm, x, codes, scales, zeros, group_size, bias if with_bias else None)
+
+
+@needs_triton
+@pytest.mark.parametrize("bits,n,k,group_size,symmetric", DEQUANT_CASES)
+def test_triton_dequantize_to_gives_the_gemm_weight(seed, monkeypatch, bits, n, k, group_size, symmetric):
+    """Prefill-sized batches dequantize once (one kernel) and call cuBLAS: the weight equals the
+    exact float32 weight rounded once to x's dtype, and the product matches the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    for dtype in TRITON_DTYPES:
+        codes, scales, zeros, x, bias, weights = _triton_case(gen, bits, n, k, group_size, symmetric, 5, dtype)
+        w = TritonW4A16Linear.dequantize_to(weights, dtype)
+        assert w.dtype == dtype and w.shape == (n, k)
+        ref = dequantize_reference(codes, scales, zeros, group_size).to(dtype)
+        if INTERPRETED and dtype == torch.bfloat16:  # the interpreter truncates to bfloat16: one ulp
+            torch.testing.assert_close(w.cpu(), ref, rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(w.cpu(), ref)
+        monkeypatch.setattr(w4a16, "DEQUANTIZE_MIN_M", 5)
+        out = TritonW4A16Linear.forward(x.to(DEVICE), weights, bias.to(DEVICE))
+        _check(out, x, codes, scales, zeros, group_size, bias)
+        monkeypatch.undo()
 
 
 @needs_triton

@@ -35,11 +35,9 @@ exactly the reference's. Differences:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import TritonKernel, multiprocessor_count, next_power_of_2, tl, triton
 
 NUM_PIVOTS = 16  # pivots per counting level and per search pass
 NUM_LEVELS = 2  # parallel counting levels before the search: bracket ~ row range / 15**2
@@ -442,18 +440,13 @@ if triton is not None:
         tl.store(out + row * stride_out + cols, kept.to(out.dtype.element_ty), mask=cols < VOCAB)
 
 
-@functools.cache
-def _multiprocessor_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _split_layout(rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
     """(block, split_len, splits) for the split passes: on a GPU up to PROGRAMS_PER_SM programs
     per SM (a power of two splits per row, none under MIN_SPLIT logits); in the interpreter
     (tests) two splits, so small rows still cross a split boundary."""
     if device.type == "cuda":
         block = min(ROW_BLOCK, next_power_of_2(vocab))
-        wanted = min(-(-PROGRAMS_PER_SM * _multiprocessor_count(device) // rows), max(1, vocab // MIN_SPLIT))
+        wanted = min(-(-PROGRAMS_PER_SM * multiprocessor_count(device) // rows), max(1, vocab // MIN_SPLIT))
         wanted = 1 << (wanted.bit_length() - 1)  # a power of two: few layouts, so few compilations
     else:
         block = min(ROW_BLOCK, max(16, next_power_of_2(-(-vocab // 2))))

@@ -21,14 +21,13 @@ K % 16 == 0, odd K is for correctness only.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import TritonKernel, multiprocessor_count, next_power_of_2, tl, triton
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -132,13 +131,6 @@ class Int8Tile:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100 SXM, so CPU tests take the GPU's tiles
 
 
 def int8_tile(m: int, n: int, k: int, num_sms: int = 132) -> Int8Tile:
@@ -271,7 +263,7 @@ def int8_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_sca
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.to(out_dtype).expand(m, n))
-    tile = tile or int8_tile(m, n, k, _num_sms(x_q.device))
+    tile = tile or int8_tile(m, n, k, multiprocessor_count(x_q.device))
     if bias is not None:
         bias = bias.contiguous()
     grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
