@@ -4,7 +4,7 @@ Triton FP8 GEMM and the swap-AB decode GEMM (`fp8_decode_linear`); then the 36 l
 a batch-1 decode step chained in one CUDA graph (each reads the previous one's output), which is
 where programmatic dependent launch shows.
 
-    python benchmarks/fp8_decode.py [--m 1 16 64]
+    python benchmarks/fp8_decode.py [--m 1 16 64] [--splits 1 2 4]
 
 Every time is a CUDA-graph replay (`triton.testing.do_bench_cudagraph`) over copies of the
 weight that overflow the L2 cache, divided by the copies. One JSON line per case, then a table.
@@ -34,7 +34,7 @@ def _fp8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(n, k, device="cuda") * 40).clamp(-448, 448).to(FP8), torch.rand(n, device="cuda") * 1e-3
 
 
-def layer_rows(ms: list[int]) -> list[dict]:
+def layer_rows(ms: list[int], splits: list[int]) -> list[dict]:
     from baryon.kernels.quant.act_quant import FP8, TritonActQuant
     from baryon.kernels.quant.fp8_decode_gemm import MAX_M, TritonFp8DecodeLinear
     from baryon.kernels.quant.fp8_gemm import ScaledMMFp8Linear, TritonFp8Linear
@@ -61,6 +61,9 @@ def layer_rows(ms: list[int]) -> list[dict]:
             if m <= MAX_M:
                 row["decode_gemm"] = _bench(lambda: [TritonFp8DecodeLinear.forward(x_q, x_scale, w, s, torch.bfloat16)
                                                      for w, s in weights], copies)
+                for split in splits:  # K sliced over programs as given instead of `split_k`'s choice
+                    row[f"decode_gemm_split{split}"] = _bench(lambda: [TritonFp8DecodeLinear.forward(
+                        x_q, x_scale, w, s, torch.bfloat16, split=split) for w, s in weights], copies)
             row = {key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -91,8 +94,10 @@ def chain_row() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--splits", type=int, nargs="*", default=[],
+                        help="also time the decode GEMM with K cut into this many slices")
     args = parser.parse_args()
-    rows = layer_rows(args.m)
+    rows = layer_rows(args.m, args.splits)
     chain = chain_row()
     columns = ("gemv", "act_quant", "cublas", "triton_gemm", "decode_gemm")
     print(f"\n{'N x K':12} {'M':>3} " + " ".join(f"{c:>11}" for c in columns) + "   (us per call)")

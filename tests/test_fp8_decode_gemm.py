@@ -48,6 +48,38 @@ def test_triton_matches_reference(seed, m, n, k):
 
 
 @needs_triton
+@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("m,with_bias", [(5, True), (MAX_M, False)])
+def test_split_k_matches_reference(seed, split, m, with_bias):
+    """K sliced over programs (float32 partial sums, added in order with the scales and the bias
+    by the second kernel), a short last slice included; the same inputs give the same bits."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 70, 5 * fp8_decode_gemm.BLOCK_K + 40
+    x_q, x_scale, w_q, w_scale = _case(gen, m, n, k)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    out_dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    args = [t.to(DEVICE) for t in (x_q, x_scale, w_q, w_scale)]
+    b = bias.to(DEVICE) if with_bias else None
+    out = TritonFp8DecodeLinear.forward(*args, out_dtype, b, split=split)
+    _assert_matches(out, fp8_linear_reference(x_q, x_scale, w_q, w_scale, torch.float32, bias, None))
+    assert torch.equal(out, TritonFp8DecodeLinear.forward(*args, out_dtype, b, split=split))
+
+
+def test_split_k_choice(monkeypatch):
+    """Slices only past 32 tokens, while the row tiles leave SMs idle (an H100: 132) and each
+    keeps 4 K tiles."""
+    monkeypatch.setattr(fp8_decode_gemm, "multiprocessor_count", lambda device, off_gpu=4: 132)
+    cuda = torch.device("cuda", 0)
+    assert fp8_decode_gemm.split_k(64, 4096, 4096, cuda) == 2  # o: 64 tiles
+    assert fp8_decode_gemm.split_k(33, 4096, 12288, cuda) == 2  # down
+    assert fp8_decode_gemm.split_k(32, 4096, 12288, cuda) == 1  # the smaller token tiles never split
+    assert fp8_decode_gemm.split_k(64, 6144, 4096, cuda) == 1  # qkv: 96 tiles
+    assert fp8_decode_gemm.split_k(64, 24576, 4096, cuda) == 1
+    assert fp8_decode_gemm.split_k(64, 1024, 4096, cuda) == 4  # 16 tiles, 16 K tiles: 4 slices of 4
+    assert fp8_decode_gemm.split_k(64, 1024, 512, cuda) == 1  # too little K
+
+
+@needs_triton
 def test_static_scale_and_empty_batch(seed):
     """A static per-tensor activation scale expanded to [M, 1] (stride 0) reads one value for every
     token; M = 0 returns an empty [0, N]."""

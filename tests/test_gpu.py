@@ -197,16 +197,18 @@ def test_piecewise_graphs_match_eager(tmp_path, seed, arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("variant, overall, confident", [
-    ({"quantization": "fp8"}, 0.8, 0.95), ({"quantization": "w8a8"}, 0.8, 0.95),
-    ({"quantization": "w4a16"}, 0.45, 0.6), ({"kv_cache_dtype": "fp8"}, 0.8, 0.95)])
+    ({"quantization": "fp8"}, 0.7, 0.95), ({"quantization": "w8a8"}, 0.8, 0.95),
+    ({"quantization": "w4a16"}, 0.35, 0.6), ({"kv_cache_dtype": "fp8"}, 0.8, 0.95)])
 def test_quantized_greedy_tokens_follow_bf16(tmp_path, seed, arch, variant, overall, confident):
     """Online FP8 / W8A8 / W4A16 and an FP8 KV cache against the same bf16 checkpoint, on the GPU
     kernels (FP8 activations quantized per token, the decode GEMVs): bf16 generates 64 tokens per
     prompt and the quantized engine's argmax must follow it (teacher forcing, tests/agreement.py),
     above all where bf16 leads by more than 0.5 nats. These random models have small margins
     (median ~0.12 nats), so the overall bars are below the real-model ones of
-    test_quantized_quality.py (fp8 239/256 there on CPU). First H100 run, 2026-11-23: fp8 218/256
-    (dense) and 228/256 (MoE), w8a8 243, w4a16 138, fp8 KV 233 (MoE) overall."""
+    test_quantized_quality.py (fp8 239/256 there on CPU). Eight seeds on an H100 (2026-11-24):
+    fp8 211-245 of 256 (dense) and 196-251 (MoE), w8a8 236-252, w4a16 113-165, fp8 KV 232-252
+    (dense) and 241-247 (MoE); every position where bf16 led by more than 0.5 nats agreed. The
+    overall bars sit below those minima; a wrong scale or layout agrees on a few percent."""
     if arch == "qwen3_moe" and variant.get("quantization") in ("w8a8", "w4a16"):
         pytest.skip("online W8A8 / W4A16 have no expert layout (the engine refuses MoE models by name)")
     path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,

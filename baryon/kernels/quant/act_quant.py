@@ -13,7 +13,9 @@ row quantizes to zeros instead of NaN.
 `TritonActQuant` computes the same in one kernel launch per call: float32 math, correctly rounded
 divisions (div_rn) and round-half-to-even, so it matches these references bit for bit (on CUDA,
 torch divides by a Python scalar as a multiply by its reciprocal, so the reference's dynamic
-scales there can sit one ulp from the correctly rounded quotient the kernel computes).
+scales there can sit one ulp from the correctly rounded quotient the kernel computes). On Hopper
+its kernels are launched with programmatic dependent launch and wait for the kernel before at
+their first statement (`triton_utils.wait_and_release`), so their launch hides behind it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 import torch
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import (INTERPRETED, TritonKernel, next_power_of_2, pdl_launch, tl, triton,
+                                        wait_and_release)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -146,9 +149,11 @@ if triton is not None:
     @triton.jit
     def _quant_groups_kernel(x, q, s, K, num_groups, stride_xm, stride_qm, stride_sm,
                              GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr, BLOCK_G: tl.constexpr,
-                             QMAX: tl.constexpr, IS_INT8: tl.constexpr, INTERPRETED: tl.constexpr):
+                             QMAX: tl.constexpr, IS_INT8: tl.constexpr, INTERPRETED: tl.constexpr,
+                             PDL: tl.constexpr):
         """Program (row, block of GROUPS_PER_PROG groups), all in registers: a [groups, BLOCK_G]
         tile, one amax and one scale per group. Per token is one group of K columns."""
+        wait_and_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * GROUPS_PER_PROG + tl.arange(0, GROUPS_PER_PROG)
         inner = tl.arange(0, BLOCK_G)
@@ -164,9 +169,10 @@ if triton is not None:
     @triton.jit
     def _quant_long_group_kernel(x, q, s, K, stride_xm, stride_qm, stride_sm, GROUP: tl.constexpr,
                                  CHUNK: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
-                                 INTERPRETED: tl.constexpr):
+                                 INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (row, group) for groups longer than a register tile (per token over a long row):
         the amax over chunks of CHUNK columns, then each chunk quantized."""
+        wait_and_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         start = group * GROUP
@@ -187,8 +193,9 @@ if triton is not None:
 
     @triton.jit
     def _quant_static_kernel(x, q, s, K, stride_xm, stride_qm, BLOCK: tl.constexpr, QMAX: tl.constexpr,
-                             IS_INT8: tl.constexpr, INTERPRETED: tl.constexpr):
+                             IS_INT8: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
         """Program (row, column block): x / scale with one scale for the whole tensor."""
+        wait_and_release(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < K
@@ -223,7 +230,7 @@ def _quantize_groups(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> tu
     scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, scale
-    common = dict(QMAX=qmax, IS_INT8=dtype == torch.int8, INTERPRETED=INTERPRETED)
+    common = dict(QMAX=qmax, IS_INT8=dtype == torch.int8, INTERPRETED=INTERPRETED, **pdl_launch(x.device))
     block_g = next_power_of_2(group_size)
     if block_g <= MAX_BLOCK:
         per_prog = min(max(1, GROUP_TILE // block_g), next_power_of_2(groups))
@@ -277,5 +284,6 @@ class TritonActQuant(TritonKernel):
             block = min(next_power_of_2(k), 2048)
             _quant_static_kernel[(m, triton.cdiv(k, block))](
                 x, q, scale.reshape(1), k, x.stride(0), q.stride(0), BLOCK=block, QMAX=qmax,
-                IS_INT8=dtype == torch.int8, INTERPRETED=INTERPRETED, num_warps=_num_warps(block))
+                IS_INT8=dtype == torch.int8, INTERPRETED=INTERPRETED, num_warps=_num_warps(block),
+                **pdl_launch(x.device))
         return q

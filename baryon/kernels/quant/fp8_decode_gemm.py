@@ -9,16 +9,18 @@ the tokens on the MMA's tall side (cuBLAS picks 128 x 128 tiles, `fp8_gemm`'s Tr
 64 with Ampere-style MMAs) and waste most of it. This kernel computes the transposed product
 out^T[n, m] = sum_k w[n, k] x[m, k] ("swap AB"): BLOCK_N = 64 weight rows are the left operand
 (a warpgroup MMA's 64 rows), the tokens padded to BLOCK_M = 16, 32 or 64 the right one, both
-K-major as FP8 MMAs need; each program owns BLOCK_N rows over the whole of K (no split, no second
-pass) with deep software pipelining (BLOCK_K = 256). The FP8 partial sums are promoted to float32
-every K tile; the scales, the bias and the cast come in the epilogue.
+K-major as FP8 MMAs need; each program owns BLOCK_N rows over the whole of K with deep software
+pipelining (BLOCK_K = 256), or over a slice of K when the row tiles alone leave SMs idle
+(`split_k`; the float32 partial sums are then added in a fixed order by a second kernel, which
+applies the scales). The FP8 partial sums are promoted to float32 every K tile; the scales, the
+bias and the cast come in the epilogue.
 
 Measured on an H100 (`python benchmarks/fp8_decode.py`, Qwen3-8B's projections, CUDA-graph
 replays over L2-overflowing weight copies): qkv / o / gate-up / down at 16 tokens 11.8 / 8.9 /
 38.2 / 20.9 us (cuBLAS 17.9 / 14.5 / 47.1 / 38.7, `fp8_gemm`'s Triton 14.6 / 12.3 / 38.9 / 31.6),
-at 64 tokens 12.9 / 10.8 / 42.1 / 25.2 (cuBLAS 15.3 / 14.0 / 46.0 / 33.0); at 128 tokens it only
-ties cuBLAS. A single token takes the weight-only GEMV (`w8_gemv`), which needs no activation
-quantization.
+at 64 tokens 12.9 / 10.8 / 42.1 / 25.2 (cuBLAS 15.3 / 14.0 / 46.0 / 33.0; with o and down split
+in two since: 12.1 / 9.6 / 41.2 / 22.4); at 128 tokens it only ties cuBLAS. A single token takes
+the weight-only GEMV (`w8_gemv`), which needs no activation quantization.
 
 Kernels: `triton` (TritonFp8DecodeLinear) and the reference `torch` (TorchFp8DecodeLinear, the
 float32 product of the dequantized operands).
@@ -33,11 +35,13 @@ import torch
 from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.quant.fp8_gemm import fp8_linear_reference
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.quant.split_k import reduce_split_k
+from baryon.kernels.triton_utils import TritonKernel, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton
 
 MAX_M = 64  # the most tokens a call takes (larger batches have enough rows for the general GEMMs)
 BLOCK_N = 64
 BLOCK_K = 256
+MIN_SPLIT_TILES = 4  # K tiles a slice keeps at least when K is split
 
 
 def _check(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -69,25 +73,35 @@ class TorchFp8DecodeLinear(Kernel):
 if triton is not None:
 
     @triton.jit
-    def _fp8_swap_ab_kernel(x, w, xs, ws, bias, out, M, N, K, stride_xm, stride_xsm, stride_om,
-                            HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[:, n tile] for BLOCK_N weight rows over all of K: acc [BN, BM] = w [BN, BK] @ x^T [BK, BM]."""
+    def _fp8_swap_ab_kernel(x, w, xs, ws, bias, out, partial, M, N, K, blocks_per_split, stride_xm, stride_xsm,
+                            stride_om, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """out[:, n tile] for BLOCK_N weight rows over the K tiles [pid_k * blocks_per_split, ...):
+        acc [BN, BM] = w [BN, BK] @ x^T [BK, BM]. SPLIT: write the unscaled float32 sums to
+        partial[pid_k] instead (`split_k.reduce_split_k` finishes). With PDL the programs let the
+        next kernel launch at once and wait for the one that wrote x before the pipelined loop."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         offs_m = tl.arange(0, BLOCK_M)  # [BM]
         rows_n = offs_n % N  # wrapped: the loop loads without row masks
         rows_m = offs_m % M
         offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w + rows_n[:, None].to(tl.int64) * K + offs_k[None, :]  # [BN, BK]
-        x_ptrs = x + rows_m[None, :] * stride_xm + offs_k[:, None]  # [BK, BM]
+        k_start = pid_k * blocks_per_split * BLOCK_K
+        w_ptrs = w + rows_n[:, None].to(tl.int64) * K + k_start + offs_k[None, :]  # [BN, BK]
+        x_ptrs = x + rows_m[None, :] * stride_xm + k_start + offs_k[:, None]  # [BK, BM]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        k_tiles = tl.minimum(blocks_per_split, tl.cdiv(K - k_start, BLOCK_K))
+        for kt in range(0, k_tiles):
             if EVEN_K:
                 a = tl.load(w_ptrs)
                 b = tl.load(x_ptrs)
             else:
-                k_left = K - kt * BLOCK_K
+                k_left = K - k_start - kt * BLOCK_K
                 a = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                 b = tl.load(x_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             # Promote the FP8 partial sums to float32 every tile (Hopper's tensor cores otherwise
@@ -95,11 +109,31 @@ if triton is not None:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        acc = acc * tl.load(ws + rows_n)[:, None] * tl.load(xs + rows_m * stride_xsm)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias + rows_n).to(tl.float32)[:, None]
         mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out.dtype.element_ty), mask=mask)
+        if SPLIT:
+            tl.store(partial + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
+        else:
+            acc = acc * tl.load(ws + rows_n)[:, None] * tl.load(xs + rows_m * stride_xsm)[None, :]
+            if HAS_BIAS:
+                acc += tl.load(bias + rows_n).to(tl.float32)[:, None]
+            tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out.dtype.element_ty), mask=mask)
+
+
+def split_k(m: int, n: int, k: int, device: torch.device) -> int:
+    """K slices per weight tile for m tokens: doubled while the tiles times the slices still fit one
+    wave on the device's SMs and each slice keeps MIN_SPLIT_TILES tiles of K, for more than 32
+    tokens only (the smaller token tiles measured slower split). On an H100 (Qwen3-8B, 64 tokens;
+    `benchmarks/fp8_decode.py --splits`, 2026-11-24) o and down (64 tiles) take 2: 10.2 -> 9.6 and
+    24.9 -> 22.4 us; qkv (96 tiles) and gate/up lose with any split."""
+    if m <= 32:
+        return 1
+    tiles = -(-n // BLOCK_N)
+    blocks = -(-k // BLOCK_K)
+    split = 1
+    sms = multiprocessor_count(device, off_gpu=4)
+    while tiles * split * 2 <= sms and blocks // (split * 2) >= MIN_SPLIT_TILES:
+        split *= 2
+    return split
 
 
 class TritonFp8DecodeLinear(TritonKernel):
@@ -114,9 +148,9 @@ class TritonFp8DecodeLinear(TritonKernel):
 
     @staticmethod
     def forward(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype, bias: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
         """x_q [M, K] fp8 (M <= MAX_M), x_scale [M, 1] or [1, 1] float32, w_q [N, K] fp8, w_scale [N]
-        float32 -> [M, N] out_dtype."""
+        float32 -> [M, N] out_dtype. split: K slices instead of `split_k`'s choice (tests, tuning)."""
         _check(x_q, x_scale, w_q, w_scale)
         if x_q.stride(-1) != 1:
             x_q = x_q.contiguous()
@@ -126,10 +160,18 @@ class TritonFp8DecodeLinear(TritonKernel):
         if m == 0:
             return out
         x_scale = x_scale.float().reshape(-1)  # [M] or [1]; an expanded static scale may keep stride 0
+        stride_xsm = x_scale.stride(0) if x_scale.numel() > 1 else 0
         block_m = max(16, next_power_of_2(m))
-        _fp8_swap_ab_kernel[(triton.cdiv(n, BLOCK_N),)](
-            x_q, w_q, x_scale, w_scale, bias if bias is not None else out, out, m, n, k, x_q.stride(0),
-            x_scale.stride(0) if x_scale.numel() > 1 else 0, out.stride(0),
-            HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=BLOCK_K,
-            num_warps=4, num_stages=4 if block_m == 64 else 6)
+        blocks = triton.cdiv(k, BLOCK_K)
+        per_split = triton.cdiv(blocks, split or split_k(m, n, k, x_q.device))
+        split = triton.cdiv(blocks, per_split)  # no empty slices
+        partial = torch.empty(split, m, n, dtype=torch.float32, device=x_q.device) if split > 1 else out
+        bias_arg = bias if bias is not None else out
+        _fp8_swap_ab_kernel[(triton.cdiv(n, BLOCK_N), split)](
+            x_q, w_q, x_scale, w_scale, bias_arg, out, partial, m, n, k, per_split, x_q.stride(0), stride_xsm,
+            out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, SPLIT=split > 1, BLOCK_N=BLOCK_N,
+            BLOCK_M=block_m, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4 if block_m == 64 else 6,
+            **pdl_launch(x_q.device))
+        if split > 1:
+            reduce_split_k(partial, out, bias, x_scale.expand(m) if x_scale.numel() == 1 else x_scale, w_scale)
         return out
