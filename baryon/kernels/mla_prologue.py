@@ -25,7 +25,7 @@ from baryon.kernels.attention.mla_backend import store_latent
 from baryon.kernels.norm import rms_norm_reference
 from baryon.kernels.rotary import rotate_neox
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, next_power_of_2, tl, triton
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +51,7 @@ class TorchMLAPrologue(Kernel):
 
 
 if triton is not None:
+    from baryon.kernels.attention.triton_paged import e4m3_round_to_nearest_even
 
     @triton.jit
     def _rotate(ptr, pair, pair_valid, cos, sin, INTERLEAVED: tl.constexpr, HALF: tl.constexpr):
@@ -65,11 +66,24 @@ if triton is not None:
         return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
     @triton.jit
+    def _cache_value(v, cache, FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+        """v (the model dtype) as the cache stores it: the same, or for an FP8 cache clamped to
+        +-448 and rounded to nearest even (as `mla_backend.store_latent` does in torch)."""
+        if FP8:
+            y = v.to(tl.float32)
+            y = tl.where(y != y, y, tl.clamp(y, -448.0, 448.0))
+            if INTERPRETED:
+                return e4m3_round_to_nearest_even(y)
+            return y.to(cache.dtype.element_ty)
+        return v.to(cache.dtype.element_ty)
+
+    @triton.jit
     def _mla_prologue_kernel(q, kv_a, positions, cos_sin_cache, norm_weight, cache, slot_mapping, eps,
                              stride_qt, stride_qh, stride_kt, stride_cache_slot,
                              NUM_HEADS: tl.constexpr, HEADS_P: tl.constexpr, NOPE: tl.constexpr,
                              RANK: tl.constexpr, RANK_P: tl.constexpr, ROPE: tl.constexpr,
-                             HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+                             HALF_P: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr,
+                             INTERPRETED: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         HALF: tl.constexpr = ROPE // 2
         pos = tl.load(positions + token).to(tl.int64)
@@ -97,11 +111,12 @@ if triton is not None:
             normed = (c32 * tl.rsqrt(variance + eps)).to(c.dtype)  # as HF: normalise in fp32, round
             w = tl.load(norm_weight + cols, mask=col_valid, other=0.0)
             dst = cache + slot * stride_cache_slot
-            tl.store(dst + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(cache.dtype.element_ty),
-                     mask=col_valid)
+            latent = (normed.to(tl.float32) * w.to(tl.float32)).to(kv_a.dtype.element_ty)
+            tl.store(dst + cols, _cache_value(latent, cache, FP8, INTERPRETED), mask=col_valid)
             k1, k2 = _rotate(row + RANK, pair, pair_valid, cos, sin, INTERLEAVED, HALF)
-            tl.store(dst + RANK + pair, k1.to(kv_a.dtype.element_ty).to(cache.dtype.element_ty), mask=pair_valid)
-            tl.store(dst + RANK + HALF + pair, k2.to(kv_a.dtype.element_ty).to(cache.dtype.element_ty),
+            tl.store(dst + RANK + pair, _cache_value(k1.to(kv_a.dtype.element_ty), cache, FP8, INTERPRETED),
+                     mask=pair_valid)
+            tl.store(dst + RANK + HALF + pair, _cache_value(k2.to(kv_a.dtype.element_ty), cache, FP8, INTERPRETED),
                      mask=pair_valid)
 
 
@@ -129,4 +144,4 @@ class TritonMLAPrologue(TritonKernel):
             q.stride(0), q.stride(1), kv_a.stride(0), cache.stride(1),
             NUM_HEADS=heads, HEADS_P=next_power_of_2(heads), NOPE=nope_dim, RANK=rank,
             RANK_P=next_power_of_2(rank), ROPE=rope, HALF_P=max(next_power_of_2(rope // 2), 1),
-            INTERLEAVED=interleaved)
+            INTERLEAVED=interleaved, FP8=cache.dtype == torch.float8_e4m3fn, INTERPRETED=INTERPRETED)

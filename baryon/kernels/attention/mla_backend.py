@@ -2,7 +2,10 @@
 backend interface and the cache write (family `mla_attention`).
 
 The cache of one layer holds, per token, only the normalised latent c_kv (kv_lora_rank = L values)
-and the rotated shared rope key k_pe (R values):
+and the rotated shared rope key k_pe (R values), in the model dtype or, with kv_cache_dtype="fp8",
+as float8_e4m3fn: the values as they are (no scale: the normalised latent and the rotated key stay
+far inside e4m3's range), clamped to +-448, rounded to nearest even; the kernels convert them back
+to the queries' dtype as they load them:
 
     cache [num_blocks, block_size, L + R (+ I)]   cache[b, o] = cat(c_kv, k_pe) of slot b * block_size + o
                                                   (DeepSeek-V3.2: then its I-value index key)
@@ -26,6 +29,8 @@ import torch
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.selector import Kernel
 
+FP8_MAX = 448.0
+
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, offset: int = 0) -> None:
     """latent [num_tokens, W] into columns [offset, offset + W) of cache [num_blocks, block_size,
@@ -35,7 +40,11 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, latent = slot_mapping[keep], latent[keep]
-    flat.index_copy_(0, slot_mapping, latent.to(flat.dtype))
+    if flat.dtype == torch.float8_e4m3fn:  # saturated as the GPU's conversion does (torch's gives NaN);
+        latent = latent.float().clamp(-FP8_MAX, FP8_MAX).to(flat.dtype)  # copied as bytes (no fp8 index_copy on CPU)
+        flat.view(torch.uint8).index_copy_(0, slot_mapping, latent.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slot_mapping, latent.to(flat.dtype))
 
 
 def sequence_rows(cache: torch.Tensor, metadata: AttentionMetadata, seq: int, seq_len: int) -> torch.Tensor:

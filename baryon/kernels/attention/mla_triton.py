@@ -16,7 +16,6 @@ from device memory, so decode launches can be captured in CUDA graphs.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.attention.mla_backend import MLABackend
 from baryon.kernels.attention.mla_indexer import token_sequences
 from baryon.kernels.attention.triton_paged import combine_splits_kernel, query_tiles
-from baryon.kernels.triton_utils import (INTERPRETED, next_power_of_2, pdl_launch, tl, triton,
+from baryon.kernels.triton_utils import (INTERPRETED, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton,
                                          triton_unsupported_reason)
 
 MAX_KV_SPLITS = 32
@@ -43,9 +42,11 @@ if triton is not None:
         `seq` (key_valid: which exist; visible [BLOCK_M, TILE_N]: which each row may attend to)."""
         page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_valid, other=0)
         slot = page.to(tl.int64) * stride_cache_block + (key_pos % PAGE) * stride_cache_slot  # [TILE_N]
-        c_kv = tl.load(cache + slot[:, None] + lat_dims[None, :], mask=key_valid[:, None], other=0.0)  # [TILE_N, L]
+        # An FP8 cache is converted to the queries' dtype here (a no-op for a cache in the model dtype).
+        c_kv = tl.load(cache + slot[:, None] + lat_dims[None, :], mask=key_valid[:, None],
+                       other=0.0).to(q_lat.dtype)  # [TILE_N, L]
         k_pe = tl.load(cache + slot[:, None] + L + pe_dims[None, :], mask=key_valid[:, None] & pe_valid[None, :],
-                       other=0.0)  # [TILE_N, R_PADDED]
+                       other=0.0).to(q_pe.dtype)  # [TILE_N, R_PADDED]
         if IEEE_DOT:  # float32 models: full-precision products
             scores = tl.dot(q_lat, tl.trans(c_kv), input_precision="ieee")
             scores = tl.dot(q_pe, tl.trans(k_pe), scores, input_precision="ieee") * scale
@@ -188,10 +189,6 @@ if triton is not None:
                  out.to(output.dtype.element_ty), mask=row_valid[:, None])
 
 
-@functools.cache
-def _multiprocessor_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 class TritonMLAAttention(MLABackend):
     name = "triton"
@@ -270,7 +267,7 @@ class TritonMLAAttention(MLABackend):
             return self.num_kv_splits
         if device.type != "cuda":
             return 1
-        sms = _multiprocessor_count(device)
+        sms = multiprocessor_count(device)
         if programs >= sms:
             return 1
         return min(MAX_KV_SPLITS, next_power_of_2(-(-sms // programs)))

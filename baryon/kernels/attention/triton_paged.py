@@ -17,14 +17,13 @@ The writes divide by the scale (IEEE division, as torch), clamp to +-448 and con
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from baryon.kernels.attention.backend import AttentionBackend, check_fp8_scales, is_fp8_cache
 from baryon.kernels.attention.metadata import AttentionMetadata
-from baryon.kernels.triton_utils import (INTERPRETED, next_power_of_2, pdl_launch, tl, triton,
+from baryon.kernels.triton_utils import (INTERPRETED, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton,
                                          triton_unsupported_reason, wait_and_release)
 from baryon.transfer import to_device
 
@@ -32,7 +31,7 @@ from baryon.transfer import to_device
 if triton is not None:
 
     @triton.jit
-    def _e4m3_round_to_nearest_even(y):
+    def e4m3_round_to_nearest_even(y):
         """float32 y in [-448, 448] (or NaN) -> float8e4nv, rounded to nearest even with bit
         operations. For the interpreter only: its float->fp8 conversion rounds ties up and
         loses mantissa carries; compiled kernels use the hardware conversion (cvt.rn.satfinite)."""
@@ -59,7 +58,7 @@ if triton is not None:
         y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
         y = tl.where(y != y, y, tl.clamp(y, -448.0, 448.0))  # NaN stays NaN, as with torch.clamp
         if INTERPRETED:
-            quantized = _e4m3_round_to_nearest_even(y)
+            quantized = e4m3_round_to_nearest_even(y)
         else:
             quantized = y.to(cache.dtype.element_ty)
         return quantized
@@ -271,10 +270,6 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 MAX_KV_SPLITS = 16
 
 
-@functools.cache
-def _multiprocessor_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
@@ -360,7 +355,7 @@ class TritonPagedAttention(AttentionBackend):
         if device.type != "cuda":
             return 1
         programs = num_seqs * self.num_kv_heads
-        sms = _multiprocessor_count(device)
+        sms = multiprocessor_count(device)
         if programs >= sms:
             return 1
         return min(MAX_KV_SPLITS, next_power_of_2(-(-sms // programs)))
