@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-transformers", action="store_true", help="leave transformers out")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="baryon's KV cache")
     return parser.parse_args(argv)
 
 
@@ -65,11 +66,13 @@ class Baryon:
     name = "baryon"
     batched = True
 
+    kv_cache_dtype = "auto"  # --kv-cache-dtype
+
     def __init__(self, model_path: str, dtype: str, max_len: int, batch: int, threads: int) -> None:
         from baryon import LLM
 
         self.llm = LLM(model_path, device="cpu", dtype=dtype, max_model_len=max_len, max_num_seqs=batch,
-                       skip_tokenizer_init=True)
+                       skip_tokenizer_init=True, kv_cache_dtype=self.kv_cache_dtype)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> None:
         from baryon import SamplingParams
@@ -171,6 +174,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     from baryon.default_model import default_model_path
 
     model_path = args.model or default_model_path()
+    Baryon.kv_cache_dtype = args.kv_cache_dtype
     max_len = args.prompt_len + args.new_tokens + 8
     engines, load_s = [], {}
     others = ([] if args.no_llama_cpp or not llama_cpp_available(model_path) else [LlamaCpp])
@@ -185,6 +189,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     results = measure(engines, args, vocab)
     report: dict[str, Any] = {
         "benchmark": "cpu", "model": os.path.basename(model_path), "dtype": args.dtype, "threads": args.threads,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: spinning)"),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": args.batch, "repeats": args.repeats,
         "load_s": load_s, "baryon_peak_rss_gib_after_load": baryon_peak_rss_gib, **results,

@@ -206,6 +206,30 @@ def test_attention_over_fp8_cache_matches_dense_on_dequantized(seed, heads, kv_h
     _check_against_dense(out, seqs, q, full_k, full_v, scale, window, tol=2e-3 if backend == "triton" else 1e-4)
 
 
+def test_cpu_attention_reads_every_fp8_code(seed):
+    """Four one-token sequences whose values are, between them, every float8_e4m3fn code (NaN
+    codes as zero): each attends only to itself, so its output is its value row as the C++ kernel
+    converts it back (vectorised on AVX2), which must be torch's value of each code times v_scale."""
+    if _cpu_reason() is not None:
+        pytest.skip(_cpu_reason())
+    from baryon.kernels.attention.cpu_paged import CpuPagedAttention
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [(0, 1)] * 4
+    cache, md, q, k, v, _, _ = _case(gen, seqs, 2, 1, 64, 4)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # NaN
+    values = codes.view(FP8).float()  # [256]: torch's value of every code
+    v_scale = torch.tensor(1.0)
+    v = values.view(4, 1, 64).clone()  # quantize(value / 1.0) is the code again
+    cache8 = torch.zeros(cache.shape, dtype=FP8)
+    out = CpuPagedAttention(2, 64, 1, 0.125, None).forward(q, k, v, cache8, md, k_scale=torch.tensor(0.01),
+                                                           v_scale=v_scale)
+    assert torch.equal(_bytes(cache8[1].reshape(-1, 64)[md.slot_mapping]).reshape(-1), codes)  # stored as given
+    for head in range(2):
+        assert torch.equal(out.reshape(4, 2, 64)[:, head].reshape(-1), values)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_triton_fp8_decode_splits_and_sinks(seed, splits):
     """Flash decoding over an fp8 cache: v_scale reaches every split's partial accumulator."""
