@@ -80,9 +80,12 @@ class WorkerGroup:
                 process = subprocess.Popen(
                     [sys.executable, "-m", "baryon.runner.worker", str(rank), str(world_size), init_method, address,
                      str(os.getpid())], stdin=subprocess.PIPE)
-                process.stdin.write(payload)
-                process.stdin.close()
                 group.processes.append(process)
+                try:
+                    process.stdin.write(payload)
+                    process.stdin.close()
+                except BrokenPipeError:  # it exited before reading its config: the monitor names it
+                    pass
             group._monitor = threading.Thread(target=group._watch, name="baryon-worker-monitor", daemon=True)
             group._monitor.start()
             atexit.register(group.shutdown)
