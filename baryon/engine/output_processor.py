@@ -129,14 +129,17 @@ class OutputProcessor:
         return results, to_abort
 
     def _append(self, sample: _SampleState, out: EngineCoreOutput) -> bool:
-        """Add the new tokens to a sample; True if a stop string ended it."""
+        """Add the new tokens to a sample; True if a stop string ended it. The token that ends a
+        sample (EOS or a stop token id: finish_reason "stop" without a stop string) adds no
+        text, as in vLLM, even where special tokens are kept in the text."""
+        ended_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
         for i, token in enumerate(out.new_token_ids):
             sample.token_ids.append(token)
             if out.new_logprobs is not None:
                 raw = out.new_logprobs[i]
                 sample.logprobs.append(self._logprob_dict(raw))
                 sample.cumulative_logprob += raw[1][0]
-            if sample.detokenizer is None:
+            if sample.detokenizer is None or (ended_by_token and i == len(out.new_token_ids) - 1):
                 continue
             delta = sample.detokenizer.step(token)
             if delta:
