@@ -1,10 +1,10 @@
 """baryon: a lightweight, fast LLM inference engine."""
 
 from baryon.outputs import CompletionOutput, Logprob, RequestOutput
-from baryon.sampling_params import SamplingParams
+from baryon.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

@@ -71,10 +71,11 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a
-        list of conversations, rendered with the tokenizer's chat template."""
+        list of conversations, rendered with the tokenizer's chat template (with `tools`, OpenAI
+        tool definitions, and `chat_template_kwargs`, more template variables, as vLLM's)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this engine has skip_tokenizer_init=True")
@@ -86,8 +87,9 @@ class LLM:
             raise ValueError("chat needs at least one non-empty conversation of messages")
         prompts = []
         for conversation in conversations:
-            ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=True,
-                                                add_generation_prompt=add_generation_prompt, return_dict=False)
+            ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tools=tools, tokenize=True,
+                                                add_generation_prompt=add_generation_prompt, return_dict=False,
+                                                **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

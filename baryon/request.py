@@ -8,10 +8,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from baryon.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from baryon.structured_output.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +55,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    grammar: RequestGrammar | None = None  # structured outputs: the output's grammar state
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

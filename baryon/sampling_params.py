@@ -3,10 +3,62 @@
 from __future__ import annotations
 
 import dataclasses
+import json as json_module
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy decoding (argmax).
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a language (vLLM's names); give exactly one of:
+
+    - ``json``: a JSON schema (a dict or its JSON text): the output is a JSON value it validates;
+    - ``json_object=True``: any JSON object;
+    - ``regex``: the output matches the regular expression (whole output);
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: an EBNF grammar (xgrammar's dialect, GBNF-like: ``root ::= ...``).
+
+    ``disable_any_whitespace`` makes JSON output compact (no free whitespace between tokens).
+    Syntax (a schema that is not JSON, an unclosed group in a regex) is checked when a request
+    is submitted (`structured_output.grammar.check_spec`); here only the shape.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if isinstance(self.json, dict):
+            self.json = json_module.dumps(self.json)
+        if self.json is not None and not isinstance(self.json, str):
+            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (a dict or JSON text), "
+                             f"not {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False) or not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("StructuredOutputsParams.json_object and disable_any_whitespace must be true or false")
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (equal keys share one compilation)."""
+        choice = tuple(self.choice) if self.choice is not None else None
+        return (self.json, self.regex, choice, self.grammar, bool(self.json_object), self.disable_any_whitespace)
 
 
 @dataclass
@@ -34,6 +86,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Derived: the stop strings as a list (empty when none).
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -46,6 +99,8 @@ class SamplingParams:
             self.stop_strings = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         if self.top_k == -1:
             self.top_k = 0
@@ -103,6 +158,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "it must be True or False")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "it must be a StructuredOutputsParams (or a dict of its fields) or None")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of the index-th of n parallel samples (each a separate sequence).

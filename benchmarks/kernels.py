@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -80,6 +80,30 @@ def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> Non
         record(name, f"top_p=0.9 {shape}", lambda: impl.apply_top_k_top_p(logits, None, top_p))
         record(name, f"top_k=50 top_p=0.9 {shape}", lambda: impl.apply_top_k_top_p(logits, top_k, top_p))
         record(name, f"min_p=0.5 {shape}", lambda: impl.apply_min_p(probs, per_row))
+
+
+def token_bitmask_kernels(record, device: torch.device, vocab: int) -> None:
+    """A grammar's allowed-token bitmask applied to [rows, vocab] float32 logits in place, by every
+    implementation that runs on `device` and by xgrammar's own apply where it is installed: a
+    sparse mask (1% of tokens allowed, as in most grammar states) and a dense one (half)."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 64):
+        logits = torch.randn(rows, vocab, generator=gen).to(device)
+        row_ids = torch.arange(rows, device=device)
+        for density in (0.01, 0.5):
+            allowed = torch.rand(rows, vocab, generator=gen) < density  # [rows, vocab]
+            padded = torch.nn.functional.pad(allowed, (0, -vocab % 32)).view(rows, -1, 32).long()
+            words = (padded << torch.arange(32)).sum(-1)  # [rows, ceil(vocab / 32)] in [0, 2**32)
+            bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).to(device)
+            shape = f"rows={rows} vocab={vocab} allowed={density:.0%}"
+            for impl in selector.candidates("token_bitmask"):
+                if impl.unsupported_reason(device) is None:
+                    record(f"token_bitmask.{impl.name}", shape, lambda: impl.apply(logits, bitmask, row_ids))
+            try:
+                import xgrammar
+            except ImportError:
+                continue
+            record("token_bitmask.xgrammar", shape, lambda: xgrammar.apply_token_bitmask_inplace(logits, bitmask))
 
 
 def rejection_sampling_kernels(record, device: torch.device, vocab: int, small: bool) -> None:
@@ -380,7 +404,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch"],
+    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch",
+                                           "token_bitmask"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
@@ -410,6 +435,9 @@ def main() -> None:
         return
     if args.only == "mla":
         mla_kernels(record, device, dtype, args.small)
+        return
+    if args.only == "token_bitmask":
+        token_bitmask_kernels(record, device, vocab)
         return
     if args.only == "spec":
         rejection_sampling_kernels(record, device, vocab, args.small)
@@ -465,6 +493,7 @@ def main() -> None:
         block_quant_kernels(record, device)
     rows = 64 // scale
     sampling_kernels(record, device, rows, vocab)
+    token_bitmask_kernels(record, device, vocab)
     rejection_sampling_kernels(record, device, vocab, args.small)
     moe_kernels(record, device, dtype, args.small)
     mla_kernels(record, device, dtype, args.small)

@@ -21,6 +21,8 @@ from baryon.logger import get_logger
 from baryon.request import Request, RequestStatus
 from baryon.runner.model_runner import LaunchedStep, ModelRunner, RawLogprobs
 from baryon.sampling_params import SamplingParams
+from baryon.structured_output.compiler import GrammarCompiler
+from baryon.structured_output.matcher import RequestGrammar
 
 logger = get_logger(__name__)
 
@@ -104,6 +106,7 @@ class _InFlight:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._grammar_compiler: GrammarCompiler | None = None  # made for the first structured-output request
         tp = config.parallel.tensor_parallel_size
         # Tensor parallelism: ranks 1.. in worker processes, rank 0 here; all build their runner at once.
         self.workers = WorkerGroup.start(config, tp, config.parallel.enable_expert_parallel) if tp > 1 else None
@@ -140,8 +143,18 @@ class EngineCore:
                           max_tokens=room if params.max_tokens is None else min(params.max_tokens, room))
         if params.seed is not None:
             request.generator = torch.Generator(self.config.device).manual_seed(params.seed)
+        if params.structured_outputs is not None:
+            request.grammar = RequestGrammar(self._grammars().submit(params.structured_outputs), eos_token_ids)
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _grammars(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            model = self.config.model
+            if model.tokenizer_path is None:
+                raise ValueError("structured outputs need a tokenizer; this engine has skip_tokenizer_init=True")
+            self._grammar_compiler = GrammarCompiler(model.tokenizer_path, model.trust_remote_code, model.vocab_size)
+        return self._grammar_compiler
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(self.config, prompt_token_ids)
@@ -167,6 +180,8 @@ class EngineCore:
         """Stop the worker processes (tensor parallelism); the engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch the next step, then read back the previous one (see `_step`).
@@ -201,6 +216,7 @@ class EngineCore:
         if flight is not None and (flight.num_drafts or not self._overlap):
             self._in_flight = None
             return self._update(flight)
+        failed = self._fail_broken_grammars()
         if self.config.speculative is not None:
             self.runner.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule().scheduled
@@ -217,8 +233,21 @@ class EngineCore:
                     request.spec_token_ids = []
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
-            return []
-        return self._update(previous)
+            return failed
+        return failed + self._update(previous)
+
+    def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
+        """Abort the waiting requests whose grammar did not compile (the frontends check every
+        spec's syntax first, so this is what xgrammar refuses past parsing)."""
+        outputs = []
+        for request in [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.error]:
+            logger.error("request %s: its grammar did not compile: %s", request.request_id, request.grammar.error)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            del self.requests[request.request_id]
+            self.runner.forget(request.request_id)
+            outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=request.finish_reason,
+                                            stop_reason=f"grammar error: {request.grammar.error}"))
+        return outputs
 
     def _update(self, flight: _InFlight) -> list[EngineCoreOutput]:
         result = flight.step.result()
@@ -262,6 +291,10 @@ class EngineCore:
 
     def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar is not None:  # structured outputs: a grammar that has ended stops the request
+            request.grammar.advance(request.output_token_ids)
+            if request.grammar.is_terminated():
+                return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if token in request.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED

@@ -10,6 +10,7 @@ from baryon.engine.data_parallel import DataParallelEngineCores
 from baryon.engine.output_processor import OutputProcessor
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
+from baryon.structured_output.grammar import check_spec
 from baryon.tokenizer import eos_token_ids, load_tokenizer
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [ids]}.
@@ -30,6 +31,10 @@ def check_sampling_params(config: EngineConfig, has_tokenizer: bool, params: Sam
     if not has_tokenizer and params.stop_strings:
         raise ValueError("stop strings need a tokenizer; this engine has skip_tokenizer_init=True "
                          "(use stop_token_ids)")
+    if params.structured_outputs is not None:
+        if not has_tokenizer:
+            raise ValueError("structured outputs need a tokenizer; this engine has skip_tokenizer_init=True")
+        check_spec(params.structured_outputs)
 
 
 class LLMEngine:

@@ -5,8 +5,8 @@ a decode takes one token, a prefill takes what is left of its prompt or of the b
 prefill), so decodes and prefill chunks share a step. When the KV blocks run out, the newest
 running request is preempted: its blocks are freed and it goes back to the front of the waiting
 queue, to be recomputed later (its prefix may still be in the prefix cache). Waiting requests are
-admitted in arrival order while budget, blocks and `max_num_seqs` allow, and none while a
-preemption happened in the step.
+admitted in arrival order while budget, blocks and `max_num_seqs` allow (one whose grammar is
+still compiling is passed over), and none while a preemption happened in the step.
 
 With speculative decoding a decoding request also computes its draft tokens (`spec_token_ids`,
 trimmed to the budget), and gets KV slots `num_lookahead_slots` past them, where a draft model's
@@ -82,16 +82,22 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order, passing over those whose grammar is still
+        compiling (structured outputs): only they wait for it."""
         block_size = self.block_manager.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        position = 0
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[position]
+            if request.grammar is not None and not request.grammar.ready():
+                position += 1
+                continue
             cached_blocks = self.block_manager.find_cached_prefix(request)
             num_cached = len(cached_blocks) * block_size
             num_new = min(request.num_tokens - num_cached, budget)
             lookahead = self._lookahead(request, num_cached + num_new)
             if not self.block_manager.allocate(request, num_new + lookahead, cached_blocks):
                 return
-            self.waiting.popleft()
+            del self.waiting[position]
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached

@@ -70,6 +70,7 @@ _REGISTRY: dict[str, list[str]] = {
     "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling_cpu:CpuSampling",
                  "baryon.kernels.sampling:TorchSampling"],
     "rejection_sampling": ["baryon.kernels.rejection_sampling_triton:TritonRejectionSampling", "baryon.kernels.rejection_sampling:TorchRejectionSampling"],
+    "token_bitmask": ["baryon.kernels.token_bitmask_triton:TritonTokenBitmask", "baryon.kernels.token_bitmask:TorchTokenBitmask"],
     "moe_routing": ["baryon.kernels.moe.routing:TritonRouting", "baryon.kernels.moe.routing:TorchRouting"],
     "fused_moe": ["baryon.kernels.moe.experts_triton:TritonFusedExperts",
                   "baryon.kernels.moe.experts_grouped_mm:GroupedMMFusedExperts",

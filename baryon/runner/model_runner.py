@@ -2,7 +2,8 @@
 
 Each step turns the scheduler's (request, num_new_tokens) list into flat batch tensors and
 attention metadata (built with vectorised numpy), runs the model, computes logits only for the
-rows that are sampled (plus prompt positions whose logprobs were asked for) and samples.
+rows that are sampled (plus prompt positions whose logprobs were asked for) and samples
+(a request with structured outputs: from the tokens its grammar allows).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from baryon.layers.attention import Attention, PagedKVLayer
 from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.layers.fused_decoder_layer import fuse_decoder_layers
+from baryon.kernels.selector import select
 from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
 from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
@@ -34,6 +36,7 @@ from baryon.runner.sampling_inputs import build_sampling_batch
 from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
+from baryon.structured_output.matcher import fill_bitmask
 from baryon.transfer import to_device
 
 logger = get_logger(__name__)
@@ -108,6 +111,7 @@ class ModelRunner:
         self.forward = compile_forward(self.model, config.compilation.level)
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
+        self.bitmask_kernel = None  # token_bitmask, selected for the first constrained request
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.proposer, self.rejection_sampler = None, None
         if config.speculative is not None and self.is_first_rank:
@@ -325,8 +329,29 @@ class ModelRunner:
         return _Batch(input_ids=input_ids, positions=to_device(torch.from_numpy(layout.positions), self.device),
                       metadata=metadata, query_start=layout.query_start)
 
+    def _constrain(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
+        """Structured outputs: -inf on the logits of the tokens a request's grammar does not allow
+        next (logits row rows[i] is requests[i]'s). The grammars catch up on the tokens sampled
+        since, a pending one read from the previous step (finished by now: this step's forward
+        pass is queued behind it), and fill a host bitmask while the device runs the forward pass."""
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not constrained:
+            return
+        for i in constrained:
+            request = requests[i]
+            tokens = request.output_token_ids
+            if request.num_pending_tokens:
+                tokens = tokens + [self.last_launch.sampled_token(request.request_id)]
+            request.grammar.advance(tokens)
+        bitmask = fill_bitmask([requests[i].grammar for i in constrained], self.vocab_size)  # [R, words]
+        if self.bitmask_kernel is None:
+            self.bitmask_kernel = select("token_bitmask", self.device)
+        target_rows = torch.tensor([rows[i] for i in constrained], dtype=torch.int64)  # [R]
+        self.bitmask_kernel.apply(logits, to_device(bitmask, self.device), to_device(target_rows, self.device))
+
     def _sample(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep) -> None:
         requests = batch.sampling_requests
+        self._constrain(logits, requests, list(range(len(requests))))
         result = self.sampler(logits, self._sampling_batch(requests))
         step.sampled_device = result.sampled
         step.copy_to_host("sampled", result.sampled)
@@ -400,6 +425,8 @@ class ModelRunner:
         drafts = [t for r in requests for t in r.spec_token_ids]
         draft_ids = to_device(torch.tensor(drafts, dtype=torch.int64), self.device)
         draft_probs = self.proposer.draft_probs(requests, batch.num_drafts, self.vocab_size) if drafts else None
+        # A constrained request verifies no drafts (see _position_dependent): its one row.
+        self._constrain(logits, requests, (cu_num_drafts[:-1] + np.arange(len(requests))).tolist())
         sampling = self._sampling_batch(requests)
         result = self.rejection_sampler(logits, draft_ids, to_device(torch.from_numpy(cu_num_drafts), self.device),
                                         cu_num_drafts, draft_probs, sampling)
@@ -432,7 +459,7 @@ class ModelRunner:
 
 def _position_dependent(request: Request) -> bool:
     params = request.sampling_params
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+    return request.grammar is not None or bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
                 or request.num_output_tokens < params.min_tokens)
 
 
@@ -455,6 +482,7 @@ class LaunchedStep:
         self.prompt_logprob_requests: list[tuple[str, int]] = []  # (request id, chunk start)
         self._host: dict[str, torch.Tensor] = {}
         self._event: torch.cuda.Event | None = None
+        self._sampled: list[int] | None = None  # the host copy of "sampled", once waited for
 
     def copy_to_host(self, name: str, tensor: torch.Tensor) -> None:
         if tensor.device.type == "cuda":
@@ -488,6 +516,19 @@ class LaunchedStep:
                 self._health_check()
                 last_check = time.monotonic()
                 time.sleep(0)  # let the monitor thread run
+
+    def sampled_token(self, request_id: str) -> int:
+        """The last token this step sampled for the request (the one a next step reads while
+        it is pending); waits for the step."""
+        if self._sampled is None:
+            if self._event is not None:
+                self._wait()
+            if "sampled" in self._host:
+                self._sampled = self._host["sampled"].tolist()
+            else:  # a verification: each request's last emitted token
+                self._sampled = [tokens[n - 1] for tokens, n in zip(self._host["verified"].tolist(),
+                                                                    self._host["num_verified"].tolist())]
+        return self._sampled[self.row_of[request_id]]
 
     def result(self) -> ModelRunnerOutput:
         """Wait for this step (only) and return its sampled tokens and logprobs as Python values."""

@@ -1,0 +1,87 @@
+"""Per request: the grammar's matcher, advanced over the output tokens, and the batch's bitmask.
+
+A matcher has accepted the request's first `num_accepted` output tokens. Before a step samples,
+it catches up on the tokens sampled since (the one still pending on the device included: the
+runner reads it from the previous step, which has finished by the time this step's forward
+pass is queued), then fills its row of the bitmask: bit t of the row set = token t may follow.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from baryon.logger import get_logger
+
+if TYPE_CHECKING:
+    import xgrammar
+
+logger = get_logger(__name__)
+
+
+class RequestGrammar:
+    def __init__(self, compiled: Future, stop_token_ids: Sequence[int]) -> None:
+        self._compiled = compiled
+        self._stop_token_ids = list(stop_token_ids)
+        self.matcher: xgrammar.GrammarMatcher | None = None
+        self.num_accepted = 0
+        self.rejected_token: int | None = None  # a token the grammar refused (the mask was not applied)
+
+    def ready(self) -> bool:
+        """Compiled (or failed: see error)."""
+        return self._compiled.done()
+
+    @property
+    def error(self) -> str | None:
+        if not self._compiled.done() or self._compiled.exception() is None:
+            return None
+        return str(self._compiled.exception())
+
+    def get_matcher(self) -> xgrammar.GrammarMatcher:
+        """The matcher (made on first use; the compilation must have finished)."""
+        if self.matcher is None:
+            import xgrammar as xgr
+
+            self.matcher = xgr.GrammarMatcher(self._compiled.result(), override_stop_tokens=self._stop_token_ids)
+        return self.matcher
+
+    def advance(self, output_token_ids: Sequence[int]) -> None:
+        """Accept the output tokens not accepted yet (the list is the request's whole output)."""
+        matcher = self.get_matcher()
+        while self.num_accepted < len(output_token_ids) and self.rejected_token is None:
+            token = output_token_ids[self.num_accepted]
+            if matcher.is_terminated():
+                return  # a token computed in vain after the end (steps overlap): dropped by the engine
+            if not matcher.accept_token(token):
+                self.rejected_token = token
+                logger.warning("token %d does not follow the request's grammar", token)
+                return
+            self.num_accepted += 1
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted, or a token broke it."""
+        return self.rejected_token is not None or (self.matcher is not None and self.matcher.is_terminated())
+
+
+def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int) -> torch.Tensor:
+    """int32 [len(grammars), ceil(vocab_size / 32)] on the host: row i = what may follow grammar
+    i's accepted tokens (every token where its matcher has ended: that row's token is dropped)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)  # all bits set
+    live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
+    if live:
+        batch_matcher().batch_fill_next_token_bitmask([grammars[i].get_matcher() for i in live], bitmask, live)
+    return bitmask
+
+
+@functools.cache
+def batch_matcher() -> xgrammar.BatchGrammarMatcher:
+    """Fills many rows at once on xgrammar's threads."""
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()

@@ -1,0 +1,165 @@
+"""Structured outputs: what a JSON-schema constraint costs, piece by piece and end to end.
+
+    python benchmarks/structured_output.py                     # CPU: host costs + stories260K decode
+    python benchmarks/structured_output.py --model qwen3-0.6b  # GPU: a preset, dummy weights
+
+1. compile: a 20-field JSON schema compiled against a 151,936-token byte-level vocabulary (Qwen3's
+   size; synthetic printable tokens, since no real tokenizer is downloadable offline), cold and
+   cached (GrammarCompiler.submit, as the engine calls it);
+2. fill: one decode step's host work for B constrained requests (each matcher accepts one token,
+   then the batch's bitmask is filled), at B = 1 and 64, walking the grammar with random allowed
+   tokens;
+3. apply: the token_bitmask kernel on [B, 151936] float32 logits on the device;
+4. decode: TPOT of `--model` at batch 1 and `--batch`, every request under the same schema (the
+   model's tokenizer) against no constraint. A preset's synthetic tokenizer has no JSON
+   characters, so on presets step 4 is skipped (steps 1-3 give the host cost to compare with the
+   step time).
+
+Prints one JSON line per measurement and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB = 151_936
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+
+
+def twenty_field_schema() -> dict:
+    kinds = [{"type": "string", "pattern": "^[a-z]{1,12}$"}, {"type": "integer", "minimum": 0, "maximum": 10_000},
+             {"type": "boolean"}, {"enum": ["low", "medium", "high"]},
+             {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 4}]
+    properties = {f"field_{i:02d}": kinds[i % len(kinds)] for i in range(20)}
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+def synthetic_vocab(size: int, seed: int) -> list[bytes]:
+    """256 byte tokens, then printable strings of 2-8 characters (words, punctuation, spaces)."""
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 {}[]\":,._-\n"
+    vocab, seen = [bytes([b]) for b in range(256)], set()
+    while len(vocab) < size:
+        token = "".join(rng.choice(alphabet) for _ in range(rng.randint(2, 8))).encode()
+        if token not in seen:
+            seen.add(token)
+            vocab.append(token)
+    return vocab
+
+
+def host_costs(records: list[dict], seed: int, steps: int) -> None:
+    import xgrammar as xgr
+
+    from baryon.sampling_params import StructuredOutputsParams
+    from baryon.structured_output.grammar import grammar_of
+    from baryon.structured_output.matcher import batch_matcher
+
+    info = xgr.TokenizerInfo(synthetic_vocab(VOCAB, seed), xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[0])
+    compiler = xgr.GrammarCompiler(info, max_threads=2)
+    spec = StructuredOutputsParams(json=twenty_field_schema(), disable_any_whitespace=True)
+    start = time.perf_counter()
+    compiled = compiler.compile_grammar(grammar_of(spec))
+    records.append({"measure": "compile", "case": "20 fields, cold", "ms": (time.perf_counter() - start) * 1e3})
+    start = time.perf_counter()
+    compiler.compile_grammar(grammar_of(spec))
+    records.append({"measure": "compile", "case": "20 fields, cached", "ms": (time.perf_counter() - start) * 1e3})
+    rng = random.Random(seed)
+    for batch in (1, 64):
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+        bitmask = xgr.allocate_token_bitmask(batch, VOCAB)
+        times, tokens = [], [None] * batch
+        for _ in range(steps):
+            start = time.perf_counter()
+            for i, matcher in enumerate(matchers):
+                if tokens[i] is not None and not matcher.is_terminated():
+                    matcher.accept_token(tokens[i])
+            live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+            batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in live], bitmask, live)
+            times.append(time.perf_counter() - start)
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [batch, >= VOCAB]
+            for i in live:  # the next token: a random allowed one (as sampling would pick)
+                tokens[i] = int(rng.choice(np.flatnonzero(bits[i, :VOCAB])))
+        records.append({"measure": "fill", "case": f"batch {batch}", "ms": statistics.median(times) * 1e3,
+                        "steps": steps})
+
+
+def apply_cost(records: list[dict], device: torch.device) -> None:
+    from baryon.kernels.selector import select
+
+    kernel = select("token_bitmask", device)
+    for batch in (1, 64):
+        logits = torch.randn(batch, VOCAB, device=device)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (batch, -(-VOCAB // 32)), dtype=torch.int32, device=device)
+        rows = torch.arange(batch, device=device)
+        times = []
+        for _ in range(20):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            kernel.apply(logits, bitmask, rows)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        records.append({"measure": "apply", "case": f"batch {batch} ({kernel.name}, {device.type})",
+                        "ms": statistics.median(times[5:]) * 1e3})
+
+
+def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tokens: int, repeats: int) -> None:
+    from baryon import LLM, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(model)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,400}$"}},
+              "required": ["name"], "additionalProperties": False}
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    for batch in batch_sizes:
+        for label, structured in (("unconstrained", None), ("json schema", spec)):
+            def run(n: int) -> float:
+                params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
+                start = time.perf_counter()
+                llm.generate(["Once upon a time"] * batch, params, use_tqdm=False)
+                return time.perf_counter() - start
+            run(2)  # compile and warm up
+            best = min((run(new_tokens) - run(1)) / (new_tokens - 1) for _ in range(repeats))
+            records.append({"measure": "decode", "case": f"batch {batch}, {label}", "ms": best * 1e3,
+                            "model": model})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=str(STORIES), help="checkpoint for the decode step (default: stories260K)")
+    parser.add_argument("--batch", type=int, default=16, help="the larger decode batch (besides 1)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fill-steps", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    records: list[dict] = []
+    host_costs(records, args.seed, args.fill_steps)
+    apply_cost(records, device)
+    from baryon.bench.presets import PRESETS
+
+    if args.model not in PRESETS:  # a preset's synthetic tokenizer has no JSON characters
+        decode_cost(records, args.model, [1, args.batch], args.new_tokens, args.repeats)
+    for record in records:
+        print(json.dumps(record))
+    print(f"\n{'measure':<8} {'case':<40} {'ms':>9}")
+    for record in records:
+        print(f"{record['measure']:<8} {record['case']:<40} {record['ms']:>9.3f}")
+    decode = {r["case"]: r["ms"] for r in records if r["measure"] == "decode"}
+    for batch in (1, args.batch):
+        free, constrained = decode.get(f"batch {batch}, unconstrained"), decode.get(f"batch {batch}, json schema")
+        if free and constrained:
+            print(f"decode batch {batch}: constrained / unconstrained TPOT = {constrained / free:.3f}")
+
+
+if __name__ == "__main__":
+    main()

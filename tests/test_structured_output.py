@@ -1,0 +1,201 @@
+"""Structured outputs (xgrammar): every constrained output is in its language, greedy and sampled,
+batched with unconstrained requests that stay as they are alone; bad specs are refused by name;
+compilation is shared and off the scheduler's path."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from concurrent.futures import Future
+
+import jsonschema
+import pytest
+
+from baryon import LLM, SamplingParams, StructuredOutputsParams
+from tests.conftest import make_checkpoint
+
+# Every value bounded, so that a random model's output completes within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z ]{1,8}$"},  # (xgrammar 0.2.8's maxLength lets control bytes in)
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "admin": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "home": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                 "floor": {"type": "integer", "minimum": -2, "maximum": 40}},
+                 "required": ["city", "floor"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "tags", "home"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{1,6}-[0-9]{3}( [A-Z][a-z]{0,4})?"
+CHOICES = ["yes", "no", "maybe not", "ünïcode \"quoted\""]
+GRAMMAR = 'root ::= "(" digits (("+" | "*") digits){0,3} ")"\ndigits ::= [1-9] [0-9]{0,2}'
+
+
+@pytest.fixture(scope="module")
+def random_stories(tmp_path_factory, stories_path):
+    """Random weights (a fresh model, not the trained one) under the stories260K tokenizer."""
+    path = make_checkpoint(tmp_path_factory.mktemp("random_stories"), "llama", seed=7, vocab_size=512,
+                           bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(stories_path / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(random_stories):
+    return LLM(str(random_stories), device="cpu", max_num_seqs=16)
+
+
+def _constrained(seed: int) -> list[tuple[str, StructuredOutputsParams, SamplingParams]]:
+    """(kind, spec, params): each kind greedy and sampled."""
+    specs = [("json", StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)),
+             ("json_object", StructuredOutputsParams(json_object=True, disable_any_whitespace=True)),
+             ("regex", StructuredOutputsParams(regex=REGEX)),
+             ("choice", StructuredOutputsParams(choice=CHOICES)),
+             ("grammar", StructuredOutputsParams(grammar=GRAMMAR))]
+    cases = []
+    for i, (kind, spec) in enumerate(specs):
+        cases.append((kind, spec, SamplingParams(temperature=0, max_tokens=160, structured_outputs=spec)))
+        cases.append((kind, spec, SamplingParams(temperature=1.0, top_p=0.95, seed=seed + i, max_tokens=160,
+                                                 structured_outputs=spec)))
+    return cases
+
+
+def _check(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"\([1-9][0-9]{0,2}([+*][1-9][0-9]{0,2}){0,3}\)", text), text
+
+
+def test_outputs_follow_their_constraints_beside_unconstrained_requests(llm, seed):
+    rng = random.Random(seed)
+    cases = _constrained(seed)
+    prompts = [" ".join(rng.choice(["Once", "upon", "a", "time", "Lily", "Tom", "dog", "ran"])
+                        for _ in range(rng.randint(1, 6))) for _ in range(len(cases) + 3)]
+    free = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=seed, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
+    alone = llm.generate(prompts[len(cases):], free, use_tqdm=False)
+    params = [p for _, _, p in cases] + free
+    order = list(range(len(params)))
+    rng.shuffle(order)  # constrained and free rows interleaved in the batch
+    outputs = llm.generate([prompts[i] for i in order], [params[i] for i in order], use_tqdm=False)
+    by_index = {i: out for i, out in zip(order, outputs)}
+    for i, (kind, _, _) in enumerate(cases):
+        sample = by_index[i].outputs[0]
+        if kind == "json_object" and sample.finish_reason == "length":  # unbounded: may not close in time
+            assert sample.text.startswith("{"), sample.text
+            continue
+        assert sample.finish_reason == "stop", (kind, sample.text)
+        _check(kind, sample.text)
+    for j, expected in enumerate(alone):
+        got = by_index[len(cases) + j].outputs[0]
+        assert got.token_ids == expected.outputs[0].token_ids and got.text == expected.outputs[0].text
+
+
+def test_unconstrained_model_breaks_the_constraints(llm):
+    """The check above can fail: without the constraint the same model's text is not JSON."""
+    text = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_constrained_requests_with_ngram_speculation(random_stories, seed):
+    """Constrained requests verify no drafts; an unconstrained neighbour still speculates."""
+    llm = LLM(str(random_stories), device="cpu", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    outs = llm.generate(["a b a b a b a b", "Lily ran"], [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=seed, max_tokens=160, structured_outputs=spec)], use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(outs[1].outputs[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"json": "{not json"}, "structured_outputs.json: not a valid JSON schema"),
+    ({"json": {"type": "objectx"}}, "structured_outputs.json: not a valid JSON schema"),
+    ({"regex": "a(b"}, "structured_outputs.regex: not a valid regular expression"),
+    ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar: not a valid EBNF grammar"),
+])
+def test_invalid_specs_are_refused_by_name(llm, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate("Once", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**fields)),
+                     use_tqdm=False)
+
+
+@pytest.mark.parametrize("fields", [{}, {"json": "{}", "regex": "a"}, {"choice": []}, {"choice": ["a", 3]},
+                                    {"regex": ""}, {"json": 5}])
+def test_malformed_params_name_the_problem(fields):
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        StructuredOutputsParams(**fields)
+
+
+def test_dict_params_and_equal_specs_share_a_key():
+    a = SamplingParams(structured_outputs={"json": {"type": "object", "properties": {"x": {"type": "integer"}}}})
+    b = StructuredOutputsParams(json=json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}}))
+    assert a.structured_outputs.key == b.key
+    assert StructuredOutputsParams(choice=["a", "b"]).key != StructuredOutputsParams(choice=["b", "a"]).key
+
+
+def test_compilation_is_shared_by_equal_specs(random_stories):
+    from baryon.structured_output.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(str(random_stories), False, 512)
+    try:
+        first = compiler.submit(StructuredOutputsParams(regex="[ab]+"))
+        again = compiler.submit(StructuredOutputsParams(regex="[ab]+"))
+        other = compiler.submit(StructuredOutputsParams(regex="[ab]+c"))
+        assert first is again and other is not first
+        assert first.result(timeout=60) is again.result() and other.result(timeout=60) is not first.result()
+    finally:
+        compiler.shutdown()
+
+
+def test_scheduler_passes_over_a_request_whose_grammar_compiles(llm):
+    """A request waiting for its compilation does not hold back the requests behind it."""
+    from baryon.engine.scheduler import Scheduler
+    from baryon.request import Request
+    from baryon.structured_output.matcher import RequestGrammar
+
+    core = llm.engine.core
+    scheduler = Scheduler(core.config.scheduler, core.block_manager)
+    compiling = Future()
+    blocked = Request("blocked", [1, 5, 6], SamplingParams(max_tokens=4), frozenset({2}), max_tokens=4)
+    blocked.grammar = RequestGrammar(compiling, [2])
+    free = Request("free", [1, 7, 8], SamplingParams(max_tokens=4), frozenset({2}), max_tokens=4)
+    scheduler.add(blocked)
+    scheduler.add(free)
+    try:
+        assert [r.request_id for r, _ in scheduler.schedule().scheduled] == ["free"]
+        compiling.set_result(None)
+        assert [r.request_id for r, _ in scheduler.schedule().scheduled] == ["free", "blocked"]
+    finally:
+        for request in (blocked, free):
+            scheduler.finish(request, request.status.__class__.FINISHED_ABORTED)
+
+
+def test_chat_renders_tools_and_template_kwargs(llm):
+    template = ("{% if tools %}[{{ tools[0].function.name }}] {% endif %}{% for m in messages %}{{ m.content }}"
+                "{% endfor %}{% if flag %} FLAG{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=1)
+    plain = llm.chat(messages, params, chat_template=template, use_tqdm=False)[0]
+    more = llm.chat(messages, params, chat_template=template, use_tqdm=False,
+                    tools=[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+                    chat_template_kwargs={"flag": True})[0]
+    decode = llm.get_tokenizer().decode
+    assert "get_weather" not in decode(plain.prompt_token_ids) and "FLAG" not in decode(plain.prompt_token_ids)
+    assert "[get_weather] hi FLAG" in decode(more.prompt_token_ids)
