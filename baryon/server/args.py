@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from baryon.server.reasoning import REASONING_PARSERS  # plain data: no server imports
+from baryon.server.tool_parsers import TOOL_PARSERS
 
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -33,6 +34,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="Split chat replies into reasoning_content and content (default: harmony for "
                              "GPT-OSS, none otherwise)")
+    server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="The format of tool calls in chat replies (default: by the model family: hermes for "
+                             "Qwen, llama3_json for Llama, mistral, deepseek_v3, openai for GPT-OSS)")
     server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                         help="Log level of the HTTP server (access log at info)")
     add_engine_args(parser)

@@ -7,6 +7,7 @@ APIError 400 that says why.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -76,21 +77,26 @@ class InputProcessor:
             self.check(ids)
         return result
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    check: bool = True) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True, check: bool = True,
+                    tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The token ids of a conversation rendered with the chat template (checked against the
-        engine's limits unless check=False)."""
+        engine's limits unless check=False). tools: OpenAI tool definitions the template renders
+        into the prompt; template_kwargs: more variables for it (e.g. enable_thinking)."""
         tokenizer = self._need_tokenizer("chat")
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise bad_request("this model's tokenizer has no chat template; start the server with "
                               "--chat-template FILE (a Jinja template) or use /v1/completions",
                               code="no_chat_template")
-        conversation = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                         else "\n".join(part.text for part in m.content)} for m in messages]
+        reserved = {"conversation", "chat_template", "tools", "tokenize", "add_generation_prompt", "return_dict"}
+        clash = sorted(reserved & set(template_kwargs or {}))
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {clash} (request fields set them)",
+                              param="chat_template_kwargs")
         try:
-            ids = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=True,
-                                                add_generation_prompt=add_generation_prompt, return_dict=False)
+            ids = tokenizer.apply_chat_template([_template_message(m) for m in messages], chat_template=template,
+                                                tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                                return_dict=False, **(template_kwargs or {}))
         except Exception as e:  # the template is user code: any failure is the request's
             raise bad_request(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                               param="messages") from None
@@ -120,3 +126,29 @@ class InputProcessor:
                 f"({len(prompt_token_ids) + requested} in all); lower {param} to at most {room}",
                 param=param, code="context_length_exceeded")
         return requested
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: content as text, and tool calls' arguments as an
+    object where they parse as one (Llama's and others' templates apply `tojson` to them)."""
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        rendered["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        calls = []
+        for call in message.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = call.function.arguments
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        rendered["tool_calls"] = calls
+    return rendered

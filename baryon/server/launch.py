@@ -106,12 +106,13 @@ async def _run_http(args: argparse.Namespace, config: EngineConfig, client, toke
     from baryon.server.serving import ServerContext
 
     from baryon.server.reasoning import default_reasoning_parser
+    from baryon.server.tool_parsers import default_tool_parser
 
-    reasoning_parser = args.reasoning_parser or default_reasoning_parser(
-        getattr(config.model.hf_config, "model_type", None))
+    model_type = getattr(config.model.hf_config, "model_type", None)
     ctx = ServerContext(config=config, client=client, inputs=InputProcessor(config, tokenizer, chat_template),
                         metrics=ServerMetrics(client, model_names[0]), model_names=model_names,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=args.reasoning_parser or default_reasoning_parser(model_type),
+                        tool_parser=args.tool_call_parser or default_tool_parser(model_type))
     app = build_app(ctx, api_key)
     loop = asyncio.get_running_loop()
 

@@ -6,17 +6,55 @@ import re
 
 from baryon.config import EngineConfig
 from baryon.engine.llm_engine import check_sampling_params
-from baryon.sampling_params import SamplingParams
+from baryon.sampling_params import SamplingParams, StructuredOutputsParams
 from baryon.server.errors import bad_request
 from baryon.server.protocol import SamplingRequest
+from baryon.structured_output.grammar import check_spec
 
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)=|^(\w+) ")
 
 
+def requested_structure(request: SamplingRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output constraint a request asks for (response_format or the structured_outputs
+    extension) and the field that asked; a 400 when both do, or when it is malformed."""
+    if request.response_format is not None and request.structured_outputs is not None:
+        raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
+    try:
+        if request.structured_outputs is not None:
+            fields = request.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            return StructuredOutputsParams(**fields), "structured_outputs"
+        response_format = request.response_format
+        if response_format is None or response_format.type == "text":
+            return None, None
+        if response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True), "response_format"
+        if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return StructuredOutputsParams(json=response_format.json_schema.schema_), "response_format"
+    except ValueError as e:
+        raise bad_request(str(e), param="structured_outputs" if request.structured_outputs else "response_format") \
+            from None
+
+
 def build_sampling_params(request: SamplingRequest, config: EngineConfig, has_tokenizer: bool, *,
                           max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None,
-                          renamed: dict[str, str] | None = None) -> SamplingParams:
-    """`renamed` maps a SamplingParams field to the request field that set it (for messages)."""
+                          renamed: dict[str, str] | None = None,
+                          structure: tuple[StructuredOutputsParams | None, str | None] | None = None) -> SamplingParams:
+    """`renamed` maps a SamplingParams field to the request field that set it (for messages).
+    structure: the output constraint and the request field it comes from (default: the
+    request's response_format / structured_outputs)."""
+    structured, structure_field = structure if structure is not None else requested_structure(request)
+    if structured is not None:
+        if not has_tokenizer:
+            raise bad_request(f"{structure_field} needs a tokenizer; this server runs without one",
+                              param=structure_field)
+        try:
+            check_spec(structured)
+        except ValueError as e:  # "structured_outputs.json: not a valid JSON schema: ..."
+            where, problem = str(e).split(": ", 1)
+            if structure_field == "response_format":
+                where = "response_format.json_schema.schema"
+            raise bad_request(f"{where}: {problem}", param=structure_field) from None
     values = {
         "n": request.n, "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
         "min_p": request.min_p, "seed": request.seed, "stop": request.stop, "stop_token_ids": request.stop_token_ids,
@@ -26,7 +64,8 @@ def build_sampling_params(request: SamplingRequest, config: EngineConfig, has_to
     }
     values = {name: value for name, value in values.items() if value is not None}
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **values)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                structured_outputs=structured, **values)
         check_sampling_params(config, has_tokenizer, params)
     except ValueError as e:
         raise _as_bad_request(str(e), renamed or {}) from None

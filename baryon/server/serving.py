@@ -36,7 +36,8 @@ class ServerContext:
     inputs: InputProcessor
     metrics: ServerMetrics
     model_names: list[str]  # the first is the one responses name
-    reasoning_parser: str | None = None  # chat replies split into reasoning and content (reasoning.py)
+    reasoning_parser: str | None = None  # chat replies split into reasoning and content (reasoning/)
+    tool_parser: str | None = None  # tool calls found in chat replies (tool_parsers/)
 
     @property
     def model_name(self) -> str:

@@ -4,7 +4,11 @@ Without max_completion_tokens (or its old name max_tokens) a reply may fill the 
 Streams send, per choice, a first chunk with the assistant role, then one chunk whenever the
 choice has new tokens, the last one carrying its finish_reason. With a reasoning parser
 (`--reasoning-parser`, GPT-OSS by default) replies carry `reasoning_content` beside `content`,
-and stream deltas carry either.
+and stream deltas carry either. With `tools`, replies carry `tool_calls` (tool_choice.py says
+how they are found) and end with finish_reason "tool_calls"; streams send each call as a
+`tool_calls` delta. A reply constrained by response_format, structured_outputs or a required /
+named tool choice is read whole as content (no reasoning split: the constraint starts at its
+first token).
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from baryon.sampling_params import SamplingParams
 from baryon.server.errors import bad_request
 from baryon.server.logprobs import chat_logprobs
 from baryon.server.protocol import ChatCompletionRequest
-from baryon.server.reasoning import ReasoningCursor, split_harmony
-from baryon.server.sampling import build_sampling_params
+from baryon.server.reasoning import reasoning_stream, split_reasoning
+from baryon.server.sampling import build_sampling_params, requested_structure
 from baryon.server.serving import (ChoiceCursor, ServerContext, generate_merged, json_response, new_id, now,
                                    stop_string_holdback, stream_chunk, streaming_response, unless_disconnected, usage)
+from baryon.server.tool_choice import ToolPlan, constrained_calls, plan_tools
+from baryon.server.tool_parsers import ToolCall
 
 
 @dataclass
@@ -35,6 +41,9 @@ class _Plan:
     params: SamplingParams
     top_logprobs: int | None  # None: no logprobs
     include_usage: bool
+    tools: ToolPlan
+    reasoning_parser: str | None  # None: no split (no parser, or a constrained reply)
+    prompt_ends_in_reasoning: bool = False  # the template opened <think> in the prompt
 
 
 def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
@@ -49,16 +58,32 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     limit_name = "max_tokens" if request.max_tokens is not None else "max_completion_tokens"
     requested = request.max_tokens if request.max_tokens is not None else request.max_completion_tokens
-    ids = ctx.inputs.chat_prompt(request.messages)
+    tools = plan_tools(request, ctx.tool_parser)
+    structure = requested_structure(request)
+    if tools.structure is not None:
+        if structure[0] is not None:
+            raise bad_request(f"tool_choice {tools.mode!r} constrains the reply itself; it cannot be combined "
+                              f"with {structure[1]}", param="tool_choice")
+        structure = (tools.structure, "tool_choice")
+    ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=request.chat_template_kwargs)
     top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = build_sampling_params(
         request, ctx.config, ctx.inputs.tokenizer is not None,
         max_tokens=ctx.inputs.max_tokens(ids, requested, None, limit_name), logprobs=top_logprobs,
-        renamed={"max_tokens": limit_name, "logprobs": "top_logprobs"})
-    if ctx.reasoning_parser is not None:  # its markers are special tokens: keep them in the text
+        renamed={"max_tokens": limit_name, "logprobs": "top_logprobs"}, structure=structure)
+    reasoning_parser = ctx.reasoning_parser if structure[0] is None else None
+    if reasoning_parser is not None or tools.new_parser() is not None:
+        # Their markers may be special tokens (harmony's, Mistral's [TOOL_CALLS]): keep them in the text.
         params = dataclasses.replace(params, skip_special_tokens=False)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return _Plan(new_id("chatcmpl"), ids, params, top_logprobs, include_usage)
+    opens = reasoning_parser in ("qwen3", "deepseek_r1") and _prompt_opens_reasoning(ctx, ids)
+    return _Plan(new_id("chatcmpl"), ids, params, top_logprobs, include_usage, tools, reasoning_parser, opens)
+
+
+def _prompt_opens_reasoning(ctx: ServerContext, ids: list[int]) -> bool:
+    """The generation prompt ends inside <think> (a template that starts the reasoning itself)."""
+    tail = ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False)
+    return tail.rstrip().endswith("<think>")
 
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -76,21 +101,55 @@ def _logprobs(ctx: ServerContext, plan: _Plan, sample: CompletionOutput, start: 
                          ctx.inputs.tokenizer)
 
 
-def _message(ctx: ServerContext, text: str) -> dict:
-    if ctx.reasoning_parser is None:
-        return {"role": "assistant", "content": text}
-    reasoning, content = split_harmony(text, finished=True)
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+def _split(plan: _Plan, text: str, finished: bool) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a reply."""
+    if plan.reasoning_parser is None:
+        return None, text
+    return split_reasoning(plan.reasoning_parser, text, finished, plan.prompt_ends_in_reasoning)
+
+
+def _calls(plan: _Plan, content: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content left, tool calls) of a finished reply (text) whose content the reasoning split left."""
+    if plan.tools.structure is not None:
+        calls = constrained_calls(plan.tools, content)
+        return (None if calls else content), calls
+    parser = plan.tools.new_parser()
+    if parser is None:
+        return content, []
+    parsed = parser.parse(text if parser.reads_whole_reply else content)
+    return parsed.content, parsed.tool_calls
+
+
+def _tool_call_json(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _finish_reason(sample: CompletionOutput, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and sample.finish_reason == "stop" else sample.finish_reason
+
+
+def _message(plan: _Plan, sample: CompletionOutput) -> tuple[dict, str | None]:
+    """(the reply's message, its finish_reason)."""
+    reasoning, content = _split(plan, sample.text, finished=True)
+    content, calls = _calls(plan, content, sample.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if plan.reasoning_parser is not None:
+        message["reasoning_content"] = reasoning or None
+    if plan.tools.tools is not None:
+        message["tool_calls"] = [_tool_call_json(call) for call in calls]
+    return message, _finish_reason(sample, bool(calls))
 
 
 async def _complete(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> Response:
     final = None
     async for _, output in outputs:
         final = output
-    choices = [{"index": sample.index, "message": _message(ctx, sample.text),
-                "logprobs": _logprobs(ctx, plan, sample, 0, len(sample.token_ids)),
-                "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
-               for sample in final.outputs]
+    choices = []
+    for sample in final.outputs:
+        message, finish_reason = _message(plan, sample)
+        choices.append({"index": sample.index, "message": message,
+                        "logprobs": _logprobs(ctx, plan, sample, 0, len(sample.token_ids)),
+                        "finish_reason": finish_reason, "stop_reason": sample.stop_reason})
     completion_tokens = sum(len(sample.token_ids) for sample in final.outputs)
     return json_response({"id": plan.request_id, "object": "chat.completion", "created": now(),
                           "model": ctx.model_name, "choices": choices,
@@ -106,7 +165,7 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
     def chunk(choices: list[dict], **extra: Any) -> bytes:
         return stream_chunk(plan.request_id, "chat.completion.chunk", created, ctx.model_name, plan.include_usage, choices, **extra)
 
-    reasoning: dict[int, ReasoningCursor] = {}
+    streams: dict[int, _ChoiceStream] = {}
     async for _, output in outputs:
         for sample in output.outputs:
             cursor = cursors.setdefault(sample.index, ChoiceCursor())
@@ -116,16 +175,56 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
             delta = cursor.advance(sample, holdback)
             if delta is None:
                 continue
-            text, start, end = delta
+            _, start, end = delta
             if cursor.finished:
                 completion_tokens += len(sample.token_ids)
-            if ctx.reasoning_parser is None:
-                fields = {"content": text} if text else {}
-            else:  # the parts of the reply sent so far, split again
-                fields = reasoning.setdefault(sample.index, ReasoningCursor()).advance(
-                    sample.text[:cursor.text_sent], cursor.finished)
+            stream = streams.setdefault(sample.index, _ChoiceStream(plan))
+            fields = stream.advance(sample.text[:cursor.text_sent], cursor.finished)
+            finish_reason = _finish_reason(sample, stream.num_calls > 0) if cursor.finished else None
             yield chunk([{"index": sample.index, "delta": fields,
                           "logprobs": _logprobs(ctx, plan, sample, start, end),
-                          "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}])
+                          "finish_reason": finish_reason, "stop_reason": sample.stop_reason}])
     if plan.include_usage:
         yield chunk([], usage=usage(len(plan.prompt_token_ids), completion_tokens))
+
+
+class _ChoiceStream:
+    """One streamed choice's delta fields: the text so far split into reasoning and content,
+    the content read for tool calls (by the parser, or whole at the end when constrained)."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.reasoning = reasoning_stream(plan.reasoning_parser, plan.prompt_ends_in_reasoning) \
+            if plan.reasoning_parser is not None else None
+        self.tool_parser = plan.tools.new_parser()
+        self.content = ""  # the content so far (what the tool parser reads)
+        self.num_calls = 0
+
+    def advance(self, text: str, finished: bool) -> dict:
+        if self.reasoning is None:
+            fields = {"content": text[len(self.content):]} if len(text) > len(self.content) else {}
+        else:
+            fields = self.reasoning.advance(text, finished)
+        self.content += fields.get("content", "")
+        if self.plan.tools.structure is not None:  # a constrained call: sent whole at the end
+            fields.pop("content", None)
+            if finished:
+                content, calls = _calls(self.plan, self.content, text)
+                fields.update(self._calls_delta(calls))
+                if content:
+                    fields["content"] = content
+        elif self.tool_parser is not None:
+            fields.pop("content", None)
+            parsed = self.tool_parser.stream(text if self.tool_parser.reads_whole_reply else self.content, finished)
+            if parsed.get("content"):
+                fields["content"] = parsed["content"]
+            if parsed.get("tool_calls"):
+                fields["tool_calls"] = parsed["tool_calls"]
+                self.num_calls = max(self.num_calls, 1 + max(call["index"] for call in parsed["tool_calls"]))
+        return fields
+
+    def _calls_delta(self, calls: list[ToolCall]) -> dict:
+        self.num_calls = len(calls)
+        if not calls:
+            return {}
+        return {"tool_calls": [{"index": i, **_tool_call_json(call)} for i, call in enumerate(calls)]}

@@ -1,6 +1,4 @@
-"""Reasoning parsers: a chat reply split into `reasoning_content` and `content`.
-
-`harmony` (GPT-OSS): the reply is a sequence of messages
+"""The `harmony` reasoning format (GPT-OSS): the reply is a sequence of messages
 
     [<|start|>ROLE]<|channel|>CHANNEL[ to=RECIPIENT ...]<|message|>BODY(<|end|> | <|return|> | <|call|>)
 
@@ -14,15 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("harmony",)
 _CHANNEL, _MESSAGE = "<|channel|>", "<|message|>"
 _BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 _MARKERS = ("<|start|>", _CHANNEL, _MESSAGE, "<|constrain|>", *_BODY_ENDS)
-
-
-def default_reasoning_parser(model_type: str | None) -> str | None:
-    """The parser a model's replies need without being asked (GPT-OSS speaks harmony)."""
-    return "harmony" if model_type == "gpt_oss" else None
 
 
 def _complete_prefix(text: str) -> str:
@@ -48,10 +40,16 @@ def _messages(text: str, position: int) -> Iterator[tuple[int, str | None, int, 
         ends = [i for i in (text.find(marker, start) for marker in _BODY_ENDS) if i >= 0]
         end = min(ends, default=len(text))
         name = header[0] if header else ""
+        # The recipient may stand after the channel or before it, in the message's start header
+        # (`<|start|>assistant to=functions.f<|channel|>`).
+        opened = text.rfind("<|start|>", 0, channel)
+        before = text[opened:channel].split() if opened >= 0 and not any(
+            text.find(marker, opened, channel) >= 0 for marker in _BODY_ENDS) else []
+        addressed = any(h.startswith("to=") for h in header + before)
         part = None
         if name == "analysis":
             part = "reasoning_content"
-        elif name == "final" or (name == "commentary" and not any(h.startswith("to=") for h in header)):
+        elif name == "final" or (name == "commentary" and not addressed):
             part = "content"
         yield channel, part, start, end, bool(ends)
         position = end

@@ -1,0 +1,81 @@
+"""What a chat request's `tools` and `tool_choice` ask of the reply, and how its text becomes
+tool calls.
+
+- `none` (or no tools): the reply is text; the tools still reach the template, as in vLLM.
+- `auto` (the default with tools): the model decides; the server's tool-call parser (by the
+  model family, or `--tool-call-parser`) finds the calls in the model's own format.
+- `required`: the reply is constrained to a JSON array of calls `[{"name": ..., "parameters":
+  {...}}]` to the given tools (one call when `parallel_tool_calls` is false), each call's
+  parameters to its function's schema.
+- a named function: the reply is constrained to that function's arguments object.
+
+Constrained replies are compact JSON (no free whitespace: a call needs none, and small models
+otherwise spend their tokens on it), read as JSON whatever the model's own tool-call format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from baryon.sampling_params import StructuredOutputsParams
+from baryon.server.errors import bad_request
+from baryon.server.protocol import ChatCompletionRequest
+from baryon.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
+
+# The arguments of a function that declares no parameters: any object.
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass
+class ToolPlan:
+    tools: list[dict] | None  # rendered into the prompt by the chat template
+    mode: str  # "none", "auto", "required" or "named"
+    function: str | None = None  # the named function
+    structure: StructuredOutputsParams | None = None  # the constraint of "required" / "named"
+    parser: str | None = None  # "auto": the tool-call parser
+
+    def new_parser(self) -> ToolParser | None:
+        return TOOL_PARSERS[self.parser]() if self.mode == "auto" and self.parser else None
+
+
+def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+    """400 for a tool_choice without tools or naming an unknown function."""
+    choice = request.tool_choice
+    if not request.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return ToolPlan(None, "none")
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+    schemas = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in request.tools}
+    if choice == "none":
+        return ToolPlan(tools, "none")
+    if choice is None or choice == "auto":
+        return ToolPlan(tools, "auto", parser=parser)
+    if choice == "required":
+        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                           "required": ["name", "parameters"]} for name, schema in schemas.items()]}
+        array = {"type": "array", "items": call, "minItems": 1}
+        if request.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return ToolPlan(tools, "required", structure=StructuredOutputsParams(json=array, disable_any_whitespace=True))
+    name = choice.function.name
+    if name not in schemas:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
+                          f"({', '.join(map(repr, schemas))})", param="tool_choice")
+    return ToolPlan(tools, "named", function=name,
+                    structure=StructuredOutputsParams(json=schemas[name], disable_any_whitespace=True))
+
+
+def constrained_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
+    """The calls of a reply constrained by `required` or a named function (none where the text
+    is not the complete JSON: a reply cut by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    if plan.mode == "named":
+        return [ToolCall(name=plan.function, arguments=json.dumps(value, ensure_ascii=False))]
+    return [ToolCall(name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False))
+            for call in value]

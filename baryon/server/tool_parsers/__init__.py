@@ -1,0 +1,30 @@
+"""Tool-call parsers: a chat reply split into content and OpenAI-style tool calls, whole
+(`ToolParser.parse`) or streamed as deltas (`ToolParser.stream`). One module per reply format;
+names follow vLLM's `--tool-call-parser`."""
+
+from __future__ import annotations
+
+from .base import ParsedReply, ToolCall, ToolParser
+from .deepseek_v3 import DeepSeekV3ToolParser
+from .harmony import HarmonyToolParser
+from .hermes import HermesToolParser
+from .llama3_json import Llama3JsonToolParser
+from .mistral import MistralToolParser
+
+__all__ = ["TOOL_PARSERS", "ParsedReply", "ToolCall", "ToolParser", "default_tool_parser"]
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
+                                       DeepSeekV3ToolParser, HarmonyToolParser)}
+TOOL_PARSERS["harmony"] = HarmonyToolParser
+
+_BY_MODEL_TYPE = {
+    "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+    "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral",
+    "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v3", "gpt_oss": "openai",
+}
+
+
+def default_tool_parser(model_type: str | None) -> str | None:
+    """The parser a model's replies need, by its Hugging Face `model_type` (None: no default)."""
+    return _BY_MODEL_TYPE.get(model_type) if model_type else None

@@ -1,0 +1,183 @@
+"""What every tool-call parser shares: the reply types, the streaming machinery and JSON helpers.
+
+A format only says how to read a reply from a position on (`ToolParser.scan`): the content text
+and the calls it has decided, in reply order, and where reading may resume. `parse` reads the whole
+reply once; `stream` resumes where it stopped, so both see the same items and agree by
+construction. A scan of an unfinished reply decides nothing that more text could change: a call
+is reported once it is closed, and content stops before anything that may still become a marker.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+_DECODER = json.JSONDecoder()
+
+
+def _new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = field(default_factory=_new_call_id)
+
+
+@dataclass
+class ParsedReply:
+    content: str | None  # the text that is not a tool call; None when there is none
+    tool_calls: list[ToolCall]
+
+
+@dataclass
+class Scan:
+    """What a format read from its start position: `items` (content text or calls) all lie before
+    `resume`, where the next scan starts; `pending` is content after `resume` that the next scan
+    reports again, grown (an open message body whose kind only its header tells, or text known to
+    be content up to the end of the reply)."""
+
+    items: list[str | ToolCall]
+    resume: int
+    pending: str = ""
+
+
+class _Assembler:
+    """Items in reply order -> content text and calls. Whitespace between a call and the text
+    beside it is dropped where no text lies on its other side (a reply of calls alone has no
+    content; "Checking.\n\n<call>" gives "Checking."); between two texts it is kept once, the
+    space before the calls. Trailing whitespace is held until it is known what follows."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
+        self._has_text = False
+        self._after_call = False
+        self._held_space = ""
+
+    def add(self, item: str | ToolCall) -> None:
+        if isinstance(item, ToolCall):
+            self.calls.append(item)
+            self._after_call = True
+            if not self._has_text:
+                self._held_space = ""
+            return
+        if self._after_call:
+            item = item.lstrip()
+            if not item:
+                return
+            self._after_call = False
+        text = item.rstrip()
+        if text:
+            self.content.append(self._held_space + text)
+            self._held_space, self._has_text = "", True
+        self._held_space += item[len(text):]
+
+    def finish(self) -> None:
+        if not self._after_call:
+            self.content.append(self._held_space)
+        self._held_space = ""
+
+    def take(self) -> tuple[str, list[ToolCall]]:
+        """The content and calls added since the last take."""
+        content, calls = "".join(self.content), self.calls
+        self.content, self.calls = [], []
+        return content, calls
+
+
+class ToolParser:
+    """One instance per generated choice (it keeps streaming state)."""
+
+    name: ClassVar[str]
+    # True: the parser reads the raw reply, whose format also carries the reasoning (harmony's
+    # channels), rather than the content a reasoning parser leaves.
+    reads_whole_reply: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._assembler = _Assembler()
+        self._resume = 0  # where the next streaming scan starts
+        self._pending_sent = 0  # characters of the content just after _resume already taken
+        self._num_calls = 0
+
+    def scan(self, text: str, start: int, finished: bool) -> Scan:
+        """Read `text` from `start` (0, or a previous scan's `resume`). Unless `finished`, report
+        only what more text cannot change."""
+        raise NotImplementedError
+
+    def parse(self, text: str) -> ParsedReply:
+        """The complete reply split into content and calls."""
+        assembler = _Assembler()
+        scan = self.scan(text, 0, finished=True)
+        for item in [*scan.items, scan.pending]:
+            assembler.add(item)
+        assembler.finish()
+        content, calls = assembler.take()
+        return ParsedReply(content or None, calls)
+
+    def stream(self, text: str, finished: bool) -> dict[str, Any]:
+        """The chat-completion delta fields new since the previous call; `text` is the whole reply
+        so far. A call is sent whole (id, name, arguments) in one delta once it is decided."""
+        scan = self.scan(text, self._resume, finished)
+        items = [*scan.items, scan.pending] if scan.pending else list(scan.items)
+        if self._pending_sent:  # the first item continues content already taken
+            items[0] = items[0][self._pending_sent:]
+        self._resume, self._pending_sent = scan.resume, len(scan.pending)
+        for item in items:
+            self._assembler.add(item)
+        if finished:
+            self._assembler.finish()
+        content, calls = self._assembler.take()
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [
+                {"index": self._num_calls + i, "id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}
+                for i, call in enumerate(calls)]
+            self._num_calls += len(calls)
+        return delta
+
+
+def undecided_tail(text: str, start: int, markers: tuple[str, ...]) -> int:
+    """Where text[start:] ends in the beginning of a marker (len(text) when it does not): text from
+    there on may still become that marker."""
+    longest = max(map(len, markers))
+    for position in range(max(start, len(text) - longest + 1), len(text)):
+        tail = text[position:]
+        if any(marker.startswith(tail) for marker in markers):
+            return position
+    return len(text)
+
+
+def decode_json(text: str, start: int) -> tuple[Any, int] | None:
+    """The JSON value that starts at text[start] and the position after it, or None when there is
+    none there (yet)."""
+    try:
+        return _DECODER.raw_decode(text, start)
+    except json.JSONDecodeError:
+        return None
+
+
+def arguments_text(text: str) -> str | None:
+    """`text` stripped, when it is a JSON object (the arguments as the model wrote them)."""
+    text = text.strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return text if isinstance(value, dict) else None
+
+
+def call_from_object(value: Any) -> ToolCall | None:
+    """A call written as a JSON object {"name": ..., "arguments" (or "parameters"): {...}}; the
+    arguments may also be a string holding a JSON object. None when `value` is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, dict):
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    text = arguments_text(arguments) if isinstance(arguments, str) else None
+    return ToolCall(value["name"], text) if text is not None else None

@@ -1,0 +1,67 @@
+"""`deepseek_v3` (DeepSeek-V3, also V3.1's shorter form): text (content), then the calls
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+    ```json
+    {"city": "Paris"}
+    ```<｜tool▁call▁end｜><｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+(V3.1: `<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>`). The
+markers are the tokenizer's, with fullwidth ｜ and ▁. The section markers around the calls are
+dropped; a call that cannot be read stays in the content as written.
+"""
+
+from __future__ import annotations
+
+from .base import Scan, ToolCall, ToolParser, arguments_text, undecided_tail
+
+_CALLS_BEGIN, _CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_CALL_BEGIN, _CALL_END, _SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_OPENERS = (_CALLS_BEGIN, _CALLS_END, _CALL_BEGIN)
+
+
+def _call_in(body: str) -> ToolCall | None:
+    """TYPE<sep>NAME\\n```json\\nARGS\\n``` (V3) or NAME<sep>ARGS (V3.1)."""
+    head, sep, rest = body.partition(_SEP)
+    if not sep:
+        return None
+    if head.strip() == "function" and not rest.lstrip().startswith("{"):
+        name, _, fenced = rest.partition("\n")
+        fenced = fenced.strip()
+        if fenced.startswith("```") and fenced.endswith("```") and len(fenced) >= 6:
+            fenced = fenced[3:-3].removeprefix("json")
+        head, rest = name, fenced
+    name, arguments = head.strip(), arguments_text(rest)
+    if not name or any(c.isspace() for c in name) or arguments is None:
+        return None
+    return ToolCall(name, arguments)
+
+
+def _next_opener(text: str, position: int) -> tuple[int, str]:
+    found = [(at, marker) for marker in _OPENERS if (at := text.find(marker, position)) >= 0]
+    return min(found, default=(-1, ""))
+
+
+class DeepSeekV3ToolParser(ToolParser):
+    name = "deepseek_v3"
+
+    def scan(self, text: str, start: int, finished: bool) -> Scan:
+        items: list[str | ToolCall] = []
+        position = start
+        while (found := _next_opener(text, position))[0] >= 0:
+            at, marker = found
+            if at > position:
+                items.append(text[position:at])
+            position = at + len(marker)
+            if marker != _CALL_BEGIN:  # a section marker: structure, not content
+                continue
+            ends = [end for end in (text.find(_CALL_END, position), text.find(_CALLS_END, position)) if end >= 0]
+            if not ends and not finished:  # still being written
+                return Scan(items, at)
+            body_end = min(ends, default=len(text))
+            after = body_end + len(_CALL_END) if text.startswith(_CALL_END, body_end) else body_end
+            items.append(_call_in(text[position:body_end]) or text[at:after])
+            position = after
+        end = len(text) if finished else undecided_tail(text, position, _OPENERS)
+        if end > position:
+            items.append(text[position:end])
+        return Scan(items, end)

@@ -1,0 +1,208 @@
+"""The server's structured outputs, tool calls and template kwargs, through the official openai
+client against a real `baryon serve` of stories260K: constrained replies parse and validate,
+tool calls come back with ids and finish_reason "tool_calls", streamed deltas reassemble to the
+non-streamed reply, and bad specs are 400s that name the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.test_server import API_KEY, ServerProcess
+
+MODEL = "stories"
+# Renders the tools' names (stories260K's context is 512 tokens), tool calls, tool results, and a closed <think> when enable_thinking is false.
+TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n{% endif %}"
+    "{%- for m in messages %}{{ m.role }}: {% if m.content %}{{ m.content }}{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %}"
+    " <think></think>{% endif %}{% endif %}")
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+USER = [{"role": "user", "content": "Lily asked about the weather."}]
+
+
+@pytest.fixture(scope="module")
+def server(stories_path, tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "tools.jinja"
+    template.write_text(TEMPLATE)
+    proc = ServerProcess(stories_path, "--api-key", API_KEY, "--served-model-name", MODEL, "--chat-template",
+                         str(template), "--max-model-len", "512", "--tool-call-parser", "hermes")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _post(server, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{route}", json={"model": MODEL, **body},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
+def _check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_response_format(client, temperature, seed):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=USER, temperature=temperature, seed=seed, max_tokens=300,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_structured_outputs_extension_on_completions(client, seed):
+    regex = r"[a-z]{2,5}@[a-z]{2,5}\.(com|org)"
+    reply = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, temperature=1.0,
+                                      seed=seed, n=3, extra_body={"structured_outputs": {"regex": regex}})
+    for choice in reply.choices:
+        assert re.fullmatch(regex, choice.text) and choice.finish_reason == "stop", choice.text
+    reply = client.completions.create(model=MODEL, prompt="The dog", max_tokens=10, temperature=1.0, seed=seed,
+                                      extra_body={"structured_outputs": {"choice": ["happy", "sad", "sleepy"]}})
+    assert reply.choices[0].text in ("happy", "sad", "sleepy")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_returns_valid_calls(client, stream, seed):
+    # One call: stories260K, a tiny model, would go on appending calls to an open array.
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", temperature=0.8, seed=seed,
+                  max_tokens=200, parallel_tool_calls=False)
+    reply = client.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    _check_calls(choice.message.tool_calls)
+    if stream:  # the same seed: the same reply, its calls as deltas
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for delta_call in chunk.choices[0].delta.tool_calls or []:
+                call = calls.setdefault(delta_call.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta_call.id or call["id"]
+                call["name"] += delta_call.function.name or ""
+                call["arguments"] += delta_call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
+            [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        assert all(c["id"] for c in calls.values())
+
+
+def test_required_calls_are_an_array_of_the_tools_calls():
+    """The constraint of tool_choice=required (several calls allowed) and how its text is read."""
+    from baryon.server.protocol import ChatCompletionRequest
+    from baryon.server.tool_choice import constrained_calls, plan_tools
+
+    request = ChatCompletionRequest(messages=USER, tools=TOOLS, tool_choice="required")
+    plan = plan_tools(request, "hermes")
+    schema = json.loads(plan.structure.json)
+    text = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": ' \
+           '{"city": "Oslo", "days": 2}}]'
+    jsonschema.validate(json.loads(text), schema)
+    with pytest.raises(jsonschema.ValidationError):  # a call's parameters follow its own function's schema
+        jsonschema.validate([{"name": "get_time", "parameters": {"city": "Oslo", "days": 2}}], schema)
+    calls = constrained_calls(plan, text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 2})]
+    assert len({c.id for c in calls}) == 2
+    assert constrained_calls(plan, text[:-5]) == []  # cut by max_tokens: no calls
+
+
+def test_named_tool_choice(client, seed):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=USER, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and reply.choices[0].finish_reason == "tool_calls"
+    _check_calls([call])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_the_models_format(client, stream):
+    """A reply in Hermes' format (forced here by a regex, as a model would write it) becomes a call."""
+    regex = r'Sure\.<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)", "days": [1-7]\}\}\n</tool_call>'
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, temperature=0, max_tokens=120,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.content == "Sure." and choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        _check_calls([call])
+        return
+    content, arguments, finish = "", "", None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            arguments += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Sure." and finish == "tool_calls"
+    jsonschema.validate(json.loads(arguments), WEATHER)
+
+
+def test_tool_results_and_template_kwargs_reach_the_template(client):
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    plain = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=4, temperature=0)
+    no_thinking = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=4,
+                                                 temperature=0,
+                                                 extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert no_thinking.usage.prompt_tokens > plain.usage.prompt_tokens  # the template added <think></think>
+
+
+@pytest.mark.parametrize("route, body, param, words", [
+    ("chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format", "not a valid JSON schema"),
+    ("chat/completions", {"messages": USER, "structured_outputs": {"regex": "a(b"}}, "structured_outputs",
+     "not a valid regular expression"),
+    ("completions", {"prompt": "a", "structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs",
+     "not a valid EBNF grammar"),
+    ("completions", {"prompt": "a", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one"),
+    ("chat/completions", {"messages": USER, "response_format": {"type": "json_object"},
+                          "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
+    ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {
+        "name": "get_stock"}}}, "tool_choice", "get_stock"),
+    ("chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "required",
+                          "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+    ("completions", {"prompt": "a", "tools": TOOLS}, None, "tools"),
+    ("chat/completions", {"messages": USER, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
+])
+def test_bad_specs_are_400s(server, route, body, param, words):
+    response = _post(server, route, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in error["message"], error
+    if param is not None:
+        assert error["param"] == param, error

@@ -1,0 +1,337 @@
+"""Tool-call parsers: each format's replies (content and calls, several calls, plain text, malformed
+calls left as text, unicode arguments) parsed whole, and streamed in random pieces whose deltas add
+up to the whole reply's parse; plus random replies built from valid and broken calls."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from baryon.server.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedReply,
+    ToolParser,
+    default_tool_parser,
+)
+
+WEATHER = {"city": "Paris", "unit": "celsius"}
+UNICODE = {"text": "Grüße aus Zürich 🌧", "to": "日本語", "quote": "\"¿qué?\""}
+
+
+def hermes_call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+
+
+def deepseek_call(name: str, arguments: dict) -> str:
+    return ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>" + name + "\n```json\n"
+            + json.dumps(arguments, ensure_ascii=False) + "\n```<｜tool▁call▁end｜>")
+
+
+def harmony_call(name: str, arguments: dict, recipient_first: bool = False) -> str:
+    body = json.dumps(arguments, ensure_ascii=False)
+    if recipient_first:
+        return f"<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{body}<|call|>"
+    return f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{body}<|call|>"
+
+
+def harmony_message(channel: str, body: str) -> str:
+    return f"<|start|>assistant<|channel|>{channel}<|message|>{body}<|end|>"
+
+
+THINK = "<|channel|>analysis<|message|>The user wants the weather; call the tool.<|end|>"
+
+# (parser, reply, content, [(name, arguments)])
+CASES = [
+    # hermes
+    ("hermes", "Let me check the weather.\n\n" + hermes_call("get_weather", WEATHER),
+     "Let me check the weather.", [("get_weather", WEATHER)]),
+    ("hermes", hermes_call("get_weather", WEATHER) + "\n" + hermes_call("get_time", {"tz": "CET"}),
+     None, [("get_weather", WEATHER), ("get_time", {"tz": "CET"})]),
+    ("hermes", "The answer: 4 < 5, <b>bold</b> and </tool_call> stay.\n",
+     "The answer: 4 < 5, <b>bold</b> and </tool_call> stay.\n", []),
+    ("hermes", '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": get_weather, "arguments": {}}\n</tool_call>', []),
+    ("hermes", '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>',
+     '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>', []),
+    ("hermes", "First: <tool_call>{oops}</tool_call>\n" + hermes_call("f", {"x": [1, 2.5, None]}),
+     "First: <tool_call>{oops}</tool_call>", [("f", {"x": [1, 2.5, None]})]),
+    ("hermes", hermes_call("f", {}) + "\n\nDone, see above.", "Done, see above.", [("f", {})]),
+    ("hermes", "\n\n" + hermes_call("f", {}) + "\n\nDone.", "Done.", [("f", {})]),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n', None, [("f", {"a": 1})]),  # unclosed
+    ("hermes", 'Hmm <tool_call>\n{"name": "f", "argum', 'Hmm <tool_call>\n{"name": "f", "argum', []),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
+    ("hermes", "Übersetze: " + hermes_call("translate", UNICODE), "Übersetze:", [("translate", UNICODE)]),
+    ("hermes", "ends with <tool_", "ends with <tool_", []),
+    # llama3_json
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+     None, [("get_weather", WEATHER)]),
+    ("llama3_json", ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}'
+                     "\n\nThe tool will answer."), "The tool will answer.", [("get_weather", WEATHER)]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {"y": "z"}}',
+     None, [("a", {"x": 1}), ("b", {"y": "z"})]),
+    ("llama3_json", "The weather in Paris is {usually} mild.", "The weather in Paris is {usually} mild.", []),
+    ("llama3_json", '  Sure: {"name": "x", "parameters": {}}', '  Sure: {"name": "x", "parameters": {}}', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}',
+     '{"name": "get_weather", "parameters": {"city": "Paris"}', []),
+    ("llama3_json", '{"city": "Paris"} is JSON', '{"city": "Paris"} is JSON', []),
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"name": oops}', '; {"name": oops}', [("a", {})]),
+    ("llama3_json", json.dumps({"name": "translate", "parameters": UNICODE}, ensure_ascii=False),
+     None, [("translate", UNICODE)]),
+    # mistral
+    ("mistral", 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+     "Let me look.", [("get_weather", WEATHER)]),
+    ("mistral", '[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+     None, [("a", {"x": 1}), ("b", {})]),
+    ("mistral", ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+                 '[TOOL_CALLS]get_time[ARGS]{"tz": "Europe/Paris"}'), "Sure.",
+     [("get_weather", WEATHER), ("get_time", {"tz": "Europe/Paris"})]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "celsius"}',
+     None, [("get_weather", WEATHER)]),
+    ("mistral", "Arrays look like [1, 2] and tags like [INST] or [TOOL_CALL.",
+     "Arrays look like [1, 2] and tags like [INST] or [TOOL_CALL.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {]', '[TOOL_CALLS][{"name": "a", "arguments": {]', []),
+    ("mistral", '[TOOL_CALLS][{"name": "a"}, {"arguments": {}}]', '[TOOL_CALLS][{"name": "a"}, {"arguments": {}}]', []),
+    ("mistral", '[TOOL_CALLS]bad name[ARGS]{"x": 1}[TOOL_CALLS]f[ARGS]{}',
+     '[TOOL_CALLS]bad name[ARGS]{"x": 1}', [("f", {})]),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"x": }[TOOL_CALLS]g[ARGS]{"y": 2}', '[TOOL_CALLS]f[ARGS]{"x": }', [("g", {"y": 2})]),
+    ("mistral", "[TOOL_CALLS]translate[ARGS]" + json.dumps(UNICODE, ensure_ascii=False), None, [("translate", UNICODE)]),
+    # deepseek_v3
+    ("deepseek_v3", "Let me check.\n\n" + DS_BEGIN + deepseek_call("get_weather", WEATHER) + DS_END,
+     "Let me check.", [("get_weather", WEATHER)]),
+    ("deepseek_v3", DS_BEGIN + deepseek_call("a", {"x": 1}) + "\n" + deepseek_call("b", {}) + DS_END,
+     None, [("a", {"x": 1}), ("b", {})]),
+    ("deepseek_v3", DS_BEGIN + '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "celsius"}'
+     "<｜tool▁call▁end｜>" + DS_END, None, [("get_weather", WEATHER)]),  # V3.1
+    ("deepseek_v3", "No tools needed｜ here ▁ <｜tool", "No tools needed｜ here ▁ <｜tool", []),
+    ("deepseek_v3", DS_BEGIN + '<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"x": \n```<｜tool▁call▁end｜>' + DS_END,
+     '<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"x": \n```<｜tool▁call▁end｜>', []),
+    ("deepseek_v3", "ok" + DS_BEGIN + deepseek_call("f", {"a": 1})[:-len("<｜tool▁call▁end｜>")], "ok", [("f", {"a": 1})]),
+    ("deepseek_v3", DS_BEGIN + deepseek_call("translate", UNICODE) + DS_END, None, [("translate", UNICODE)]),
+    # openai (harmony)
+    ("openai", THINK + harmony_message("commentary", "Checking the weather.")
+     + harmony_call("get_weather", WEATHER, recipient_first=True), "Checking the weather.", [("get_weather", WEATHER)]),
+    ("openai", THINK + harmony_call("get_weather", WEATHER) + THINK.replace("<|channel|>", "<|start|>assistant<|channel|>")
+     + harmony_call("get_time", {"tz": "CET"}, recipient_first=True), None,
+     [("get_weather", WEATHER), ("get_time", {"tz": "CET"})]),
+    ("openai", THINK + "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>", "Hello there!", []),
+    ("openai", "Just text, no markers.", "Just text, no markers.", []),
+    ("openai", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": Paris}<|call|>',
+     '{"city": Paris}', []),
+    ("openai", "<|channel|>analysis to=python code<|message|>print(1)<|call|>", None, []),  # a built-in tool
+    ("openai", "<|channel|>final<|message|>Cut off mid-sentence", "Cut off mid-sentence", []),
+    ("openai", harmony_call("translate", UNICODE), None, [("translate", UNICODE)]),
+]
+CASE_IDS = [f"{parser}-{i}" for i, (parser, *_) in enumerate(CASES)]
+
+
+def call_pairs(reply: ParsedReply) -> list[tuple[str, dict]]:
+    return [(call.name, json.loads(call.arguments)) for call in reply.tool_calls]
+
+
+def stream_in_pieces(parser: ToolParser, text: str, rng: random.Random) -> list[dict]:
+    """Feed the reply growing by random steps (inside markers too); the last call is finished."""
+    deltas, end = [], 0
+    while end < len(text):
+        end = min(len(text), end + rng.choice([1, 1, 2, 3, 5, 8, 13, 40]))
+        deltas.append(parser.stream(text[:end], finished=end == len(text) and rng.random() < 0.5))
+    deltas.append(parser.stream(text, finished=True))
+    return deltas
+
+
+def reassemble(deltas: list[dict]) -> tuple[str, list[dict]]:
+    """Concatenated content and, per index, id / name / concatenated arguments, checking the
+    deltas' shape on the way."""
+    content, calls = "", {}
+    for delta in deltas:
+        assert set(delta) <= {"content", "tool_calls"}
+        if "content" in delta:
+            assert delta["content"]
+            content += delta["content"]
+        for piece in delta.get("tool_calls", []):
+            index = piece["index"]
+            if index not in calls:
+                assert piece["type"] == "function" and piece["id"] and piece["function"]["name"]
+                calls[index] = {"id": piece["id"], "name": piece["function"]["name"], "arguments": ""}
+            else:
+                assert "id" not in piece and set(piece["function"]) == {"arguments"}
+            calls[index]["arguments"] += piece["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    assert len({call["id"] for call in calls.values()}) == len(calls)
+    return content, [calls[i] for i in range(len(calls))]
+
+
+@pytest.mark.parametrize("parser_name,reply,content,calls", CASES, ids=CASE_IDS)
+def test_parse_a_whole_reply(parser_name, reply, content, calls):
+    parsed = TOOL_PARSERS[parser_name]().parse(reply)
+    assert parsed.content == content
+    assert call_pairs(parsed) == calls
+    assert len({call.id for call in parsed.tool_calls}) == len(calls)
+    for call in parsed.tool_calls:
+        assert call.id.startswith("call_") and "\\u" not in call.arguments  # unicode written as is
+
+
+@pytest.mark.parametrize("parser_name,reply,content,calls", CASES, ids=CASE_IDS)
+def test_streamed_pieces_add_up_to_the_whole(seed, parser_name, reply, content, calls):
+    rng = random.Random(seed)
+    for _ in range(6):
+        parser = TOOL_PARSERS[parser_name]()
+        streamed_content, streamed_calls = reassemble(stream_in_pieces(parser, reply, rng))
+        parsed = parser.parse(reply)
+        assert streamed_content == (parsed.content or "") == (content or "")
+        assert [(call["name"], call["arguments"]) for call in streamed_calls] == \
+            [(call.name, call.arguments) for call in parsed.tool_calls]
+        assert [(call["name"], json.loads(call["arguments"])) for call in streamed_calls] == calls
+
+
+def test_unicode_arguments_survive_as_written():
+    parsed = TOOL_PARSERS["hermes"]().parse(hermes_call("translate", UNICODE))
+    assert parsed.tool_calls[0].arguments == json.dumps(UNICODE, ensure_ascii=False)
+    raw = '[TOOL_CALLS]translate[ARGS]{"text":  "Grüße 🌧"}'  # written as a JSON text: kept verbatim
+    assert TOOL_PARSERS["mistral"]().parse(raw).tool_calls[0].arguments == '{"text":  "Grüße 🌧"}'
+
+
+def test_a_call_is_sent_once_it_is_closed():
+    parser = TOOL_PARSERS["hermes"]()
+    reply = "Checking.\n" + hermes_call("get_weather", WEATHER) + "\nMore."
+    closing = reply.index("</tool_call>")
+    assert parser.stream(reply[:closing + 5], finished=False) == {"content": "Checking."}
+    assert parser.stream(reply[:closing + len("</tool_call>") - 1], finished=False) == {}
+    delta = parser.stream(reply[:closing + len("</tool_call>")], finished=False)
+    assert delta["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": json.dumps(WEATHER)}
+    assert delta["tool_calls"][0]["index"] == 0 and "content" not in delta
+    assert parser.stream(reply, finished=False) == {"content": "\nMore."}  # the space before the call, once
+    assert parser.stream(reply, finished=True) == {}
+
+
+def test_what_may_be_a_marker_is_held_back_until_decided():
+    parser = TOOL_PARSERS["hermes"]()
+    assert parser.stream("Hi <tool_", finished=False) == {"content": "Hi"}  # the space: a call may follow
+    assert parser.stream("Hi <tool_", finished=True) == {"content": " <tool_"}
+    parser = TOOL_PARSERS["mistral"]()
+    assert parser.stream("a [TOOL_CAL", finished=False) == {"content": "a"}
+    assert parser.stream("a [TOOL_CALX", finished=False) == {"content": " [TOOL_CALX"}
+    parser = TOOL_PARSERS["openai"]()
+    assert parser.stream("<|channel|>final<|message|>Hello<|en", finished=False) == {"content": "Hello"}
+    assert parser.stream("<|channel|>final<|message|>Hello<|end|>", finished=False) == {}
+
+
+PLAIN = {"hermes": "{}", "llama3_json": "{}", "mistral": "{}", "deepseek_v3": "{}",
+         "openai": THINK + "<|start|>assistant<|channel|>final<|message|>{}<|return|>"}
+
+
+@pytest.mark.parametrize("parser_name", sorted(PLAIN))
+def test_plain_content_streams_as_it_comes(parser_name):
+    """Content is sent while it is generated, short of a possible marker's length, not at the end."""
+    text = "The quick brown fox jumps over the lazy dog. " * 20
+    reply = PLAIN[parser_name].format(text)
+    text_start, sent = reply.index(text), ""
+    parser = TOOL_PARSERS[parser_name]()
+    for end in range(1, text_start + len(text)):
+        sent += parser.stream(reply[:end], finished=False).get("content", "")
+        assert len(sent) >= end - text_start - 25
+    sent += parser.stream(reply, finished=True).get("content", "")
+    assert sent == text
+
+
+def test_registry_and_defaults():
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "openai", "harmony"}
+    assert TOOL_PARSERS["harmony"] is TOOL_PARSERS["openai"]
+    assert all(cls.name in TOOL_PARSERS for cls in TOOL_PARSERS.values())
+    expected = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+                "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3",
+                "deepseek_v32": "deepseek_v3", "gpt_oss": "openai", "gemma3": None, None: None}
+    assert {model_type: default_tool_parser(model_type) for model_type in expected} == expected
+
+
+# Random replies: text (with marker-like characters), valid calls and broken ones, in any order.
+WORDS = ["Sure", "the", "weather", " ", "\n", "<", "[", "{", "}", "|", "｜", "▁", "Zürich", "🌧", "naïve", "to=",
+         "<b>", "[1]", "x;y", "\"q\"", "<|", "<tool", "[TOOL"]
+
+
+def random_text(rng: random.Random) -> str:
+    return "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8)))
+
+
+def random_arguments(rng: random.Random) -> dict:
+    return {rng.choice(["city", "q", "n", "ünï", "list"]): rng.choice(["Paris", "東京 🗼", 3, 2.5, [1, "a"], None,
+                                                                      {"nested": True}, "a\"b\\c"])
+            for _ in range(rng.randint(0, 3))}
+
+
+def render(parser_name: str, rng: random.Random) -> tuple[str, list[tuple[str, dict]], str]:
+    """A random reply, its calls, and the text that is not a call, as written."""
+    parts: list[tuple[str, tuple[str, dict] | None]] = []  # (text of the part, the call it is)
+    for _ in range(rng.randint(1, 5)):
+        kind = rng.choice(["text", "call", "call", "broken"])
+        name, arguments = rng.choice(["get_weather", "f", "search.web", "x_1"]), random_arguments(rng)
+        if parser_name == "hermes":
+            written = {"text": random_text(rng), "call": hermes_call(name, arguments),
+                       "broken": "<tool_call>{" + random_text(rng).replace("</tool_call>", "") + "</tool_call>"}[kind]
+        elif parser_name == "mistral":
+            written = {"text": random_text(rng).replace("[TOOL", "[TOOl"),
+                       "call": "[TOOL_CALLS]" + name + "[ARGS]" + json.dumps(arguments, ensure_ascii=False),
+                       "broken": "[TOOL_CALLS]" + name + "[ARGS]{\"unclosed\": [1, }"}[kind]
+            if parts and parts[-1][0].startswith("[TOOL_CALLS]") and parts[-1][1] is None and kind == "text":
+                kind = "broken"  # text after a broken call belongs to it
+        elif parser_name == "deepseek_v3":
+            written = {"text": random_text(rng), "call": DS_BEGIN + deepseek_call(name, arguments) + DS_END,
+                       "broken": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{]\n```<｜tool▁call▁end｜>"}[kind]
+        else:
+            written = {"text": harmony_message(rng.choice(["final", "commentary"]), random_text(rng).replace("|", "")),
+                       "call": harmony_call(name, arguments, recipient_first=rng.random() < 0.5),
+                       "broken": harmony_call(name, {}).replace("{}", "{oops")}[kind]
+            if rng.random() < 0.3:
+                parts.append((THINK.replace("<|channel|>", "<|start|>assistant<|channel|>"), None))
+        parts.append((written, (name, arguments) if kind == "call" else None))
+    reply = "".join(text for text, _ in parts)
+    calls = [call for _, call in parts if call is not None]
+    if parser_name == "openai":  # content is the bodies of the content messages, as written
+        reply = reply.removeprefix("<|start|>assistant")
+        plain = "".join(text.split("<|message|>")[1].split("<|")[0] for text, call in parts
+                        if call is None and "analysis" not in text)
+    else:
+        plain = "".join(text for text, call in parts if call is None)
+        if parser_name == "deepseek_v3":
+            plain = plain.replace(DS_BEGIN, "").replace(DS_END, "")
+    return reply, calls, plain
+
+
+def without_space(text: str) -> str:
+    return "".join(text.split())
+
+
+@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "deepseek_v3", "openai"])
+def test_random_replies(seed, parser_name):
+    rng = random.Random(seed)
+    for _ in range(60):
+        reply, calls, plain = render(parser_name, rng)
+        parsed = TOOL_PARSERS[parser_name]().parse(reply)
+        assert call_pairs(parsed) == calls, reply
+        assert without_space(parsed.content or "") == without_space(plain), reply
+        parser = TOOL_PARSERS[parser_name]()
+        content, streamed = reassemble(stream_in_pieces(parser, reply, rng))
+        assert content == (parsed.content or ""), reply
+        assert [(call["name"], call["arguments"]) for call in streamed] == \
+            [(call.name, call.arguments) for call in parsed.tool_calls], reply
+
+
+def test_random_llama3_replies(seed):
+    rng = random.Random(seed)
+    for _ in range(60):
+        calls = [(rng.choice(["f", "get_weather"]), random_arguments(rng)) for _ in range(rng.randint(1, 3))]
+        key = rng.choice(["parameters", "arguments"])
+        reply = rng.choice(["", "<|python_tag|>", " "]) + "; ".join(
+            json.dumps({"name": name, key: arguments}, ensure_ascii=False) for name, arguments in calls)
+        tail = rng.choice(["", "\n\nDone.", "; {\"name\": broken"])
+        reply += tail
+        parsed = TOOL_PARSERS["llama3_json"]().parse(reply)
+        assert call_pairs(parsed) == calls, reply
+        assert (parsed.content or "") == tail.strip(), reply
+        content, streamed = reassemble(stream_in_pieces(TOOL_PARSERS["llama3_json"](), reply, rng))
+        assert content == (parsed.content or "")
+        assert [(call["name"], json.loads(call["arguments"])) for call in streamed] == calls
