@@ -116,7 +116,7 @@ def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tok
     from baryon import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(model)
-    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,400}$"}},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]+$"}},
               "required": ["name"], "additionalProperties": False}
     spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
     for batch in batch_sizes:

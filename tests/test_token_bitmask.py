@@ -134,11 +134,43 @@ def test_triton_on_strided_rows_and_repeated_rows(seed):
     assert torch.equal(out[:, 100:], buffer[:, 100:])
 
 
+def _cpu_kernel():
+    from baryon.kernels.token_bitmask import CpuTokenBitmask
+
+    reason = CpuTokenBitmask.unsupported_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    return CpuTokenBitmask
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_cpu_kernel_matches_torch(seed, vocab):
+    """The C++ kernel: every mask width, distinct rows in random order, then a row named twice and
+    rows of a wider buffer (row stride > V)."""
+    kernel = _cpu_kernel()
+    gen = torch.Generator().manual_seed(seed)
+    for mask_words in mask_widths(vocab):
+        logits, _, bitmask, rows = random_case(gen, vocab, mask_words, 7, 4, torch.float32)
+        out, ref = logits.clone(), logits.clone()
+        kernel.apply(out, bitmask, rows)
+        TorchTokenBitmask.apply(ref, bitmask, rows)
+        assert torch.equal(out, ref), f"mask_words={mask_words}"
+    buffer = torch.randn(5, vocab + 9, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31, (3, -(-vocab // 32)), generator=gen, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([3, 0, 3])
+    out, ref = buffer.clone(), buffer.clone()
+    kernel.apply(out[:, :vocab], bitmask, rows)
+    TorchTokenBitmask.apply(ref[:, :vocab], bitmask, rows)
+    assert torch.equal(out, ref) and torch.equal(out[:, vocab:], buffer[:, vocab:])
+
+
 def test_selector_keeps_triton_off_cpu_unless_forced(monkeypatch):
     from baryon.kernels import selector
+    from baryon.kernels.cpu import unsupported_reason
     from baryon.kernels.triton_utils import INTERPRETED, triton
 
-    assert selector.select("token_bitmask", torch.device("cpu")) is TorchTokenBitmask
+    chosen = selector.select("token_bitmask", torch.device("cpu"))
+    assert chosen.name == ("cpu" if unsupported_reason(torch.device("cpu")) is None else "torch")
     if triton is None or not INTERPRETED:
         pytest.skip("forcing Triton on CPU needs the interpreter (TRITON_INTERPRET=1 before import)")
     monkeypatch.setenv("BARYON_KERNEL_TOKEN_BITMASK", "triton")

@@ -40,3 +40,23 @@ class TorchTokenBitmask(Kernel):
         blocked = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)  # [B, V]
         blocked.index_add_(0, rows, blocked_by_row)  # bool addition: OR over repeated rows
         logits.masked_fill_(blocked, float("-inf"))
+
+
+class CpuTokenBitmask(Kernel):
+    """The C++ kernel (kernels/cpu/token_bitmask.cpp): one word read per 32 tokens, only the
+    disallowed logits written; float32 logits (others take the torch reference)."""
+
+    name = "cpu"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        from baryon.kernels.cpu import unsupported_reason
+
+        return unsupported_reason(device)
+
+    @staticmethod
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        if logits.dtype != torch.float32 or logits.stride(1) != 1 or not bitmask.is_contiguous():
+            TorchTokenBitmask.apply(logits, bitmask, rows)
+            return
+        torch.ops.baryon_cpu.apply_token_bitmask(logits, bitmask, rows)

@@ -25,9 +25,9 @@ from baryon.logger import get_logger
 logger = get_logger(__name__)
 
 OPS = ("block_quant_linear", "block_quant_dequantize", "block_quant_linear_int8", "rms_norm", "qkv_prologue", "paged_attention",
-       "decoder_layer")
+       "decoder_layer", "apply_token_bitmask")
 SOURCES = ("block_quant_linear.cpp", "block_quant_int8_dot.cpp", "rms_norm.cpp", "paged_attention.cpp",
-           "decoder_layer.cpp")
+           "decoder_layer.cpp", "token_bitmask.cpp")
 
 
 def _cpu_fingerprint() -> str:
