@@ -199,3 +199,15 @@ def test_chat_renders_tools_and_template_kwargs(llm):
     decode = llm.get_tokenizer().decode
     assert "get_weather" not in decode(plain.prompt_token_ids) and "FLAG" not in decode(plain.prompt_token_ids)
     assert "[get_weather] hi FLAG" in decode(more.prompt_token_ids)
+
+
+def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm):
+    """xgrammar 0.2.8 parses this schema but cannot compile it (a pattern's {1,400} repeat): the
+    request ends with finish_reason "abort" (logged), its neighbour is served."""
+    broken = StructuredOutputsParams(json={"type": "object", "properties": {"s": {"type": "string",
+                                                                                 "pattern": "^[a-z ]{1,400}$"}}})
+    outs = llm.generate(["Once", "Lily"], [SamplingParams(max_tokens=8, structured_outputs=broken),
+                                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 8
