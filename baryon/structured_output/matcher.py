@@ -32,8 +32,9 @@ class RequestGrammar:
         self.rejected_token: int | None = None  # a token the grammar refused (the mask was not applied)
 
     def ready(self) -> bool:
-        """Compiled (or failed: see error)."""
-        return self._compiled.done()
+        """Compiled without error (a failed compilation is never ready: the engine aborts the
+        request on its next step, see `error`)."""
+        return self._compiled.done() and self._compiled.exception() is None
 
     @property
     def error(self) -> str | None:
