@@ -211,3 +211,28 @@ def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm):
                         use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("fields", [{"choice": ["ünïcode", "yes"]}, {"grammar": 'root ::= "ünïcode" | "yes"'},
+                                    {"regex": "ünïcode|yes"}, {"json": {"enum": ["ünïcode", "yes"]}}])
+def test_non_ascii_literals_match_their_own_bytes(random_stories, fields):
+    """'ï' then 'c' must stay bytes C3 AF 63 (xgrammar 0.2.8 reprints a cached Grammar as "\\xefc",
+    which reads back as U+0EFC: the engine compiles from the spec's text)."""
+    from baryon.structured_output.compiler import GrammarCompiler
+    from baryon.structured_output.matcher import RequestGrammar, fill_bitmask
+    from baryon.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(random_stories), False)
+    spec = StructuredOutputsParams(**fields)
+    compiler = GrammarCompiler(str(random_stories), False, 512)
+    try:
+        for _ in range(2):  # compiled, then from the compiler's cache
+            grammar = RequestGrammar(compiler.submit(spec), [2])
+            prefix = ('"' if "json" in fields else "") + "ün"
+            grammar.advance(tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in prefix.encode()]))
+            assert grammar.rejected_token is None
+            bitmask = fill_bitmask([grammar], 512)
+            allowed = [t for t in range(512) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+            assert tokenizer.convert_ids_to_tokens(allowed) == ["<0xC3>"]
+    finally:
+        compiler.shutdown()

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from baryon.sampling_params import StructuredOutputsParams
-from baryon.structured_output.grammar import grammar_of
+from baryon.structured_output.grammar import compile_spec
 
 if TYPE_CHECKING:
     import xgrammar
@@ -47,7 +47,7 @@ class GrammarCompiler:
         return future
 
     def _compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        return self._xgrammar_compiler().compile_grammar(grammar_of(spec))
+        return compile_spec(self._xgrammar_compiler(), spec)
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._compiler_lock:

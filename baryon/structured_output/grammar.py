@@ -1,4 +1,4 @@
-"""A StructuredOutputsParams as an xgrammar Grammar, and the syntax check the frontends run.
+"""A StructuredOutputsParams checked (its syntax, by the frontends) and compiled (by the engine).
 
 Parsing needs no tokenizer and takes microseconds to milliseconds, so a frontend checks every
 spec before submitting its request: an invalid schema, regex or grammar is the request's error
@@ -23,26 +23,29 @@ JSON_MAX_WHITESPACE = 16
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-def grammar_of(spec: StructuredOutputsParams) -> xgrammar.Grammar:
-    """The grammar of the spec's one constraint; ValueError naming the field when it does not parse."""
+def _json_schema(spec: StructuredOutputsParams) -> str:
+    # json_object: an object, as OpenAI's (xgrammar's builtin JSON grammar allows any value)
+    return '{"type": "object"}' if spec.json_object else spec.json
+
+
+def _ebnf(spec: StructuredOutputsParams) -> str:
+    if spec.choice is not None:  # one alternative per string (JSON's escapes are EBNF's)
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+    return spec.grammar
+
+
+def check_spec(spec: StructuredOutputsParams) -> None:
+    """Raise ValueError, naming the field and the problem, when the spec does not parse."""
     import xgrammar as xgr
 
-    if spec.json_object:  # an object, as OpenAI's json_object (the builtin JSON grammar allows any value)
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not spec.disable_any_whitespace,
-                                            max_whitespace_cnt=JSON_MAX_WHITESPACE)
-    if spec.choice is not None:  # one EBNF alternative per string (JSON escapes are EBNF escapes)
-        field, build = "choice", lambda: xgr.Grammar.from_ebnf(
-            "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice))
-    elif spec.json is not None:
-        field, build = "json", lambda: xgr.Grammar.from_json_schema(
-            spec.json, any_whitespace=not spec.disable_any_whitespace, strict_mode=True,
-            max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if spec.json is not None or spec.json_object:
+        field, parse = "json", lambda: xgr.Grammar.from_json_schema(_json_schema(spec), strict_mode=True)
     elif spec.regex is not None:
-        field, build = "regex", lambda: xgr.Grammar.from_regex(spec.regex)
+        field, parse = "regex", lambda: xgr.Grammar.from_regex(spec.regex)
     else:
-        field, build = "grammar", lambda: xgr.Grammar.from_ebnf(spec.grammar)
+        field, parse = ("choice" if spec.choice is not None else "grammar"), lambda: xgr.Grammar.from_ebnf(_ebnf(spec))
     try:
-        return build()
+        parse()
     except (RuntimeError, ValueError) as e:
         message = _LOG_PREFIX.sub("", str(e).strip()).splitlines()[0]
         what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
@@ -50,6 +53,13 @@ def grammar_of(spec: StructuredOutputsParams) -> xgrammar.Grammar:
         raise ValueError(f"structured_outputs.{field}: not a valid {what}: {message}") from None
 
 
-def check_spec(spec: StructuredOutputsParams) -> None:
-    """Raise ValueError, naming the field and the problem, when the spec does not parse."""
-    grammar_of(spec)
+def compile_spec(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+    """The spec compiled from its text. Not from a parsed Grammar: xgrammar 0.2.8 caches those by
+    their printed form and compiles the reprint, whose `\\x` escapes run into the next hex digit
+    ("\\xef" + "c" becomes U+0EFC), so non-ASCII literals would match the wrong bytes."""
+    if spec.json is not None or spec.json_object:
+        return compiler.compile_json_schema(_json_schema(spec), any_whitespace=not spec.disable_any_whitespace,
+                                            strict_mode=True, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+    if spec.regex is not None:
+        return compiler.compile_regex(spec.regex)
+    return compiler.compile_grammar(_ebnf(spec))
