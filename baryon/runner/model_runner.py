@@ -458,9 +458,12 @@ class ModelRunner:
 
 
 def _position_dependent(request: Request) -> bool:
+    """Whether each position's distribution depends on the tokens before it in a way drafts
+    cannot follow (penalties, min_tokens, a grammar): such a request drafts nothing."""
     params = request.sampling_params
-    return request.grammar is not None or bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-                or request.num_output_tokens < params.min_tokens)
+    return request.grammar is not None or bool(
+        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+        or request.num_output_tokens < params.min_tokens)
 
 
 class LaunchedStep:
