@@ -201,3 +201,17 @@ def test_decoder_layer_op_keeps_layers_whose_linears_timed_faster_elsewhere(tiny
     assert why_not_fused(layer) is None
     monkeypatch.setenv("BARYON_KERNEL_DENSE_LINEAR", "zentorch")
     assert "forced onto zentorch" in why_not_fused(layer)
+
+
+def test_zentorch_leaves_the_weight_it_multiplies_as_it_was(seed):
+    """ZenDNN's default weight cache reorders a weight in place; the selector times zentorch on a
+    layer's own weight and F.linear (or a tied embedding) may read it afterwards, so baryon sets
+    the copy-beside cache before importing zentorch."""
+    need(ZentorchDenseLinear, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    weight, x = torch.randn(96, 64, generator=gen), torch.randn(16, 64, generator=gen)
+    original = weight.clone()
+    for _ in range(3):
+        out = ZentorchDenseLinear.forward(x, weight, None)
+    assert torch.equal(weight, original)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, original), atol=1e-4, rtol=1e-4)

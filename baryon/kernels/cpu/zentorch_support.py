@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 
@@ -30,10 +31,21 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+# ZenDNN's weight cache: 0 off, 1 a reordered copy beside the weight, 2 (its default) the reorder
+# written over the weight itself. In place, the tensor a layer shares with anything else (a tied
+# embedding, the kernel selector's timing of the other candidates, F.linear) becomes garbage:
+# measured on a Zen 4 (zentorch 2.13.0.2), one timed call left a layer's weight reordered and the
+# engine's logprobs off by 1.4 nats. A copy costs memory, not correctness.
+_WEIGHT_CACHE_ENV = "ZENDNNL_MATMUL_WEIGHT_CACHE"
+_SAFE_WEIGHT_CACHES = ("0", "1")
+
+
 @functools.cache
 def _import_error() -> str | None:
     if importlib.util.find_spec("zentorch") is None:
         return f"zentorch is not installed ({INSTALL_HINT})"
+    if os.environ.get(_WEIGHT_CACHE_ENV) not in _SAFE_WEIGHT_CACHES:
+        os.environ[_WEIGHT_CACHE_ENV] = "1"  # set before zentorch reads it
     try:
         import zentorch  # noqa: F401  (registers torch.ops.zentorch)
     except Exception as e:  # built for another torch, a missing dependency, ...
