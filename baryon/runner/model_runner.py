@@ -343,7 +343,8 @@ class ModelRunner:
             if request.num_pending_tokens:
                 tokens = tokens + [self.last_launch.sampled_token(request.request_id)]
             request.grammar.advance(tokens)
-        bitmask = fill_bitmask([requests[i].grammar for i in constrained], self.vocab_size)  # [R, words]
+        bitmask = fill_bitmask([requests[i].grammar for i in constrained], self.vocab_size,  # [R, words]
+                               threaded=self.device.type != "cpu")
         if self.bitmask_kernel is None:
             self.bitmask_kernel = select("token_bitmask", self.device)
         target_rows = torch.tensor([rows[i] for i in constrained], dtype=torch.int64)  # [R]

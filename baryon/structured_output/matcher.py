@@ -68,15 +68,20 @@ class RequestGrammar:
         return self.rejected_token is not None or (self.matcher is not None and self.matcher.is_terminated())
 
 
-def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int) -> torch.Tensor:
+def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int, threaded: bool = True) -> torch.Tensor:
     """int32 [len(grammars), ceil(vocab_size / 32)] on the host: row i = what may follow grammar
-    i's accepted tokens (every token where its matcher has ended: that row's token is dropped)."""
+    i's accepted tokens (every token where its matcher has ended: that row's token is dropped).
+    threaded: several rows at once on xgrammar's threads (not where the engine's own kernels run
+    on every core: a CPU device)."""
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)  # all bits set
     live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
-    if live:
+    if len(live) > 1 and threaded:
         batch_matcher().batch_fill_next_token_bitmask([grammars[i].get_matcher() for i in live], bitmask, live)
+    else:
+        for i in live:
+            grammars[i].get_matcher().fill_next_token_bitmask(bitmask, i)
     return bitmask
 
 
