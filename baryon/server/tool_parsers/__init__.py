@@ -4,12 +4,12 @@ names follow vLLM's `--tool-call-parser`."""
 
 from __future__ import annotations
 
-from .base import ParsedReply, ToolCall, ToolParser
-from .deepseek_v3 import DeepSeekV3ToolParser
-from .harmony import HarmonyToolParser
-from .hermes import HermesToolParser
-from .llama3_json import Llama3JsonToolParser
-from .mistral import MistralToolParser
+from baryon.server.tool_parsers.base import ParsedReply, ToolCall, ToolParser
+from baryon.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from baryon.server.tool_parsers.harmony import HarmonyToolParser
+from baryon.server.tool_parsers.hermes import HermesToolParser
+from baryon.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from baryon.server.tool_parsers.mistral import MistralToolParser
 
 __all__ = ["TOOL_PARSERS", "ParsedReply", "ToolCall", "ToolParser", "default_tool_parser"]
 

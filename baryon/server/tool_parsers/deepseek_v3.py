@@ -12,7 +12,7 @@ dropped; a call that cannot be read stays in the content as written.
 
 from __future__ import annotations
 
-from .base import Scan, ToolCall, ToolParser, arguments_text, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, arguments_text, undecided_tail
 
 _CALLS_BEGIN, _CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 _CALL_BEGIN, _CALL_END, _SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from .base import Scan, ToolCall, ToolParser, arguments_text, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, arguments_text, undecided_tail
 
 _START, _MESSAGE = "<|start|>", "<|message|>"
 _BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", _START)  # <|start|> is the next message's

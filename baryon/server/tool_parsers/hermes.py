@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from .base import Scan, ToolCall, ToolParser, call_from_object, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, call_from_object, undecided_tail
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .base import Scan, ToolCall, ToolParser, call_from_object, decode_json
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, call_from_object, decode_json
 
 _PYTHON_TAG = "<|python_tag|>"
 _SPACE = re.compile(r"\s*")

@@ -11,14 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .base import (
-    Scan,
-    ToolCall,
-    ToolParser,
-    call_from_object,
-    decode_json,
-    undecided_tail,
-)
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, call_from_object, decode_json, undecided_tail
 
 _CALLS, _ARGS, _CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _SPACE = re.compile(r"\s*")
