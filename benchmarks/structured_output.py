@@ -11,9 +11,9 @@
    tokens;
 3. apply: the token_bitmask kernel on [B, 151936] float32 logits on the device;
 4. decode: TPOT of `--model` at batch 1 and `--batch` (median of --repeats, the two cases
-   alternating), every request under the same schema against no constraint. A preset (dummy weights) runs with stories260K's tokenizer: its synthetic
-   tokenizer has no JSON characters; the grammar then allows only those 512 tokens of the
-   151,936 (the host fill is cheaper than with a real vocabulary: step 2 gives that cost).
+   alternating), every request under the same schema against no constraint. A preset (dummy
+   weights; its own synthetic tokenizer has no JSON characters) runs with a byte-level
+   tokenizer over step 1's kind of vocabulary, at the preset's vocabulary size.
 
 Prints one JSON line per measurement and a table last.
 """
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +33,8 @@ import numpy as np
 import torch
 
 VOCAB = 151_936
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(os.environ.get(  # as the tests find it: BARYON_STORIES_PATH, else ../shared/models
+    "BARYON_STORIES_PATH", Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"))
 
 
 def twenty_field_schema() -> dict:
@@ -55,15 +58,35 @@ def synthetic_vocab(size: int, seed: int) -> list[bytes]:
     return vocab
 
 
+def byte_level_tokenizer(folder: Path, vocab: list[bytes], eos_token_id: int) -> Path:
+    """A Hugging Face byte-level BPE tokenizer whose token i is vocab[i] (no merges: text encodes
+    byte by byte, and every token decodes), so that a preset's grammar sees a vocabulary of its
+    model's size and kind. (A small real tokenizer padded to 151,936 ids would not do: xgrammar
+    treats the padding ids as special tokens and scans them on every accepted token.)"""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    to_unicode = bytes_to_unicode()
+    pieces = ["".join(to_unicode[b] for b in token) for token in vocab]
+    tokenizer = Tokenizer(models.BPE({piece: i for i, piece in enumerate(pieces)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=pieces[eos_token_id])
+    fast.save_pretrained(folder)
+    return folder
+
+
 def host_costs(records: list[dict], seed: int, steps: int) -> None:
     import xgrammar as xgr
 
     from baryon.sampling_params import StructuredOutputsParams
+    from baryon.structured_output.compiler import COMPILER_THREADS
     from baryon.structured_output.grammar import compile_spec
     from baryon.structured_output.matcher import batch_matcher
 
     info = xgr.TokenizerInfo(synthetic_vocab(VOCAB, seed), xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[0])
-    compiler = xgr.GrammarCompiler(info, max_threads=2)
+    compiler = xgr.GrammarCompiler(info, max_threads=COMPILER_THREADS)
     spec = StructuredOutputsParams(json=twenty_field_schema(), disable_any_whitespace=True)
     start = time.perf_counter()
     compiled = compile_spec(compiler, spec)
@@ -112,13 +135,17 @@ def apply_cost(records: list[dict], device: torch.device) -> None:
                         "ms": statistics.median(times[5:]) * 1e3})
 
 
-def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tokens: int, repeats: int) -> None:
+def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tokens: int, repeats: int,
+                seed: int) -> None:
     from baryon import LLM, SamplingParams, StructuredOutputsParams
 
     from baryon.bench.presets import PRESETS, resolve_model
 
     if model in PRESETS:
-        llm = LLM(resolve_model(model), load_format="dummy", tokenizer=str(STORIES), max_model_len=4096)
+        config = PRESETS[model]
+        tokenizer = byte_level_tokenizer(Path(tempfile.mkdtemp(prefix="byte-level-")),
+                                         synthetic_vocab(config["vocab_size"], seed), config["eos_token_id"])
+        llm = LLM(resolve_model(model), load_format="dummy", tokenizer=str(tokenizer), max_model_len=4096)
     else:
         llm = LLM(model)
     # A JSON array that cannot close before --new-tokens (400 items of 3-5 tokens), so every
@@ -160,7 +187,7 @@ def main() -> None:
     records: list[dict] = []
     host_costs(records, args.seed, args.fill_steps)
     apply_cost(records, device)
-    decode_cost(records, args.model, [1, args.batch], args.new_tokens, args.repeats)
+    decode_cost(records, args.model, [1, args.batch], args.new_tokens, args.repeats, args.seed)
     for record in records:
         print(json.dumps(record))
     print(f"\n{'measure':<8} {'case':<40} {'ms':>9}")

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 
 import jsonschema
 import pytest
+import torch
 
 from baryon import LLM, SamplingParams, StructuredOutputsParams
 from tests.conftest import make_checkpoint
@@ -231,8 +232,53 @@ def test_non_ascii_literals_match_their_own_bytes(random_stories, fields):
             prefix = ('"' if "json" in fields else "") + "ün"
             grammar.advance(tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in prefix.encode()]))
             assert grammar.rejected_token is None
-            bitmask = fill_bitmask([grammar], 512)
+            bitmask = torch.zeros(1, 512 // 32, dtype=torch.int32)
+            fill_bitmask([grammar], bitmask)
             allowed = [t for t in range(512) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
             assert tokenizer.convert_ids_to_tokens(allowed) == ["<0xC3>"]
+    finally:
+        compiler.shutdown()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned staging buffer's copy needs CUDA"))])
+def test_bitmask_rows_are_whole_in_a_reused_buffer(random_stories, device, seed):
+    """The runner fills one host buffer step after step: a live grammar's row holds exactly its
+    next tokens and an ended grammar's row allows every token, whatever the buffer held before;
+    the device copy of each step is that step's mask."""
+    import xgrammar as xgr
+
+    from baryon.structured_output.bitmask_staging import BitmaskStaging
+    from baryon.structured_output.compiler import GrammarCompiler
+    from baryon.structured_output.matcher import RequestGrammar, fill_bitmask
+    from baryon.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(random_stories), False)
+    byte_tokens = lambda text: tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in text.encode()])  # noqa: E731
+    compiler = GrammarCompiler(str(random_stories), False, 512)
+    staging = BitmaskStaging(512, torch.device(device))
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        spec = StructuredOutputsParams(choice=["yes", "yellow", "no"])
+        grammars = [RequestGrammar(compiler.submit(spec), [2]) for _ in range(3)]
+        grammars[0].advance(byte_tokens("ye"))
+        grammars[1].advance(byte_tokens("no") + [2])
+        assert grammars[1].is_terminated() and not grammars[0].is_terminated()
+        for step, rows in enumerate((3, 20)):
+            host = staging.host_rows(rows)  # [rows, 16], left as the previous step wrote it
+            assert host.shape == (rows, 16) and staging.host.shape[0] >= rows
+            host.copy_(torch.randint(-2**31, 2**31 - 1, host.shape, dtype=torch.int32, generator=generator))
+            step_grammars = (grammars * 7)[:rows]
+            fill_bitmask(step_grammars, host, threaded=step == 1)
+            expected = xgr.allocate_token_bitmask(rows, 512)
+            for i, grammar in enumerate(step_grammars):
+                if not grammar.is_terminated():
+                    grammar.get_matcher().fill_next_token_bitmask(expected, i)
+            assert torch.equal(host, expected)
+            allowed = [t for t in range(512) if (int(host[0, t // 32]) >> (t % 32)) & 1]
+            assert set(byte_tokens("s") + byte_tokens("l")) <= set(allowed)  # "ye" -> "s" or "llow"
+            assert all(piece.lstrip("▁")[:1] in "sl<" for piece in tokenizer.convert_ids_to_tokens(allowed))
+            assert (host[1] == -1).all()
+            assert torch.equal(staging.upload(rows).cpu(), expected)
     finally:
         compiler.shutdown()

@@ -36,6 +36,7 @@ from baryon.runner.sampling_inputs import build_sampling_batch
 from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
+from baryon.structured_output.bitmask_staging import BitmaskStaging
 from baryon.structured_output.matcher import fill_bitmask
 from baryon.transfer import to_device
 
@@ -112,6 +113,7 @@ class ModelRunner:
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
         self.bitmask_kernel = None  # token_bitmask, selected for the first constrained request
+        self.bitmask_staging: BitmaskStaging | None = None  # its host and device buffers, made with it
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.proposer, self.rejection_sampler = None, None
         if config.speculative is not None and self.is_first_rank:
@@ -343,12 +345,14 @@ class ModelRunner:
             if request.num_pending_tokens:
                 tokens = tokens + [self.last_launch.sampled_token(request.request_id)]
             request.grammar.advance(tokens)
-        bitmask = fill_bitmask([requests[i].grammar for i in constrained], self.vocab_size,  # [R, words]
-                               threaded=self.device.type != "cpu")
         if self.bitmask_kernel is None:
             self.bitmask_kernel = select("token_bitmask", self.device)
+            self.bitmask_staging = BitmaskStaging(self.vocab_size, self.device)
+        fill_bitmask([requests[i].grammar for i in constrained], self.bitmask_staging.host_rows(len(constrained)),
+                     threaded=self.device.type != "cpu")
         target_rows = torch.tensor([rows[i] for i in constrained], dtype=torch.int64)  # [R]
-        self.bitmask_kernel.apply(logits, to_device(bitmask, self.device), to_device(target_rows, self.device))
+        self.bitmask_kernel.apply(logits, self.bitmask_staging.upload(len(constrained)),
+                                  to_device(target_rows, self.device))
 
     def _sample(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep) -> None:
         requests = batch.sampling_requests

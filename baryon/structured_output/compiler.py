@@ -9,6 +9,7 @@ in the pool too, so an engine that never sees a constrained request never pays f
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,10 @@ from baryon.structured_output.grammar import compile_spec
 if TYPE_CHECKING:
     import xgrammar
 
-COMPILER_THREADS = 2
+CONCURRENT_COMPILATIONS = 2
+# xgrammar's threads for one compilation: half the cores, 2 to 8 (a 20-field JSON schema over a
+# 151,936-token vocabulary on the 16-core H100 host: 104 ms on 2 threads, 55 on 4, 30.5 on 8)
+COMPILER_THREADS = max(2, min(8, len(os.sched_getaffinity(0)) // 2))
 MAX_CACHED_SPECS = 512  # finished compilations kept (least recently used dropped first)
 
 
@@ -29,7 +33,7 @@ class GrammarCompiler:
         """vocab_size: the model's (logits') width, which may exceed the tokenizer's."""
         self._tokenizer_path, self._trust_remote_code = tokenizer_path, trust_remote_code
         self.vocab_size = vocab_size
-        self._pool = ThreadPoolExecutor(COMPILER_THREADS, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(CONCURRENT_COMPILATIONS, thread_name_prefix="grammar")
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._futures: OrderedDict[tuple, Future] = OrderedDict()

@@ -9,6 +9,7 @@ pass is queued), then fills its row of the bitmask: bit t of the row set = token
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -68,26 +69,26 @@ class RequestGrammar:
         return self.rejected_token is not None or (self.matcher is not None and self.matcher.is_terminated())
 
 
-def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int, threaded: bool = True) -> torch.Tensor:
-    """int32 [len(grammars), ceil(vocab_size / 32)] on the host: row i = what may follow grammar
-    i's accepted tokens (every token where its matcher has ended: that row's token is dropped).
-    threaded: several rows at once on xgrammar's threads (not where the engine's own kernels run
-    on every core: a CPU device)."""
-    import xgrammar as xgr
-
-    bitmask = xgr.allocate_token_bitmask(len(grammars), vocab_size)  # all bits set
+def fill_bitmask(grammars: list[RequestGrammar], bitmask: torch.Tensor, threaded: bool = True) -> None:
+    """bitmask: int32 [len(grammars), ceil(vocab_size / 32)] on the host; row i <- what may follow
+    grammar i's accepted tokens (every token where its matcher has ended: that row's token is
+    dropped). threaded: several rows at once on xgrammar's threads (not where the engine's own
+    kernels run on every core: a CPU device)."""
     live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
+    if len(live) < len(grammars):
+        bitmask[[i for i, g in enumerate(grammars) if g.is_terminated()]] = -1  # all bits set
     if len(live) > 1 and threaded:
         batch_matcher().batch_fill_next_token_bitmask([grammars[i].get_matcher() for i in live], bitmask, live)
     else:
         for i in live:
             grammars[i].get_matcher().fill_next_token_bitmask(bitmask, i)
-    return bitmask
 
 
 @functools.cache
 def batch_matcher() -> xgrammar.BatchGrammarMatcher:
-    """Fills many rows at once on xgrammar's threads."""
+    """Fills many rows at once on xgrammar's threads: at most 4 (64 rows of a JSON schema over a
+    151,936-token vocabulary on the 16-core H100 host: 0.47-0.63 ms on 4 threads, 0.70-0.85 ms on
+    xgrammar's default of half the cores, 1.1-1.3 ms on 16)."""
     import xgrammar as xgr
 
-    return xgr.BatchGrammarMatcher()
+    return xgr.BatchGrammarMatcher(max_threads=max(1, min(4, len(os.sched_getaffinity(0)) // 2)))
