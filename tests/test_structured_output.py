@@ -282,3 +282,51 @@ def test_bitmask_rows_are_whole_in_a_reused_buffer(random_stories, device, seed)
             assert torch.equal(staging.upload(rows).cpu(), expected)
     finally:
         compiler.shutdown()
+
+
+def test_grammars_advanced_together_match_one_by_one(random_stories, seed):
+    """advance_all (one call into xgrammar for the grammars one token behind, as at every decode
+    step) leaves each grammar where its own advance would: accepted counts, a rejected token, an
+    ended grammar ignoring the token computed after its end, and the next-token masks."""
+    import xgrammar as xgr
+
+    from baryon.structured_output.compiler import GrammarCompiler
+    from baryon.structured_output.matcher import RequestGrammar, advance_all, fill_bitmask
+    from baryon.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(random_stories), False)
+    byte_tokens = lambda text: tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in text.encode()])  # noqa: E731
+    rng = random.Random(seed)
+    words = ["yes", "yellow", "no", "none"]
+    compiler = GrammarCompiler(str(random_stories), False, 512)
+    try:
+        spec = StructuredOutputsParams(choice=words)
+        cases = [([], byte_tokens("y")[0]), (byte_tokens("n"), byte_tokens("z")[0]),  # (output, pending)
+                 (byte_tokens("no") + [2], 2)]  # one behind; refused; ended, then a token in vain
+        for _ in range(12):
+            word = rng.choice(words)
+            tokens = byte_tokens(word) + [2, 2]
+            if rng.random() < 0.3:  # a token the grammar refuses
+                cut = rng.randrange(len(word))
+                tokens = tokens[:cut] + byte_tokens("z")
+            end = rng.randrange(len(tokens) + 1)
+            pending = tokens[end] if end < len(tokens) and rng.random() < 0.7 else None
+            cases.append((tokens[:end], pending))
+        together = [RequestGrammar(compiler.submit(spec), [2]) for _ in cases]
+        alone = [RequestGrammar(compiler.submit(spec), [2]) for _ in cases]
+        for grammar, (output, _) in zip(together, cases):  # earlier steps accepted part of the output
+            grammar.advance(output[:rng.randrange(len(output) + 1)])
+        advance_all(together, [output for output, _ in cases], [pending for _, pending in cases])
+        for grammar, (output, pending) in zip(alone, cases):
+            grammar.advance(output, pending)
+        assert alone[0].num_accepted == 1 and alone[1].rejected_token == byte_tokens("z")[0]
+        assert alone[2].is_terminated() and alone[2].num_accepted == 3
+        for a, b in zip(together, alone):
+            assert (a.num_accepted, a.rejected_token, a.is_terminated()) == (b.num_accepted, b.rejected_token,
+                                                                             b.is_terminated())
+        masks = [xgr.allocate_token_bitmask(len(cases), 512) for _ in range(2)]
+        fill_bitmask(together, masks[0])
+        fill_bitmask(alone, masks[1])
+        assert torch.equal(masks[0], masks[1])
+    finally:
+        compiler.shutdown()

@@ -37,7 +37,7 @@ from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
 from baryon.structured_output.bitmask_staging import BitmaskStaging
-from baryon.structured_output.matcher import fill_bitmask
+from baryon.structured_output.matcher import advance_all, fill_bitmask
 from baryon.transfer import to_device
 
 logger = get_logger(__name__)
@@ -339,17 +339,14 @@ class ModelRunner:
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not constrained:
             return
-        for i in constrained:
-            request = requests[i]
-            tokens = request.output_token_ids
-            if request.num_pending_tokens:
-                tokens = tokens + [self.last_launch.sampled_token(request.request_id)]
-            request.grammar.advance(tokens)
+        grammars = [requests[i].grammar for i in constrained]
+        pending = [self.last_launch.sampled_token(requests[i].request_id) if requests[i].num_pending_tokens else None
+                   for i in constrained]
+        advance_all(grammars, [requests[i].output_token_ids for i in constrained], pending)
         if self.bitmask_kernel is None:
             self.bitmask_kernel = select("token_bitmask", self.device)
             self.bitmask_staging = BitmaskStaging(self.vocab_size, self.device)
-        fill_bitmask([requests[i].grammar for i in constrained], self.bitmask_staging.host_rows(len(constrained)),
-                     threaded=self.device.type != "cpu")
+        fill_bitmask(grammars, self.bitmask_staging.host_rows(len(constrained)), threaded=self.device.type != "cpu")
         target_rows = torch.tensor([rows[i] for i in constrained], dtype=torch.int64)  # [R]
         self.bitmask_kernel.apply(logits, self.bitmask_staging.upload(len(constrained)),
                                   to_device(target_rows, self.device))

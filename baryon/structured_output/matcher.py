@@ -31,6 +31,7 @@ class RequestGrammar:
         self.matcher: xgrammar.GrammarMatcher | None = None
         self.num_accepted = 0
         self.rejected_token: int | None = None  # a token the grammar refused (the mask was not applied)
+        self._ended = False  # the matcher accepted a stop token (read once per accepted token)
 
     def ready(self) -> bool:
         """Compiled without error (a failed compilation is never ready: the engine aborts the
@@ -51,22 +52,55 @@ class RequestGrammar:
             self.matcher = xgr.GrammarMatcher(self._compiled.result(), override_stop_tokens=self._stop_token_ids)
         return self.matcher
 
-    def advance(self, output_token_ids: Sequence[int]) -> None:
-        """Accept the output tokens not accepted yet (the list is the request's whole output)."""
-        matcher = self.get_matcher()
-        while self.num_accepted < len(output_token_ids) and self.rejected_token is None:
-            token = output_token_ids[self.num_accepted]
-            if matcher.is_terminated():
-                return  # a token computed in vain after the end (steps overlap): dropped by the engine
-            if not matcher.accept_token(token):
-                self.rejected_token = token
-                logger.warning("token %d does not follow the request's grammar", token)
+    def advance(self, output_token_ids: Sequence[int], pending_token: int | None = None) -> None:
+        """Accept the tokens not accepted yet: the request's output (its whole list), then the
+        token still pending on the device, if given."""
+        while not self.is_terminated():
+            if self.num_accepted < len(output_token_ids):
+                token = output_token_ids[self.num_accepted]
+            elif self.num_accepted == len(output_token_ids) and pending_token is not None:
+                token = pending_token
+            else:
                 return
-            self.num_accepted += 1
+            self._accepted(token, self.get_matcher().accept_token(token))
+
+    def next_token_index(self, output_token_ids: Sequence[int], pending_token: int | None) -> int:
+        """How many tokens `advance` would accept (0 once terminated; a token after the end is one
+        computed in vain while steps overlap, and the engine drops it)."""
+        if self.is_terminated():
+            return 0
+        return len(output_token_ids) + (pending_token is not None) - self.num_accepted
+
+    def _accepted(self, token: int, accepted: bool) -> None:
+        if not accepted:
+            self.rejected_token = token
+            logger.warning("token %d does not follow the request's grammar", token)
+            return
+        self.num_accepted += 1
+        self._ended = self.matcher.is_terminated()
 
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted, or a token broke it."""
-        return self.rejected_token is not None or (self.matcher is not None and self.matcher.is_terminated())
+        return self._ended or self.rejected_token is not None
+
+
+def advance_all(grammars: list[RequestGrammar], outputs: list[Sequence[int]], pending: list[int | None]) -> None:
+    """grammars[i].advance(outputs[i], pending[i]) for every i; those one token behind (each
+    decode step) accept it in one call into xgrammar."""
+    import xgrammar as xgr
+
+    one_behind, tokens = [], []
+    for grammar, output, pending_token in zip(grammars, outputs, pending):
+        behind = grammar.next_token_index(output, pending_token)
+        if behind == 1:
+            one_behind.append(grammar)
+            tokens.append(pending_token if pending_token is not None else output[grammar.num_accepted])
+        elif behind > 1:
+            grammar.advance(output, pending_token)
+    if one_behind:
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.get_matcher() for g in one_behind], tokens)
+        for grammar, token, ok in zip(one_behind, tokens, accepted):
+            grammar._accepted(token, ok)
 
 
 def fill_bitmask(grammars: list[RequestGrammar], bitmask: torch.Tensor, threaded: bool = True) -> None:
