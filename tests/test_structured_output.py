@@ -257,7 +257,7 @@ def test_bitmask_rows_are_whole_in_a_reused_buffer(random_stories, device, seed)
     byte_tokens = lambda text: tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in text.encode()])  # noqa: E731
     compiler = GrammarCompiler(str(random_stories), False, 512)
     staging = BitmaskStaging(512, torch.device(device))
-    generator = torch.Generator().manual_seed(seed)
+    generator, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     try:
         spec = StructuredOutputsParams(choice=["yes", "yellow", "no"])
         grammars = [RequestGrammar(compiler.submit(spec), [2]) for _ in range(3)]
@@ -280,6 +280,9 @@ def test_bitmask_rows_are_whole_in_a_reused_buffer(random_stories, device, seed)
             assert all(piece.lstrip("▁")[:1] in "sl<" for piece in tokenizer.convert_ids_to_tokens(allowed))
             assert (host[1] == -1).all()
             assert torch.equal(staging.upload(rows).cpu(), expected)
+            assert staging.logits_rows(list(range(rows))).tolist() == list(range(rows))
+            scattered = rng.sample(range(64), rows)
+            assert staging.logits_rows(scattered).tolist() == scattered
     finally:
         compiler.shutdown()
 

@@ -347,9 +347,8 @@ class ModelRunner:
             self.bitmask_kernel = select("token_bitmask", self.device)
             self.bitmask_staging = BitmaskStaging(self.vocab_size, self.device)
         fill_bitmask(grammars, self.bitmask_staging.host_rows(len(constrained)), threaded=self.device.type != "cpu")
-        target_rows = torch.tensor([rows[i] for i in constrained], dtype=torch.int64)  # [R]
         self.bitmask_kernel.apply(logits, self.bitmask_staging.upload(len(constrained)),
-                                  to_device(target_rows, self.device))
+                                  self.bitmask_staging.logits_rows([rows[i] for i in constrained]))
 
     def _sample(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep) -> None:
         requests = batch.sampling_requests

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from baryon.transfer import to_device
+
 _ROW_GRANULE = 16  # buffers grow in whole multiples of this many rows
 
 
@@ -20,6 +22,7 @@ class BitmaskStaging:
         self.host = torch.empty(0, self.words, dtype=torch.int32)  # [capacity, words]
         self.on_device = self.host  # [capacity, words] on `device` (the host buffer itself on a CPU)
         self._copied: torch.cuda.Event | None = None
+        self._first_rows = torch.arange(0, device=device)  # [capacity] 0, 1, 2, ... on the device
 
     def host_rows(self, rows: int) -> torch.Tensor:
         """int32 [rows, words] on the host, free to be filled (the previous copy has finished)."""
@@ -31,6 +34,7 @@ class BitmaskStaging:
             pinned = self.device.type == "cuda"
             self.host = torch.empty(capacity, self.words, dtype=torch.int32, pin_memory=pinned)
             self.on_device = torch.empty_like(self.host, device=self.device) if pinned else self.host
+            self._first_rows = torch.arange(capacity, device=self.device)
         return self.host[:rows]
 
     def upload(self, rows: int) -> torch.Tensor:
@@ -42,3 +46,10 @@ class BitmaskStaging:
         self._copied = torch.cuda.Event()
         self._copied.record()
         return on_device
+
+    def logits_rows(self, rows: list[int]) -> torch.Tensor:
+        """int64 [len(rows)] on the device: the logits row of each bitmask row (rows 0, 1, 2, ...,
+        each step's usual case, from a buffer already there; after host_rows)."""
+        if rows == list(range(len(rows))):
+            return self._first_rows[:len(rows)]
+        return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
