@@ -26,6 +26,8 @@ import urllib.request
 WORKLOADS = {
     "latency-bs1": ["baryon.bench.latency", "--batch-size", "1"],
     "decode-bs64": ["baryon.bench.latency", "--batch-size", "64"],
+    "latency-16k": ["baryon.bench.latency", "--batch-size", "1", "--input-len", "16384", "--output-len", "129",
+                    "--max-model-len", "16640"],  # issue 19: a fresh 16k prompt, then 128 tokens
     "nano": ["baryon.bench.throughput", "--workload", "nano"],
     "prefill": ["baryon.bench.throughput", "--workload", "prefill"],
     "serve": ["baryon.bench.serve", "--num-prompts", "500", "--random-input-len", "1024",

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from baryon.kernels import selector
 from baryon.kernels.attention.metadata import AttentionMetadata
@@ -169,7 +170,6 @@ def zentorch_kernels(record, device: torch.device) -> None:
     linear (float32, and bfloat16 where the CPU has avx512_bf16), dynamic int8 linear, int4
     weight-only linear, embedding and causal attention. An op this CPU or install cannot run is
     printed with the reason instead of a time."""
-    import torch.nn.functional as F
 
     from baryon.kernels.cpu.zentorch_support import cpu_flags, zentorch_unavailable_reason
     from baryon.kernels.quant.int8_gemm import dequantize_int8_weights, prepare_int8_weights
@@ -398,6 +398,45 @@ def quant_kernels(record, device: torch.device, dtype: torch.dtype, small: bool)
                                   "TFLOP_per_s": round(2 * m * n * k / us / 1e6, 1)}), flush=True)
 
 
+def long_context_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """Issue 19: attention at long contexts, Qwen3-8B's heads (32 query, 8 KV, 128 wide), batch 1.
+    Prefill of a fresh prompt (causal): the selected paged kernel against PyTorch's fused SDPA
+    backends on the same q/k/v (cuDNN, flash), TFLOP/s counting the causal half; decode over the
+    paged cache (the selector's split count), GB/s of K and V read."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads, head_dim = 32, 8, 128
+    attention = selector.select("attention", device)
+    for seq_len in ((256, 1024) if small else (2048, 16384, 32768)):
+        q, kv, cache, md = _attention_case(device, dtype, 1, seq_len, seq_len, heads, kv_heads, head_dim)
+        impl = attention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
+        flops = 4 * heads * head_dim * seq_len * seq_len / 2
+        us = record(f"attention.{attention.name}", f"prefill q={seq_len} kv={seq_len} causal",
+                    lambda: impl.forward(q, kv, kv, cache, md))
+        print(json.dumps({"kernel": f"attention.{attention.name}", "seq_len": seq_len, "tflops": round(flops / us / 1e6, 3)}))
+        q4 = q.transpose(0, 1).unsqueeze(0)  # [1, heads, seq, dim]
+        k4 = torch.randn(1, kv_heads, seq_len, head_dim, device=device, dtype=dtype)
+        v4 = torch.randn_like(k4)
+        backends = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)] \
+            if device.type == "cuda" else [("math", SDPBackend.MATH)]
+        for label, backend in backends:
+            def sdpa():
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+            try:
+                us = record(f"sdpa.{label}", f"prefill q={seq_len} kv={seq_len} causal", sdpa)
+            except RuntimeError as error:  # a backend this build or shape lacks
+                print(json.dumps({"kernel": f"sdpa.{label}", "seq_len": seq_len, "error": str(error)[:200]}))
+                continue
+            print(json.dumps({"kernel": f"sdpa.{label}", "seq_len": seq_len, "tflops": round(flops / us / 1e6, 3)}))
+    for seq_len in ((1024, 4096) if small else (16384, 32768, 131072)):
+        q, kv, cache, md = _attention_case(device, dtype, 1, 1, seq_len, heads, kv_heads, head_dim)
+        impl = attention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
+        us = record(f"attention.{attention.name}", f"decode q=1 kv={seq_len}", lambda: impl.forward(q, kv, kv, cache, md))
+        kv_bytes = 2 * seq_len * kv_heads * head_dim * cache.element_size()
+        print(json.dumps({"kernel": f"attention.{attention.name}", "decode_kv": seq_len, "gb_per_s": round(kv_bytes / us / 1e3, 1)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -405,7 +444,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch",
-                                           "token_bitmask"],
+                                           "token_bitmask", "long_context"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
@@ -435,6 +474,9 @@ def main() -> None:
         return
     if args.only == "mla":
         mla_kernels(record, device, dtype, args.small)
+        return
+    if args.only == "long_context":
+        long_context_kernels(record, device, dtype, args.small)
         return
     if args.only == "token_bitmask":
         token_bitmask_kernels(record, device, vocab)

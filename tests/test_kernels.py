@@ -206,3 +206,62 @@ def test_paged_attention_with_sinks_matches_dense(seed, kind):
         start += new
     no_sinks = TorchPagedAttention(heads, head_dim, kv_heads, scale, window).forward(q, k, v, cache, metadata)
     assert not torch.allclose(out, no_sinks, atol=1e-3)  # the sinks do take probability mass
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 4, 16, 4), (8, 2, 32, 8), (6, 1, 8, 16)])
+def test_sdpa_prefill_matches_dense(seed, heads, kv_heads, head_dim, block_size):
+    """Whole prompts through F.scaled_dot_product_attention, their keys and values read back from
+    the paged cache (blocks scattered, a last block partly filled)."""
+    from baryon.kernels.attention import sdpa_prefill
+    from baryon.kernels.attention.torch_paged import store_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [(0, int(n)) for n in torch.randint(1, 40, (4,), generator=gen)]
+    cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
+    store_kv(k, v, cache, metadata.slot_mapping)
+    scale = 1 / math.sqrt(head_dim)
+    out = sdpa_prefill.prefill(q, cache, metadata, scale, torch.full_like(q, float("nan")))
+    start = 0
+    for (_, new), fk, fv in zip(seqs, full_k, full_v):
+        torch.testing.assert_close(out[start:start + new], dense_attention(q[start:start + new], fk, fv, scale, None),
+                                   atol=1e-5, rtol=1e-5)
+        start += new
+
+
+def test_sdpa_prefill_takes_only_steps_of_whole_long_prompts(monkeypatch):
+    from baryon.kernels.attention import sdpa_prefill
+
+    monkeypatch.setattr(sdpa_prefill, "MIN_PROMPT_TOKENS", 8)
+    gen = torch.Generator().manual_seed(0)
+    for seqs, expected in [([(0, 9), (0, 3)], True), ([(0, 9), (4, 1)], False), ([(0, 5), (0, 7)], False),
+                           ([(2, 12)], False)]:
+        metadata = _case(gen, seqs, 2, 2, 8, 4)[1]
+        assert sdpa_prefill.whole_prompts(metadata) is expected, seqs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs CUDA")
+def test_paged_backend_hands_long_whole_prompts_to_sdpa(seed):
+    """On CUDA in bf16 the paged Triton backend serves a step of whole prompts >= 1024 tokens
+    through SDPA; the result matches dense attention, and the paged kernel's on the same step."""
+    from baryon.kernels.attention import sdpa_prefill
+    from baryon.kernels.attention.triton_paged import TritonPagedAttention
+
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [(0, 1500), (0, 1024 + int(torch.randint(0, 300, (1,), generator=gen)))]
+    heads, kv_heads, head_dim = 8, 2, 128
+    cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, 16)
+    moved = [x.cuda().to(torch.bfloat16) for x in (cache, q, k, v)]
+    md = AttentionMetadata(metadata.num_tokens, metadata.query_start_loc.cuda(), metadata.seq_lens.cuda(),
+                           metadata.block_tables.cuda(), metadata.slot_mapping.cuda(), metadata.max_query_len,
+                           metadata.max_seq_len, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
+    attn = TritonPagedAttention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
+    assert sdpa_prefill.takes(moved[1], moved[0], md, None, None)
+    out = attn.forward(moved[1], moved[2], moved[3], moved[0], md)
+    md.backend_scratch["sdpa_whole_prompts"] = False  # the paged kernel on the same step
+    paged = attn.forward(moved[1], None, None, moved[0], md)
+    torch.testing.assert_close(out, paged, atol=2e-2, rtol=2e-2)
+    start = 0
+    for (_, new), fk, fv in zip(seqs, full_k, full_v):
+        expected = dense_attention(q[start:start + new], fk, fv, head_dim ** -0.5, None)
+        torch.testing.assert_close(out[start:start + new].float().cpu(), expected, atol=3e-2, rtol=3e-2)
+        start += new

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from baryon.kernels.attention import sdpa_prefill
 from baryon.kernels.attention.backend import AttentionBackend, check_fp8_scales, is_fp8_cache
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.triton_utils import (INTERPRETED, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton,
@@ -299,6 +300,8 @@ class TritonPagedAttention(AttentionBackend):
             store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if output is None:
             output = torch.empty_like(query)
+        if sdpa_prefill.takes(query, kv_cache, metadata, self.sliding_window, self.sinks):
+            return sdpa_prefill.prefill(query, kv_cache, metadata, self.scale, output)
         group = self.num_heads // self.num_kv_heads
         if metadata.max_query_len == 1:
             block_q = 1
