@@ -241,14 +241,14 @@ def test_sdpa_prefill_takes_only_steps_of_whole_long_prompts(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs CUDA")
 def test_paged_backend_hands_long_whole_prompts_to_sdpa(seed):
-    """On CUDA in bf16 the paged Triton backend serves a step of whole prompts >= 1024 tokens
+    """On CUDA in bf16 the paged Triton backend serves a step of whole prompts, one >= 4096 tokens,
     through SDPA; the result matches dense attention, and the paged kernel's on the same step."""
     from baryon.kernels.attention import sdpa_prefill
     from baryon.kernels.attention.triton_paged import TritonPagedAttention
 
     gen = torch.Generator().manual_seed(seed)
-    seqs = [(0, 1500), (0, 1024 + int(torch.randint(0, 300, (1,), generator=gen)))]
-    heads, kv_heads, head_dim = 8, 2, 128
+    seqs = [(0, 700), (0, 4096 + int(torch.randint(0, 300, (1,), generator=gen)))]
+    heads, kv_heads, head_dim = 4, 2, 128
     cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, 16)
     moved = [x.cuda().to(torch.bfloat16) for x in (cache, q, k, v)]
     md = AttentionMetadata(metadata.num_tokens, metadata.query_start_loc.cuda(), metadata.seq_lens.cuda(),
