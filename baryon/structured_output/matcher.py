@@ -62,16 +62,17 @@ class RequestGrammar:
                 token = pending_token
             else:
                 return
-            self._accepted(token, self.get_matcher().accept_token(token))
+            self.note_accept(token, self.get_matcher().accept_token(token))
 
-    def next_token_index(self, output_token_ids: Sequence[int], pending_token: int | None) -> int:
+    def tokens_behind(self, output_token_ids: Sequence[int], pending_token: int | None) -> int:
         """How many tokens `advance` would accept (0 once terminated; a token after the end is one
         computed in vain while steps overlap, and the engine drops it)."""
         if self.is_terminated():
             return 0
         return len(output_token_ids) + (pending_token is not None) - self.num_accepted
 
-    def _accepted(self, token: int, accepted: bool) -> None:
+    def note_accept(self, token: int, accepted: bool) -> None:
+        """Record what the matcher answered to accept_token(token)."""
         if not accepted:
             self.rejected_token = token
             logger.warning("token %d does not follow the request's grammar", token)
@@ -91,7 +92,7 @@ def advance_all(grammars: list[RequestGrammar], outputs: list[Sequence[int]], pe
 
     one_behind, tokens = [], []
     for grammar, output, pending_token in zip(grammars, outputs, pending):
-        behind = grammar.next_token_index(output, pending_token)
+        behind = grammar.tokens_behind(output, pending_token)
         if behind == 1:
             one_behind.append(grammar)
             tokens.append(pending_token if pending_token is not None else output[grammar.num_accepted])
@@ -100,7 +101,7 @@ def advance_all(grammars: list[RequestGrammar], outputs: list[Sequence[int]], pe
     if one_behind:
         accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.get_matcher() for g in one_behind], tokens)
         for grammar, token, ok in zip(one_behind, tokens, accepted):
-            grammar._accepted(token, ok)
+            grammar.note_accept(token, ok)
 
 
 def fill_bitmask(grammars: list[RequestGrammar], bitmask: torch.Tensor, threaded: bool = True) -> None:

@@ -7,8 +7,8 @@ tokens where the paged Triton kernel ran 107 / 223 / 241 (`python benchmarks/ker
 long_context`), so the paged backend hands such steps here once a prompt is long enough for a
 call per sequence to pay: end to end, a fresh 16k prompt's TTFT fell from 169 to 93 ms (0.6B)
 and 692 to 493 ms (8B), while the 2k-prompt prefill workload (eight prompts a step) lost 1-3%,
-hence MIN_PROMPT_TOKENS above 2k. The keys and values are read back from the paged cache (the fused QKV
-prologue has already written them there): one gather, a few tens of microseconds at 16k tokens.
+hence MIN_PROMPT_TOKENS above 2k. The keys and values are read back from the paged cache (the
+fused QKV prologue has already written them there): one gather, tens of microseconds at 16k.
 Chunks over a cached prefix, sliding windows, sinks and fp8 caches stay with the paged kernel.
 """
 
