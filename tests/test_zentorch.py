@@ -205,8 +205,8 @@ def test_decoder_layer_op_keeps_layers_whose_linears_timed_faster_elsewhere(tiny
 
 def test_zentorch_leaves_the_weight_it_multiplies_as_it_was(seed):
     """ZenDNN's default weight cache reorders a weight in place; the selector times zentorch on a
-    layer's own weight and F.linear (or a tied embedding) may read it afterwards, so baryon sets
-    the copy-beside cache before importing zentorch."""
+    layer's own weight and F.linear (or a tied embedding) may read it afterwards, so baryon turns
+    the cache off before importing zentorch."""
     need(ZentorchDenseLinear, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     weight, x = torch.randn(96, 64, generator=gen), torch.randn(16, 64, generator=gen)
@@ -215,3 +215,22 @@ def test_zentorch_leaves_the_weight_it_multiplies_as_it_was(seed):
         out = ZentorchDenseLinear.forward(x, weight, None)
     assert torch.equal(weight, original)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, original), atol=1e-4, rtol=1e-4)
+
+
+def test_zentorch_multiplies_a_new_weight_at_a_freed_ones_address(seed):
+    """ZenDNN's copy-beside cache finds a weight by its address: a weight allocated where a freed
+    one lived was multiplied with the freed one's copy (a second engine in one process)."""
+    need(ZentorchDenseLinear, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 64, generator=gen)
+    reused = 0
+    for _ in range(4):
+        weight = torch.randn(96, 64, generator=gen)
+        address = weight.data_ptr()
+        ZentorchDenseLinear.forward(x, weight, None)
+        del weight
+        fresh = torch.randn(96, 64, generator=gen)
+        reused += fresh.data_ptr() == address
+        torch.testing.assert_close(ZentorchDenseLinear.forward(x, fresh, None), torch.nn.functional.linear(x, fresh),
+                                   atol=1e-4, rtol=1e-4)
+    assert reused, "the allocator never reused a freed weight's address: the case was not exercised"
