@@ -15,7 +15,7 @@ from baryon.kernels.block_quant import (CpuBlockQuantLinear, CpuInt8BlockQuantLi
                                         block_quant_linear_int8_reference, code_bytes, dequantize_rows, pack_rows,
                                         quantize_activation_blocks, row_bytes)
 from baryon.kernels.cpu import load_error
-from baryon.loader.gguf import PACKABLE_BITS, _block_codes
+from baryon.loader.gguf import PACKABLE_BITS, _block_codes, packed_format
 from test_gguf import quantized
 
 pytestmark = pytest.mark.skipif(load_error() is not None, reason=f"C++ CPU kernels unavailable: {load_error()}")
@@ -28,14 +28,17 @@ def random_codes(rng: np.random.Generator, rows: int, in_features: int, bits: in
     return rng.integers(low, high, (rows, in_features))
 
 
-def random_packed(rng: np.random.Generator, rows: int, in_features: int, bits: int) -> torch.Tensor:
+def random_packed(rng: np.random.Generator, rows: int, in_features: int, bits: int,
+                  pair_bytes: int = 8) -> torch.Tensor:
+    """pair_bytes 4: float16 pairs (the scales and offsets drawn as float16 values)."""
+    dtype = np.float16 if pair_bytes == 4 else np.float32
     codes = random_codes(rng, rows, in_features, bits)
     if bits == 6:  # a scale per 16 elements, of either sign (Q6_K's int8 sub-block scales), no offset
         scale = rng.uniform(1e-3, 2e-2, (rows, in_features // 16)) * rng.choice([-1, 1], (rows, in_features // 16))
-        return pack_rows(codes, scale.astype(np.float32), None, bits)
-    scale = rng.uniform(1e-3, 2e-2, (rows, in_features // 32)).astype(np.float32)
-    minimum = rng.uniform(-0.2, 0.2, (rows, in_features // 32)).astype(np.float32)
-    return pack_rows(codes, scale, minimum, bits)
+        return pack_rows(codes, scale.astype(dtype).astype(np.float32), None, bits, pair_bytes)
+    scale = rng.uniform(1e-3, 2e-2, (rows, in_features // 32)).astype(dtype).astype(np.float32)
+    minimum = rng.uniform(-0.2, 0.2, (rows, in_features // 32)).astype(dtype).astype(np.float32)
+    return pack_rows(codes, scale, minimum, bits, pair_bytes)
 
 
 def test_packed_layout_round_trips(seed):
@@ -63,19 +66,22 @@ def test_gguf_blocks_pack_to_exactly_what_gguf_dequantizes(seed, type_name):
     expected = gguf.quants.dequantize(raw, qtype)
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
     codes, scale, minimum = _block_codes(type_name, raw.reshape(6, -1, type_size))
-    packed = pack_rows(codes, scale, minimum, PACKABLE_BITS[type_name])
-    got = dequantize_rows(packed, 512, PACKABLE_BITS[type_name]).numpy()
+    bits, pair_bytes = packed_format(type_name)
+    packed = pack_rows(codes, scale, minimum, bits, pair_bytes)  # float16 pairs where GGUF stores float16
+    assert packed.shape == (6, row_bytes(512, bits, pair_bytes))
+    got = dequantize_rows(packed, 512, bits).numpy()
     if type_name == "Q6_K":  # scale * code, rounded once in both: the very same values
         np.testing.assert_array_equal(got, expected)
     # Same float32 values, up to the one rounding the reference's separate multiply and add may differ by.
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("pair_bytes", [8, 4])
 @pytest.mark.parametrize("bits", [4, 6, 8])
-def test_cpp_dequantize_matches_reference(seed, bits):
+def test_cpp_dequantize_matches_reference(seed, bits, pair_bytes):
     """The C++ dequantization (the float32 kernel's prefill path) gives the reference's values."""
     rng = np.random.default_rng(seed)
-    packed = random_packed(rng, int(rng.integers(1, 40)), 800, bits)
+    packed = random_packed(rng, int(rng.integers(1, 40)), 800, bits, pair_bytes)
     got = torch.ops.baryon_cpu.block_quant_dequantize(packed, bits, 800)
     torch.testing.assert_close(got, dequantize_rows(packed, 800, bits), rtol=0, atol=0)
 
@@ -83,10 +89,11 @@ def test_cpp_dequantize_matches_reference(seed, bits):
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("in_features", [32, 96, 800])  # 800: more than one 768-wide chunk of K
 @pytest.mark.parametrize("rows_of_x", [1, 3, 8, 17, 50])  # 50: the dequantize-then-BLAS path
-def test_block_quant_linear_matches_reference(seed, bits, in_features, rows_of_x):
+@pytest.mark.parametrize("pair_bytes", [8, 4])
+def test_block_quant_linear_matches_reference(seed, bits, in_features, rows_of_x, pair_bytes):
     rng = np.random.default_rng(seed)
     out_features = int(rng.integers(1, 40))
-    packed = random_packed(rng, out_features, in_features, bits)
+    packed = random_packed(rng, out_features, in_features, bits, pair_bytes)
     x = torch.from_numpy(rng.standard_normal((rows_of_x, in_features)).astype(np.float32))
     bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32)) if seed % 2 else None
     got = CpuBlockQuantLinear.forward(x, packed, bits, in_features, bias)
@@ -106,12 +113,13 @@ INT8_REASON = CpuInt8BlockQuantLinear.unsupported_reason(CPU)
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("in_features", [32, 96, 160, 576, 800])  # 1, 3, 5, 18, 25 blocks: every partial group
 @pytest.mark.parametrize("rows_of_x", [1, 2, 3, 5, 17, 64])
-def test_block_quant_int8_kernel_matches_its_reference(seed, bits, in_features, rows_of_x):
+@pytest.mark.parametrize("pair_bytes", [8, 4])
+def test_block_quant_int8_kernel_matches_its_reference(seed, bits, in_features, rows_of_x, pair_bytes):
     """The C++ integer-dot kernel computes exactly the reference's numerics (integer dot products per
-    block, then float scales), up to float32 summation order."""
+    block, then float scales), up to float32 summation order; float32 or float16 pairs."""
     rng = np.random.default_rng(seed)
     out_features = int(rng.integers(1, 40))
-    packed = random_packed(rng, out_features, in_features, bits)
+    packed = random_packed(rng, out_features, in_features, bits, pair_bytes)
     x = torch.from_numpy(rng.standard_normal((rows_of_x, in_features)).astype(np.float32))
     x[0, :32] = 0  # an all-zero block: scale 0, nothing divided by it
     bias = torch.from_numpy(rng.standard_normal(out_features).astype(np.float32)) if seed % 2 else None

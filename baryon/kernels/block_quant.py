@@ -7,8 +7,10 @@ row ranges into it like float weights):
     codes      bits 4: K/2 bytes; byte j of a 32-element block holds element j in its low nibble
                and element j + 16 in its high nibble
                bits 6 and 8: K bytes, int8 codes in element order
-    pairs      K/32 float32 pairs, one per block: bits 4 and 8, (scale, min); bits 6, (scale of
-               elements 0..15, scale of elements 16..31)
+    pairs      K/32 pairs, one per block, float32 or (where every value is one, as GGUF's Q4_0,
+               Q4_1, Q5_0, Q5_1 and Q8_0 store them) float16: bits 4 and 8, (scale, min); bits
+               6, (scale of elements 0..15, scale of elements 16..31); a tensor's row length
+               says which (`pair_bytes`)
 
 and weight[n, k] = scale * code + min for k's block (bits 6: scale of k's half-block * code, no
 offset). Every GGUF type with one scale and one offset per 32 elements maps onto bits 4 or 8
@@ -41,8 +43,9 @@ import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
 
-BLOCK = 32  # elements per float32 pair
+BLOCK = 32  # elements per pair
 BITS = (4, 6, 8)
+PAIR_BYTES = (8, 4)  # a float32 pair, a float16 pair
 
 
 def code_bytes(in_features: int, bits: int) -> int:
@@ -50,15 +53,26 @@ def code_bytes(in_features: int, bits: int) -> int:
     return in_features // 2 if bits == 4 else in_features
 
 
-def row_bytes(in_features: int, bits: int) -> int:
-    """Bytes of one packed row: the codes, then a float32 pair per block."""
-    return code_bytes(in_features, bits) + in_features // BLOCK * 8
+def row_bytes(in_features: int, bits: int, pair_bytes: int = 8) -> int:
+    """Bytes of one packed row: the codes, then a pair per block (8 bytes: float32; 4: float16)."""
+    return code_bytes(in_features, bits) + in_features // BLOCK * pair_bytes
 
 
-def pack_rows(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, bits: int) -> torch.Tensor:
+def pair_bytes_of(packed: torch.Tensor, in_features: int, bits: int) -> int:
+    """8 (float32 pairs) or 4 (float16 pairs), from the packed rows' length."""
+    for width in PAIR_BYTES:
+        if packed.shape[-1] == row_bytes(in_features, bits, width):
+            return width
+    raise ValueError(f"packed rows of {packed.shape[-1]} bytes fit neither pair width for in_features={in_features}, "
+                     f"bits={bits} (expected {row_bytes(in_features, bits, 8)} or {row_bytes(in_features, bits, 4)})")
+
+
+def pack_rows(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, bits: int,
+              pair_bytes: int = 8) -> torch.Tensor:
     """codes [N, K] (uint8 0..15 for bits 4, int8 for bits 6 and 8) and their scales -> packed uint8
-    [N, row_bytes(K, bits)]. Bits 4 and 8: scale / minimum [N, K/32] float32; bits 6: scale
-    [N, K/16] float32 (one per 16 elements, in element order) and minimum None."""
+    [N, row_bytes(K, bits, pair_bytes)]. Bits 4 and 8: scale / minimum [N, K/32] float32; bits 6:
+    scale [N, K/16] float32 (one per 16 elements, in element order) and minimum None. pair_bytes 4
+    stores the pairs as float16, which must hold every value exactly (a ValueError otherwise)."""
     n, k = codes.shape
     if bits == 4:
         blocks = codes.reshape(n, k // BLOCK, 2, BLOCK // 2).astype(np.uint8)
@@ -67,8 +81,13 @@ def pack_rows(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, 
         code_data = codes.astype(np.int8).view(np.uint8)
     # [N, K/32, 2]: a block's two half-block scales are consecutive in element order already.
     pairs = scale.reshape(n, k // BLOCK, 2) if bits == 6 else np.stack([scale, minimum], axis=-1)
-    pair_bytes = pairs.astype(np.float32).reshape(n, -1).view(np.uint8)
-    return torch.from_numpy(np.ascontiguousarray(np.concatenate([code_data, pair_bytes], axis=1)))
+    pairs = pairs.astype(np.float32).reshape(n, -1)
+    if pair_bytes == 4:
+        halves = pairs.astype(np.float16)
+        if not np.array_equal(halves.astype(np.float32), pairs):
+            raise ValueError("these scales and offsets are not all float16 values: pack them with pair_bytes=8")
+        pairs = halves
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([code_data, pairs.view(np.uint8)], axis=1)))
 
 
 def _codes(packed: torch.Tensor, in_features: int, bits: int) -> torch.Tensor:
@@ -82,10 +101,11 @@ def _codes(packed: torch.Tensor, in_features: int, bits: int) -> torch.Tensor:
 
 
 def _scales(packed: torch.Tensor, in_features: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float32 pairs of packed rows as float64 (half-block scales [N, K/32, 2], the scale of
+    """The pairs of packed rows as float64 (half-block scales [N, K/32, 2], the scale of
     elements 0..15 and of 16..31 of each block; mins [N, K/32], zero for bits 6)."""
     n, k = packed.shape[0], in_features
-    pairs = packed[:, code_bytes(k, bits):].contiguous().view(torch.float32).reshape(n, k // BLOCK, 2).double()
+    dtype = torch.float16 if pair_bytes_of(packed, k, bits) == 4 else torch.float32
+    pairs = packed[:, code_bytes(k, bits):].contiguous().view(dtype).reshape(n, k // BLOCK, 2).double()
     if bits == 6:
         return pairs, torch.zeros_like(pairs[..., 0])
     return pairs[..., :1].expand(-1, -1, 2), pairs[..., 1]

@@ -47,6 +47,17 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
 # they read Q8_0. Q6_K (a scale per 16 elements, no offset) has its own layout, bits 6: int8 codes
 # q - 32 and the two 16-element scales of each 32-block.
 PACKABLE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 6, "Q8_0": 8}
+# Types whose block scales and offsets are float16 values (d, m, and Q4_0 / Q5_0's -8 d / -16 d):
+# their packed rows keep them as float16 pairs, as many bytes as the GGUF blocks. The K-quants'
+# scales (d times a 6-bit or 8-bit sub-scale) need float32.
+HALF_PAIR_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})
+
+
+def packed_format(type_name: str) -> tuple[int, int] | None:
+    """(code bits, pair bytes) of a ggml type's packed rows; None where it cannot stay packed."""
+    if type_name not in PACKABLE_BITS:
+        return None
+    return PACKABLE_BITS[type_name], 4 if type_name in HALF_PAIR_TYPES else 8
 
 # GGUF tensor name -> Hugging Face checkpoint name; `{bid}` is the layer index.
 _GLOBAL_NAMES = {
@@ -291,12 +302,12 @@ def _permuted_heads(arch: str, hf_config: Any) -> dict[str, int]:
     return {"attn_q": hf_config.num_attention_heads, "attn_k": kv_heads}
 
 
-def packable_bits(path: str) -> dict[str, int | None]:
-    """Checkpoint name -> code width (4, 6 or 8) of every matrix the file stores in a packable type,
-    None for the other tensors (stacked expert tensors are left out: they are dequantized)."""
+def packable_formats(path: str) -> dict[str, tuple[int, int] | None]:
+    """Checkpoint name -> (code bits, pair bytes) of every matrix the file stores in a packable
+    type, None for the other tensors (stacked expert tensors are left out: they are dequantized)."""
     reader = open_gguf(path)
     mixtral = _is_mixtral(_Metadata(reader, path))
-    return {checkpoint_name(t.name, mixtral): PACKABLE_BITS.get(t.tensor_type.name) if len(t.shape) == 2 else None
+    return {checkpoint_name(t.name, mixtral): packed_format(t.tensor_type.name) if len(t.shape) == 2 else None
             for t in reader.tensors if len(t.shape) <= 2}  # stacked experts are dequantized
 
 
@@ -359,7 +370,7 @@ def _block_codes(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.nda
 
 def pack_gguf_tensor(tensor: Any) -> torch.Tensor:
     """A Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 matrix [out, in] -> baryon's packed rows, uint8
-    [out, row_bytes(in, bits)], holding exactly the values gguf.quants.dequantize gives."""
+    [out, row_bytes(in, *packed_format(type))], holding exactly the values gguf.quants.dequantize gives."""
     from baryon.kernels.block_quant import pack_rows
 
     type_name = tensor.tensor_type.name
@@ -367,7 +378,10 @@ def pack_gguf_tensor(tensor: Any) -> torch.Tensor:
     rows = int(tensor.shape[1])  # ggml shape [in, out]
     blocks = np.asarray(tensor.data).reshape(rows, -1, type_size)
     codes, scale, minimum = _block_codes(type_name, blocks)
-    return pack_rows(codes, scale, minimum, PACKABLE_BITS[type_name])
+    try:
+        return pack_rows(codes, scale, minimum, *packed_format(type_name))
+    except ValueError as e:  # a -8 d or -16 d past float16's range
+        raise GGUFError(f"tensor {tensor.name!r} ({type_name}): {e}") from e
 
 
 def iterate_gguf_weights(path: str, hf_config: Any,

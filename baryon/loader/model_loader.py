@@ -91,7 +91,7 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
     from baryon.kernels.selector import select
     from baryon.layers.embedding import VocabParallelEmbedding
     from baryon.layers.linear import LinearBase
-    from baryon.loader.gguf import packable_bits
+    from baryon.loader.gguf import packable_formats
     from baryon.quantization.block_quant import BlockQuantLinearMethod
 
     from baryon.distributed.parallel_state import tp_world_size
@@ -102,19 +102,20 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
     if kernel.name == "torch" and "BARYON_KERNEL_BLOCK_QUANT_LINEAR" not in os.environ:
         logger.info("GGUF weights are dequantized at load: no packed CPU kernel here")
         return frozenset()
-    sources: dict[str, dict[str, int | None]] = defaultdict(dict)  # parameter -> {checkpoint name: bits}
+    # parameter -> {checkpoint name: (code bits, pair bytes)}
+    sources: dict[str, dict[str, tuple[int, int] | None]] = defaultdict(dict)
     names = CheckpointNames(model, config.hf_config)
-    for name, bits in packable_bits(config.model_path).items():
+    for name, packed_format in packable_formats(config.model_path).items():
         target = names.target(name)
         if target is not None and target.expert_id is None and not target.all_experts:
-            sources[target.param][name] = bits
+            sources[target.param][name] = packed_format
     modules, packed = dict(model.named_modules()), set()
     head = getattr(model, "lm_head", None)
-    for param_name, bits_by_name in sources.items():
+    for param_name, format_by_name in sources.items():
         module_name, _, leaf = param_name.rpartition(".")
-        module, widths = modules.get(module_name), set(bits_by_name.values())
-        if leaf != "weight" or len(widths) != 1 or None in widths:
-            continue  # not a matrix, or parts stored in different types: dequantized
+        module, formats = modules.get(module_name), set(format_by_name.values())
+        if leaf != "weight" or len(formats) != 1 or None in formats:
+            continue  # not a matrix, or parts stored in different layouts: dequantized
         if isinstance(module, LinearBase):
             in_features = module.input_size
         elif isinstance(module, VocabParallelEmbedding) and module.tp_size == 1:
@@ -122,11 +123,12 @@ def keep_gguf_packed(model: nn.Module, config: ModelConfig, device: torch.device
         else:
             continue
         tied_head = head is not None and head is not module and head.weight is module.weight
-        method = BlockQuantLinearMethod(widths.pop(), in_features, device, config.dtype)
+        bits, pair_bytes = formats.pop()
+        method = BlockQuantLinearMethod(bits, in_features, device, config.dtype, pair_bytes)
         module.use_method(method)
         if tied_head:
             head.use_method(method, shared_weight=module.weight)
-        packed.update(bits_by_name)
+        packed.update(format_by_name)
     logger.info("GGUF: %d matrices kept packed (%s kernel)", len(packed), kernel.name)
     return frozenset(packed)
 

@@ -18,7 +18,8 @@
 // See baryon/kernels/block_quant.py for the packed row format and the torch reference of these
 // numerics (block_quant_linear_int8_reference).
 //
-// x: [M, K] float32, packed: [N, row_bytes] uint8, bias: [N] float32 or none -> y: [M, N] float32.
+// x: [M, K] float32, packed: [N, row_bytes] uint8 (float32 or float16 pairs, block_pairs.h), bias:
+// [N] float32 or none -> y: [M, N] float32.
 // Activations are quantized once per call into per-row groups laid out for the code loads (below);
 // the multiply is tiled MR rows of x times NR weight rows (each loaded weight group is used MR
 // times), split over output rows with ATen's thread pool.
@@ -36,13 +37,18 @@
 #include <immintrin.h>
 #endif
 
+#include "block_pairs.h"
+
 namespace {
+
+using baryon_cpu::read_pair;
+using baryon_cpu::row_code_bytes;
 
 constexpr int64_t kBlock = 32;
 
 // The width of one load of weight codes: 64 bytes with AVX-512 VNNI, else 32 (AVX2, or the
 // portable loop).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define BARYON_INT8_DOT_AVX512 1
 constexpr int64_t kVec = 64;
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -146,10 +152,11 @@ inline int64_t blocks_in_group(int64_t K, int64_t g) {
   return std::min<int64_t>(Layout<Bits>::blocks_per_group, K / kBlock - g * Layout<Bits>::blocks_per_group);
 }
 
-// A row's float32 pairs, after its codes (K / 2 nibble pairs or K int8 codes).
-template <int Bits>
-inline const float* row_pairs(const uint8_t* row, int64_t K) {
-  return reinterpret_cast<const float*>(row + (Bits == 4 ? K / 2 : K));
+// Where group g's pairs start in a row (after its K / 2 or K code bytes; 4 bytes a pair where
+// they are float16, 8 where float32).
+template <int Bits, bool Half>
+inline const uint8_t* group_pairs(const uint8_t* row, int64_t K, int64_t g) {
+  return row + row_code_bytes(K, Bits) + g * Layout<Bits>::blocks_per_group * (Half ? 4 : 8);
 }
 
 #if defined(BARYON_INT8_DOT_AVX512)
@@ -162,9 +169,8 @@ struct WeightGroup {
   __m512 scale, min;
 };
 
-template <int Bits>
+template <int Bits, bool Half>
 inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
-  using L = Layout<Bits>;
   const int64_t blocks = blocks_in_group<Bits>(K, g), code_bytes = blocks * (Bits == 4 ? kBlock / 2 : kBlock);
   const __mmask64 code_mask = code_bytes >= 64 ? ~0ULL : (1ULL << code_bytes) - 1;
   WeightGroup w;
@@ -176,8 +182,13 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
   } else {
     w.lo = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
   }
-  const float* scale_min = row_pairs<Bits>(row, K) + g * 2 * L::blocks_per_group;
-  const __m512 pairs = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (2 * blocks)) - 1), scale_min);
+  const __mmask16 pair_mask = static_cast<__mmask16>((1u << (2 * blocks)) - 1);
+  const uint8_t* pair_bytes = group_pairs<Bits, Half>(row, K, g);
+  __m512 pairs;
+  if constexpr (Half)
+    pairs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(pair_mask, pair_bytes));
+  else
+    pairs = _mm512_maskz_loadu_ps(pair_mask, pair_bytes);
   if constexpr (Bits == 6) {  // pairs = (scale of half 0, of half 1) per block; lanes 4h..4h+3 are half h
     w.scale = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), pairs);
     w.min = _mm512_setzero_ps();
@@ -191,7 +202,7 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
 }
 
 // MR rows of quantized x times NR weight rows, all groups; y[m * ldy + n] = the dot products.
-template <int Bits, int MR, int NR>
+template <int Bits, bool Half, int MR, int NR>
 inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64_t row_bytes, int64_t K,
                  int64_t groups, float* y, int64_t ldy) {
   __m512 acc[MR][NR];
@@ -199,7 +210,7 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     WeightGroup w[NR];
-    for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits>(rows + n * row_bytes, K, g);
+    for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits, Half>(rows + n * row_bytes, K, g);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const uint8_t* group = xq + m * x_stride + g * kGroupBytes;
@@ -237,9 +248,13 @@ struct WeightGroup {
   __m256 scale, min;
 };
 
-template <int Bits>
+template <int Bits, bool Half>
 inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
-  const float* scale_min = row_pairs<Bits>(row, K) + g * 2 * Layout<Bits>::blocks_per_group;
+  // The group's pairs (at most two blocks: four values) as float32.
+  float scale_min[4] = {0.f, 0.f, 0.f, 0.f};
+  const uint8_t* pair_bytes = group_pairs<Bits, Half>(row, K, g);
+  for (int64_t b = 0; b < blocks_in_group<Bits>(K, g); ++b)
+    read_pair(pair_bytes, b, Half, scale_min[2 * b], scale_min[2 * b + 1]);
   WeightGroup w;
   if constexpr (Bits == 4) {
     const bool two_blocks = blocks_in_group<Bits>(K, g) == 2;
@@ -248,8 +263,7 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     w.lo = _mm256_and_si256(codes, nibble);
     w.hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
-    const __m256 both = two_blocks ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scale_min))
-                                   : _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(scale_min)));
+    const __m256 both = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scale_min));
     w.scale = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
     w.min = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
     if (!two_blocks) {  // the missing block's lanes: no scale, no min (its activations are zero)
@@ -268,7 +282,7 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
   return w;
 }
 
-template <int Bits, int MR, int NR>
+template <int Bits, bool Half, int MR, int NR>
 inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64_t row_bytes, int64_t K,
                  int64_t groups, float* y, int64_t ldy) {
   const __m256i ones = _mm256_set1_epi16(1);
@@ -277,7 +291,7 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     WeightGroup w[NR];
-    for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits>(rows + n * row_bytes, K, g);
+    for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits, Half>(rows + n * row_bytes, K, g);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
       const uint8_t* group = xq + m * x_stride + g * kGroupBytes;
@@ -307,14 +321,13 @@ constexpr int kDecodeRows = 2;
 
 #else  // neither: the same integer numerics, one lane at a time (correct, not fast)
 
-template <int Bits, int MR, int NR>
+template <int Bits, bool Half, int MR, int NR>
 inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64_t row_bytes, int64_t K,
                  int64_t groups, float* y, int64_t ldy) {
   using L = Layout<Bits>;
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
       const uint8_t* row = rows + n * row_bytes;
-      const float* scale_min = row_pairs<Bits>(row, K);
       float total = 0.f;
       for (int64_t b = 0; b < K / kBlock; ++b) {
         const uint8_t* group = xq + m * x_stride + (b / L::blocks_per_group) * kGroupBytes;
@@ -331,13 +344,14 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
           }
         }
         const float d = reinterpret_cast<const float*>(group + kDOffset)[j * L::lanes_per_block];
+        float first, second;
+        read_pair(row + row_code_bytes(K, Bits), b, Half, first, second);
         if constexpr (Bits == 6) {  // a scale per half, no min
-          total += d * (scale_min[2 * b] * static_cast<float>(dot[0]) +
-                        scale_min[2 * b + 1] * static_cast<float>(dot[1]));
+          total += d * (first * static_cast<float>(dot[0]) + second * static_cast<float>(dot[1]));
         } else {
           const float sum = reinterpret_cast<const float*>(group + kSumOffset)[j * L::lanes_per_block] *
                             L::lanes_per_block;
-          total += scale_min[2 * b] * d * static_cast<float>(dot[0] + dot[1]) + scale_min[2 * b + 1] * sum;
+          total += first * d * static_cast<float>(dot[0] + dot[1]) + second * sum;
         }
       }
       y[m * ldy + n] = total;
@@ -351,36 +365,36 @@ constexpr int kDecodeRows = 1;
 
 // Weight rows [n_begin, n_end) against every row of x: NR weight rows at a time (they stay in L1
 // while tiles of 4, 2, 1 rows of x pass over them).
-template <int Bits, int NR>
+template <int Bits, bool Half, int NR>
 int64_t row_tiles(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t* w, int64_t row_bytes, int64_t K,
                   int64_t groups, float* y, int64_t N, int64_t n, int64_t n_end) {
   for (; n + NR <= n_end; n += NR) {
     int64_t m = 0;
 #if defined(BARYON_INT8_DOT_AVX512)
     for (; m + 8 <= M; m += 8)  // 16 accumulators, 8 weight vectors: 32 registers
-      tile<Bits, 8, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+      tile<Bits, Half, 8, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
 #endif
     for (; m + 4 <= M; m += 4)
-      tile<Bits, 4, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+      tile<Bits, Half, 4, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
     for (; m + 2 <= M; m += 2)
-      tile<Bits, 2, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+      tile<Bits, Half, 2, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
     for (; m < M; ++m)
-      tile<Bits, 1, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
+      tile<Bits, Half, 1, NR>(xq + m * x_stride, x_stride, w + n * row_bytes, row_bytes, K, groups, y + m * N + n, N);
   }
   return n;
 }
 
-template <int Bits>
+template <int Bits, bool Half>
 void linear_rows(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t* w, int64_t row_bytes, int64_t K,
                  int64_t groups, float* y, int64_t N, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  if (M < 4) n = row_tiles<Bits, kDecodeRows>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
-  n = row_tiles<Bits, 2>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
-  row_tiles<Bits, 1>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
+  if (M < 4) n = row_tiles<Bits, Half, kDecodeRows>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
+  n = row_tiles<Bits, Half, 2>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
+  row_tiles<Bits, Half, 1>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
 }
 
 template <int Bits>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool half) {
   using L = Layout<Bits>;
   const int64_t M = x.size(0), N = packed.size(0), row_bytes = packed.size(1);
   const int64_t groups = (K / kBlock + L::blocks_per_group - 1) / L::blocks_per_group;
@@ -399,7 +413,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K) {
   // Enough output rows per task that a task streams at least ~16 KB of weights.
   const int64_t grain = std::max<int64_t>(4, 16384 / row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    linear_rows<Bits>(xq, M, x_stride, w_ptr, row_bytes, K, groups, y_ptr, N, begin, end);
+    (half ? linear_rows<Bits, true> : linear_rows<Bits, false>)(xq, M, x_stride, w_ptr, row_bytes, K, groups, y_ptr,
+                                                                N, begin, end);
   });
   return y;
 }
@@ -412,15 +427,11 @@ at::Tensor block_quant_linear_int8(const at::Tensor& x, const at::Tensor& packed
               x.sizes());
   TORCH_CHECK(in_features % kBlock == 0, "block_quant_linear_int8: in_features ", in_features,
               " is not a multiple of ", kBlock);
-  const int64_t row_bytes = (bits == 4 ? in_features / 2 : in_features) + in_features / kBlock * 8;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(1) == row_bytes &&
-                  packed.is_contiguous(),
-              "block_quant_linear_int8: packed must be contiguous uint8 [N, ", row_bytes, "], got ",
-              packed.scalar_type(), " ", packed.sizes());
+  const bool half = baryon_cpu::has_half_pairs(packed, in_features, bits, "block_quant_linear_int8");
   const at::Tensor xc = x.contiguous();
-  at::Tensor y = bits == 4   ? linear<4>(xc, packed, in_features)
-                 : bits == 6 ? linear<6>(xc, packed, in_features)
-                             : linear<8>(xc, packed, in_features);
+  at::Tensor y = bits == 4   ? linear<4>(xc, packed, in_features, half)
+                 : bits == 6 ? linear<6>(xc, packed, in_features, half)
+                             : linear<8>(xc, packed, in_features, half);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
