@@ -260,15 +260,18 @@ def test_bitmask_rows_are_whole_in_a_reused_buffer(random_stories, device, seed)
     generator, rng = torch.Generator().manual_seed(seed), random.Random(seed)
     try:
         spec = StructuredOutputsParams(choice=["yes", "yellow", "no"])
-        grammars = [RequestGrammar(compiler.submit(spec), [2]) for _ in range(3)]
-        grammars[0].advance(byte_tokens("ye"))
-        grammars[1].advance(byte_tokens("no") + [2])
-        assert grammars[1].is_terminated() and not grammars[0].is_terminated()
+
+        def make_grammar(kind: int) -> RequestGrammar:  # 0: after "ye"; 1: ended; 2: nothing accepted yet
+            made = RequestGrammar(compiler.submit(spec), [2])
+            made.advance([byte_tokens("ye"), byte_tokens("no") + [2], []][kind])
+            return made
+
         for step, rows in enumerate((3, 20)):
             host = staging.host_rows(rows)  # [rows, 16], left as the previous step wrote it
             assert host.shape == (rows, 16) and staging.host.shape[0] >= rows
             host.copy_(torch.randint(-2**31, 2**31 - 1, host.shape, dtype=torch.int32, generator=generator))
-            step_grammars = (grammars * 7)[:rows]
+            step_grammars = [make_grammar(i % 3) for i in range(rows)]  # a matcher each, as requests have
+            assert step_grammars[1].is_terminated() and not step_grammars[0].is_terminated()
             fill_bitmask(step_grammars, host, threaded=step == 1)
             expected = xgr.allocate_token_bitmask(rows, 512)
             for i, grammar in enumerate(step_grammars):
