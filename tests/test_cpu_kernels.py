@@ -57,6 +57,21 @@ def test_packed_layout_round_trips(seed):
         torch.testing.assert_close(dequantize_rows(packed, 64, bits), torch.from_numpy(expected.reshape(5, 64)).float())
 
 
+def test_float16_pairs_hold_only_float16_values_and_are_read_from_the_row_length(seed):
+    rng = np.random.default_rng(seed)
+    codes = random_codes(rng, 3, 64, 4)
+    scale = rng.uniform(1e-3, 2e-2, (3, 2)).astype(np.float16).astype(np.float32)
+    minimum = np.full((3, 2), -0.1, dtype=np.float32)  # 0.1 has no float16 value
+    with pytest.raises(ValueError, match="not all float16 values"):
+        pack_rows(codes, scale, minimum, 4, pair_bytes=4)
+    minimum = minimum.astype(np.float16).astype(np.float32)
+    half, full = pack_rows(codes, scale, minimum, 4, pair_bytes=4), pack_rows(codes, scale, minimum, 4)
+    assert half.shape == (3, 32 + 2 * 4) and full.shape == (3, 32 + 2 * 8)
+    assert torch.equal(dequantize_rows(half, 64, 4), dequantize_rows(full, 64, 4))
+    with pytest.raises(ValueError, match="fit neither pair width"):
+        dequantize_rows(half[:, :-1], 64, 4)
+
+
 @pytest.mark.parametrize("type_name", sorted(PACKABLE_BITS))
 def test_gguf_blocks_pack_to_exactly_what_gguf_dequantizes(seed, type_name):
     rng = np.random.default_rng(seed)
