@@ -109,9 +109,10 @@ def fill_bitmask(grammars: list[RequestGrammar], bitmask: torch.Tensor, threaded
     grammar i's accepted tokens (every token where its matcher has ended: that row's token is
     dropped). threaded: several rows at once on xgrammar's threads (not where the engine's own
     kernels run on every core: a CPU device)."""
-    live = [i for i, g in enumerate(grammars) if not g.is_terminated()]
+    ended = [g.is_terminated() for g in grammars]
+    live = [i for i, e in enumerate(ended) if not e]
     if len(live) < len(grammars):
-        bitmask[[i for i, g in enumerate(grammars) if g.is_terminated()]] = -1  # all bits set
+        bitmask[[i for i, e in enumerate(ended) if e]] = -1  # all bits set
     if len(live) > 1 and threaded:
         batch_matcher().batch_fill_next_token_bitmask([grammars[i].get_matcher() for i in live], bitmask, live)
     else:

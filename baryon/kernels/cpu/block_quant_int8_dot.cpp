@@ -250,11 +250,14 @@ struct WeightGroup {
 
 template <int Bits, bool Half>
 inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
-  // The group's pairs (at most two blocks: four values) as float32.
-  float scale_min[4] = {0.f, 0.f, 0.f, 0.f};
+  // The group's pairs (at most two blocks: four values) as float32: read in place, or converted
+  // from float16 into a zero-padded copy.
   const uint8_t* pair_bytes = group_pairs<Bits, Half>(row, K, g);
-  for (int64_t b = 0; b < blocks_in_group<Bits>(K, g); ++b)
-    read_pair(pair_bytes, b, Half, scale_min[2 * b], scale_min[2 * b + 1]);
+  float converted[4] = {0.f, 0.f, 0.f, 0.f};
+  if constexpr (Half)
+    for (int64_t b = 0; b < blocks_in_group<Bits>(K, g); ++b)
+      read_pair(pair_bytes, b, true, converted[2 * b], converted[2 * b + 1]);
+  const float* scale_min = Half ? converted : reinterpret_cast<const float*>(pair_bytes);
   WeightGroup w;
   if constexpr (Bits == 4) {
     const bool two_blocks = blocks_in_group<Bits>(K, g) == 2;
@@ -263,7 +266,10 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     w.lo = _mm256_and_si256(codes, nibble);
     w.hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
-    const __m256 both = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scale_min));
+    // In place, a lone block's pair is the row's last 8 bytes: read no further.
+    const __m256 both = two_blocks || Half
+                            ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scale_min))
+                            : _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(scale_min)));
     w.scale = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
     w.min = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
     if (!two_blocks) {  // the missing block's lanes: no scale, no min (its activations are zero)
