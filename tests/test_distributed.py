@@ -204,7 +204,7 @@ def _rank_main(rank: int, world_size: int, init_method: str, path: str, queue) -
 
     torch.set_num_threads(1)
     try:
-        init_distributed(world_size, rank, init_method, "gloo", expert_parallel=False)
+        init_distributed(world_size, rank, init_method, "gloo", expert_parallel=False, dtype=torch.float32)
         try:
             queue.put((rank, _counting_load(path)))
         finally:

@@ -270,3 +270,81 @@ def test_data_parallel_on_two_gpus_matches_one(tmp_path, seed):
                  data_parallel_size=dp) as llm:
             tokens[dp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[2] == tokens[1]
+
+
+def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> None:
+    """A spawned rank: every all_reduce implementation over fresh random inputs, eager and
+    replayed from a CUDA graph, against the float32 sum of the gathered inputs."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from baryon.kernels.all_reduce import ONE_SHOT_MAX_BYTES, SymmMemOneShotAllReduce, all_reduce_reference
+
+    try:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+        reducer = SymmMemOneShotAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
+        assert isinstance(reducer, SymmMemOneShotAllReduce), "symmetric memory could not be set up"
+        generator = torch.Generator().manual_seed(seed + rank)
+        hidden = 1000  # not a multiple of 16 bytes' worth of a vector
+        # 1 and 7 rows, the largest one-shot message, and one past it (NCCL's path).
+        for rows in (1, 7, ONE_SHOT_MAX_BYTES // (2 * hidden), ONE_SHOT_MAX_BYTES // (2 * hidden) + 1):
+            x = torch.randn(rows, hidden, generator=generator).to(device, torch.bfloat16)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            expected = all_reduce_reference(parts)
+            torch.testing.assert_close(reducer(x.clone()), expected, rtol=0, atol=0)
+            # Captured: three reductions in a row over the same buffer, each of a changed input.
+            static = x.clone()
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                reducer(static.clone())
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                a = reducer(static.clone())  # NCCL's path sums in place: keep `static` for c
+                b = reducer(a * 0.5)
+                c = reducer(static + b)
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(a, expected, rtol=0, atol=0)
+            halves = all_reduce_reference([(expected * 0.5)] * world)
+            torch.testing.assert_close(b, halves, rtol=0, atol=0)
+            torch.testing.assert_close(c, all_reduce_reference([p + halves for p in parts]), rtol=0, atol=0)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, None))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+@two_gpus
+def test_one_shot_all_reduce_on_two_gpus(seed):
+    """The symmetric-memory one-shot all-reduce equals the float32 sum of both ranks' inputs
+    (exactly, for two ranks), eager and inside a CUDA graph with reductions back to back, and
+    hands messages past its buffer to NCCL."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, 2, port, seed, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for _ in procs:
+            rank, failure = results.get(timeout=180)
+            assert failure is None, f"rank {rank} failed:\n{failure}"
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

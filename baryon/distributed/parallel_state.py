@@ -10,19 +10,30 @@ all-gathers; with expert parallelism the same ranks also divide each MoE layer's
 them (each rank runs its experts on every token and the MoE block's one all-reduce adds the
 ranks' parts), so a MoE layer's experts are then not split along their intermediate size. A
 gloo group over the same ranks carries host-side agreements (the KV-cache size).
+
+The tensor-parallel all-reduce is chosen by the kernel selector (family `all_reduce`): on GPUs a
+one-shot all-reduce over symmetric memory for small messages (decode steps), NCCL's otherwise;
+`BARYON_KERNEL_ALL_REDUCE=torch` keeps NCCL for every message.
 """
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
+from baryon.kernels.selector import Kernel, select
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
+
 _TP_GROUP: dist.ProcessGroup | None = None
 _EP_GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
+_TP_ALL_REDUCE: Kernel | None = None  # a callable reducer over _TP_GROUP
 
 # How long a collective may wait for the other ranks before the process group gives up. Long:
 # ranks compile kernels at different speeds on a first run; a dead worker is noticed by the
@@ -31,49 +42,73 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 # How long the ranks may take to meet at start-up (starting Python and importing torch): a worker
 # that dies before it joins must not leave rank 0 waiting for COLLECTIVE_TIMEOUT.
 JOIN_TIMEOUT = timedelta(minutes=3)
+# How long shutdown waits for torch to tear the process group down (see destroy_distributed).
+TEARDOWN_TIMEOUT_S = 10.0
 
 
 def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
-                     expert_parallel: bool) -> None:
+                     expert_parallel: bool, dtype: torch.dtype) -> None:
     """Join the engine's ranks (blocks until all `world_size` have joined `init_method`) and
-    install the groups. backend: "nccl" (GPUs) or "gloo" (CPU)."""
+    install the groups. backend: "nccl" (GPUs) or "gloo" (CPU); dtype: the model's (the
+    activations the layers all-reduce)."""
     global _CPU_GROUP
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a process group (an earlier multi-GPU engine's "
+                           "teardown did not finish, see the log): start the new engine in a new process")
     address = urlparse(init_method)  # tcp://host:port
     store = dist.TCPStore(address.hostname, address.port, world_size, is_master=rank == 0, timeout=JOIN_TIMEOUT)
     device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if backend == "nccl" else {}
     dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=COLLECTIVE_TIMEOUT,
                             **device)
     world = dist.group.WORLD
-    init_tensor_parallel(world)
+    init_tensor_parallel(world, dtype)
     init_expert_parallel(world if expert_parallel else None)
     _CPU_GROUP = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
 def destroy_distributed() -> None:
-    """Leave the process group (shutdown); the layers see one rank again."""
+    """Leave the process group (shutdown); the layers see one rank again.
+
+    The group is aborted, not destroyed: NCCL's orderly teardown (`destroy_process_group`) waits
+    until every rank tears down too, so rank 0 waited forever for a worker that had already
+    exited (or was killed after its grace period). No collective is in flight at shutdown, and an
+    abort waits for nobody. It is still given at most TEARDOWN_TIMEOUT_S: on two H100s the abort
+    itself was once seen not to return at the end of a test, and a shutdown must never hang."""
     global _CPU_GROUP
-    init_tensor_parallel(None)
+    init_tensor_parallel(None, None)
     init_expert_parallel(None)
     _CPU_GROUP = None
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    teardown = threading.Thread(target=abort_distributed, name="baryon-process-group-teardown", daemon=True)
+    teardown.start()
+    teardown.join(TEARDOWN_TIMEOUT_S)
+    if teardown.is_alive():
+        logger.error("the process group's teardown did not return within %.0f s; leaving it (this process "
+                     "cannot start another multi-GPU engine)", TEARDOWN_TIMEOUT_S)
 
 
 def abort_distributed() -> None:
-    """Give up the process group at once (a rank died): collectives queued on the device that
-    wait for the dead rank are released instead of hanging."""
+    """Give up the process group at once (shutdown, or a rank died): collectives queued on the
+    device that wait for a dead rank are released instead of hanging."""
     if not dist.is_initialized():
         return
     try:
         dist.distributed_c10d._abort_process_group()
-    except Exception:  # best effort: the engine is failing either way
-        pass
+    except Exception:  # a backend that cannot abort: tear down the ordinary way
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def init_tensor_parallel(group: dist.ProcessGroup | None) -> None:
-    """Install the tensor-parallel process group (None: single rank)."""
-    global _TP_GROUP
-    _TP_GROUP = group
+def init_tensor_parallel(group: dist.ProcessGroup | None, dtype: torch.dtype | None) -> None:
+    """Install the tensor-parallel process group (None: single rank) and its all-reduce for
+    activations of `dtype` (a collective: every rank of the group calls it)."""
+    global _TP_GROUP, _TP_ALL_REDUCE
+    _TP_GROUP, _TP_ALL_REDUCE = group, None
+    if group is not None and dist.get_world_size(group) > 1:
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        _TP_ALL_REDUCE = select("all_reduce", device, world_size=dist.get_world_size(group)).create(group, device, dtype)
 
 
 def init_expert_parallel(group: dist.ProcessGroup | None) -> None:
@@ -110,11 +145,11 @@ def moe_tp_rank() -> int:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the tensor-parallel ranks (in place when there are several)."""
+    """Sum `x` over the tensor-parallel ranks: x itself (one rank, or summed in place) or a new
+    tensor (the one-shot all-reduce): use the returned tensor."""
     if tp_world_size() == 1:
         return x
-    dist.all_reduce(x, group=_TP_GROUP)
-    return x
+    return _TP_ALL_REDUCE(x)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

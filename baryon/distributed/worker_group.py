@@ -89,7 +89,10 @@ class WorkerGroup:
             group._monitor = threading.Thread(target=group._watch, name="baryon-worker-monitor", daemon=True)
             group._monitor.start()
             atexit.register(group.shutdown)
-            init_distributed(world_size, 0, init_method, backend_for(config.device), expert_parallel)
+            if config.device.type == "cuda" and config.device.index is not None:
+                torch.cuda.set_device(config.device)  # a data-parallel replica's rank 0 is not on cuda:0
+            init_distributed(world_size, 0, init_method, backend_for(config.device), expert_parallel,
+                             config.model.dtype)
         except BaseException as e:
             try:
                 if isinstance(e, Exception):  # the join timed out: a worker that died is the reason to give

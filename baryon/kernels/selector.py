@@ -78,6 +78,8 @@ _REGISTRY: dict[str, list[str]] = {
                   "baryon.kernels.moe.experts_torch:TorchFusedExperts"],
     "fused_moe_mxfp4": ["baryon.kernels.moe.experts_triton:TritonMxfp4FusedExperts",
                         "baryon.kernels.moe.experts_torch:TorchMxfp4FusedExperts"],
+    "all_reduce": ["baryon.kernels.all_reduce:SymmMemOneShotAllReduce",
+                   "baryon.kernels.all_reduce:TorchDistributedAllReduce"],
     "fused_moe_fp8": ["baryon.kernels.moe.experts_triton:TritonFp8FusedExperts",
                       "baryon.kernels.moe.experts_torch:TorchFp8FusedExperts"],
 }

@@ -10,8 +10,10 @@ itself when the engine's process is gone.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import os
 import pickle
+import signal
 import sys
 
 import torch
@@ -45,7 +47,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     steps.connect(step_address)
     try:
         init_distributed(world_size, rank, init_method, backend_for(device),
-                         config.parallel.enable_expert_parallel)
+                         config.parallel.enable_expert_parallel, config.model.dtype)
         runner = ModelRunner(config)
         while True:
             if not steps.poll(_IDLE_POLL_MS):
@@ -73,6 +75,7 @@ def main(argv: list[str]) -> int:
               "(pickled EngineConfig on stdin)", file=sys.stderr)
         return 2
     config = pickle.loads(sys.stdin.buffer.read())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a worker waits
     try:
         return run_worker(config, int(argv[0]), int(argv[1]), argv[2], argv[3], int(argv[4]))
     except Exception:

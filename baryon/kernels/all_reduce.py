@@ -1,0 +1,127 @@
+"""The tensor-parallel all-reduce: torch.distributed's (NCCL on GPUs, gloo on CPU), or a one-shot
+all-reduce over torch symmetric memory for the small messages of decode steps.
+
+A decode step of a dense model all-reduces a [batch, hidden] activation twice per layer (after
+attention and after the MLP): at batch 1 that is 8 KB, and NCCL's latency, not the bytes, sets its
+cost. The one-shot all-reduce is one kernel: every rank copies its part into a buffer the other
+GPUs map (peer-to-peer over NVLink), all ranks meet at a barrier on signal pads, and each rank
+reads every rank's part and adds them itself; a second barrier frees the buffer for the next call.
+It reads (world - 1) copies of the message over the links, so past `ONE_SHOT_MAX_BYTES` NCCL's ring
+is used instead. Both are captured in CUDA graphs.
+
+    reducer = select("all_reduce", device, world_size=2).create(group, device, dtype)
+    summed = reducer(x)  # x: [tokens, hidden]; a new tensor, or x summed in place (NCCL)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from baryon.kernels.selector import Kernel
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
+
+# Messages up to this size take the one-shot path. Two H100s (NVLink, `benchmarks/all_reduce.py`,
+# hidden 4096 bf16, replayed from CUDA graphs): one-shot / NCCL 8.4 / 19.6 us at 8 KiB (batch 1),
+# 13.2 / 20.2 at 512 KiB, 23.2 / 42.2 at 2 MiB, 36.9 / 43.0 at 4 MiB, 63.4 / 56.3 at 8 MiB.
+ONE_SHOT_MAX_BYTES = 4 << 20
+
+
+def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:
+    """What every rank's result must equal: the sum of the ranks' inputs, accumulated in float32."""
+    total = torch.zeros_like(parts[0], dtype=torch.float32)
+    for part in parts:
+        total += part.float()
+    return total.to(parts[0].dtype)
+
+
+class TorchDistributedAllReduce(Kernel):
+    """dist.all_reduce in place: NCCL on GPUs (its ring or tree), gloo on CPU."""
+
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+               max_bytes: int = 0) -> TorchDistributedAllReduce:
+        return cls(group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+class SymmMemOneShotAllReduce(Kernel):
+    """torch.ops.symm_mem.one_shot_all_reduce_copy_out over a symmetric buffer of
+    ONE_SHOT_MAX_BYTES made once per engine (every rank allocates it in the same order: a
+    collective); messages that do not fit, or of another dtype, go to NCCL."""
+
+    name = "symm_mem_one_shot"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return "needs CUDA GPUs (peer-to-peer symmetric memory)"
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+            return f"torch {torch.__version__} has no symmetric-memory all-reduce"
+        return None
+
+    @classmethod
+    def cannot_implement_reason(cls, world_size: int = 1, **config) -> str | None:
+        return "one rank: nothing to reduce" if world_size < 2 else None
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+                 max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group
+        self.group_name = group.group_name
+        self.dtype = dtype
+        self.fallback = TorchDistributedAllReduce(group)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # required by older torch, a deprecated no-op in newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
+        self.capacity = max_bytes // dtype.itemsize
+        self.buffer = symm_mem.empty(self.capacity, dtype=dtype, device=device)  # [capacity]
+        symm_mem.rendezvous(self.buffer, self.group_name)
+        self._copy_in_kernel = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+               max_bytes: int = ONE_SHOT_MAX_BYTES) -> Kernel:
+        """The one-shot reducer for messages up to max_bytes, or NCCL's where symmetric memory
+        cannot be set up on this host (the ranks agree, so that every rank runs the same
+        collectives)."""
+        try:
+            reducer, ok = cls(group, device, dtype, max_bytes), 1
+        except RuntimeError as e:  # e.g. no peer access between these GPUs
+            logger.warning("one-shot all-reduce unavailable (%s); using NCCL's", e)
+            reducer, ok = None, 0
+        flag = torch.tensor([ok], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        if int(flag.item()) == 0:
+            return TorchDistributedAllReduce(group)
+        return reducer
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.capacity and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fits(x):
+            return self.fallback(x)
+        out = torch.empty_like(x)
+        flat, slot = x.view(-1), self.buffer[: x.numel()]  # slot: this rank's part, where peers read it
+        if self._copy_in_kernel:  # the copy into the slot happens inside the all-reduce kernel
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(slot, flat, "sum", self.group_name, out.view(-1))
+        else:
+            slot.copy_(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.group_name, out.view(-1))
+        return out

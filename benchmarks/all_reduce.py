@@ -1,0 +1,128 @@
+"""The tensor-parallel all-reduce on several GPUs: each `all_reduce` implementation (the one-shot
+all-reduce over symmetric memory, NCCL's) at decode and prefill message sizes, eager and replayed
+from a CUDA graph (what a decode step pays), after checking its result against the float32 sum.
+
+    python benchmarks/all_reduce.py [--world-size 2] [--hidden 4096] [--tokens 1 8 64 256 1024] [--dtype bfloat16]
+
+One process per GPU; rank 0 prints a JSON line per (implementation, tokens) and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GRAPH_CALLS = 64  # reductions captured back to back in one graph (as a step's layers)
+
+
+def _time_eager(fn, repeats: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
+def _time_graph(fn, replays: int = 20) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * GRAPH_CALLS)
+
+
+def _rank_main(rank: int, world: int, port: int, args, results) -> None:
+    from baryon.kernels.all_reduce import all_reduce_reference
+    from baryon.kernels.selector import candidates
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
+    group = dist.group.WORLD
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for cls in candidates("all_reduce"):
+        if cls.unsupported_reason(device) or cls.cannot_implement_reason(world_size=world):
+            continue
+        # Every size through the implementation itself (the engine's one-shot stops at ONE_SHOT_MAX_BYTES).
+        reducer = cls.create(group, device, dtype, max_bytes=max(args.tokens) * args.hidden * dtype.itemsize)
+        for tokens in args.tokens:
+            generator = torch.Generator(device="cpu").manual_seed(1000 * tokens + rank)
+            x = torch.randn(tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            out = reducer(x.clone())
+            error = (out.float() - all_reduce_reference(parts).float()).abs().max().item()
+            work = x.clone()
+            eager = _time_eager(lambda: reducer(work))
+            graphed = _time_graph(lambda: reducer(work))
+            rows.append({"impl": reducer.name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
+                         "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2)})
+    if rank == 0:
+        results.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 256, 512, 1024, 4096])
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    if torch.cuda.device_count() < args.world_size:
+        raise SystemExit(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_rank_main, args=(r, args.world_size, port, args, results))
+                 for r in range(args.world_size)]
+    for p in processes:
+        p.start()
+    rows = results.get(timeout=600)
+    for p in processes:
+        p.join()
+    for row in rows:
+        print(json.dumps({"bench": "all_reduce", "world_size": args.world_size, "hidden": args.hidden, **row}))
+    print(f"\n{'impl':<20}{'tokens':>8}{'KiB':>8}{'eager us':>10}{'graph us':>10}{'max err':>10}")
+    for row in rows:
+        print(f"{row['impl']:<20}{row['tokens']:>8}{row['bytes'] / 1024:>8.0f}{row['eager_us']:>10.2f}"
+              f"{row['graph_us']:>10.2f}{row['max_abs_error']:>10.2g}")
+
+
+if __name__ == "__main__":
+    main()
