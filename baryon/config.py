@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +82,8 @@ class EngineArgs:
         1, "Engine replicas, each on its own tensor_parallel_size GPUs, requests balanced between them by load")
     enable_expert_parallel: bool = _arg(
         False, "MoE models: divide the experts among the tensor-parallel ranks instead of splitting every "
-               "expert's intermediate size")
+               "expert's intermediate size; with data_parallel_size > 1, among the replicas (DP attention: "
+               "each replica runs attention on its own requests, every MoE layer runs over all replicas' tokens)")
     speculative_config: str | dict | None = _arg(
         None, "Speculative decoding, a JSON object (or dict) as vLLM takes it: {\"method\": \"ngram\" | "
               "\"draft_model\" | \"eagle3\" | \"mtp\", \"num_speculative_tokens\": k, \"model\": draft "
@@ -167,6 +169,12 @@ class ParallelConfig:
     tensor_parallel_size: int
     data_parallel_size: int
     enable_expert_parallel: bool
+    # DP attention (data_parallel_size > 1, expert parallelism, a MoE model): the replicas are the
+    # ranks of one process group whose MoE layers divide the experts among them and exchange
+    # their tokens; each replica knows its rank and where the ranks meet (`EngineConfig.replicas`).
+    data_parallel_attention: bool = False
+    data_parallel_rank: int = 0
+    data_parallel_init_method: str | None = None
 
 
 @dataclass
@@ -183,7 +191,12 @@ class EngineConfig:
 
     @property
     def cpu_threads_per_rank(self) -> int:
-        return max(1, self.cpu_threads // self.parallel.tensor_parallel_size)
+        """The cores each rank computes on (CPU): tensor-parallel ranks share the engine's, and
+        DP-attention replicas, which step together, share them too."""
+        ranks = self.parallel.tensor_parallel_size
+        if self.parallel.data_parallel_attention:
+            ranks *= self.parallel.data_parallel_size
+        return max(1, self.cpu_threads // ranks)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -221,19 +234,29 @@ class EngineConfig:
                                         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
                                         level=_resolve_compilation_level(args.compilation_level, device))
         speculative = _resolve_speculative(args, model)
-        parallel = _resolve_parallel(args, device, compilation, speculative)
+        parallel = _resolve_parallel(args, device, compilation, speculative, hf_config)
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
                    seed=args.seed, parallel=parallel, speculative=speculative,
                    cpu_threads=args.cpu_threads or available_cores())
 
-    def replica(self, index: int) -> EngineConfig:
-        """Data-parallel replica `index`: one engine (data_parallel_size 1) on the
-        tensor_parallel_size GPUs that start index * tensor_parallel_size after the first."""
-        device = self.device
-        if device.type == "cuda":
-            device = torch.device("cuda", (device.index or 0) + index * self.parallel.tensor_parallel_size)
-        return dataclasses.replace(self, device=device,
-                                   parallel=dataclasses.replace(self.parallel, data_parallel_size=1))
+    def replicas(self) -> list[EngineConfig]:
+        """One config per data-parallel replica: replica d on the tensor_parallel_size GPUs that
+        start d * tensor_parallel_size after the first. Independent replicas are engines of
+        data_parallel_size 1; with DP attention each keeps data_parallel_size, learns its rank and
+        the address where the replicas' process group meets."""
+        parallel, tp = self.parallel, self.parallel.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{free_port()}" if parallel.data_parallel_attention else None
+        configs = []
+        for index in range(parallel.data_parallel_size):
+            device = self.device
+            if device.type == "cuda":
+                device = torch.device("cuda", (device.index or 0) + index * tp)
+            if parallel.data_parallel_attention:
+                replica = dataclasses.replace(parallel, data_parallel_rank=index, data_parallel_init_method=init_method)
+            else:
+                replica = dataclasses.replace(parallel, data_parallel_size=1)
+            configs.append(dataclasses.replace(self, device=device, parallel=replica))
+        return configs
 
     @classmethod
     def create(cls, **kwargs: Any) -> EngineConfig:
@@ -377,7 +400,7 @@ def mtp_draft_config(config: ModelConfig) -> ModelConfig:
 
 
 def _resolve_parallel(args: EngineArgs, device: torch.device, compilation: CompilationConfig,
-                      speculative: SpeculativeConfig | None) -> ParallelConfig:
+                      speculative: SpeculativeConfig | None, hf_config: Any) -> ParallelConfig:
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     if device.type == "cuda":
         first, count = device.index or 0, torch.cuda.device_count()
@@ -390,8 +413,30 @@ def _resolve_parallel(args: EngineArgs, device: torch.device, compilation: Compi
     if tp > 1 and speculative is not None and speculative.method != "ngram":
         raise ValueError(f"speculative method {speculative.method!r} is not supported with tensor_parallel_size > 1 "
                          f"yet (its draft would run on one rank); use method 'ngram'")
+    dp_attention = dp > 1 and bool(args.enable_expert_parallel) and is_moe(hf_config)
+    if dp_attention:
+        unsupported = [what for what, present in (
+            (f"tensor_parallel_size={tp} (use 1)", tp > 1),
+            (f"speculative decoding ({speculative.method if speculative else ''})", speculative is not None),
+            (f"compilation_level={compilation.level} (use 0)", compilation.level > 0)) if present]
+        if unsupported:
+            raise ValueError(f"data_parallel_size={dp} with enable_expert_parallel (DP attention: the replicas "
+                             f"share the experts) does not support {', '.join(unsupported)} yet")
     return ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp,
-                          enable_expert_parallel=bool(args.enable_expert_parallel))
+                          enable_expert_parallel=bool(args.enable_expert_parallel),
+                          data_parallel_attention=dp_attention)
+
+
+def is_moe(hf_config: Any) -> bool:
+    """Whether the model has routed experts (the config names their count)."""
+    return any(getattr(hf_config, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
+
+
+def free_port() -> int:
+    """A TCP port on this host that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _resolve_compilation_level(requested: int | None, device: torch.device) -> int:

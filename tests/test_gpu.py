@@ -272,6 +272,28 @@ def test_data_parallel_on_two_gpus_matches_one(tmp_path, seed):
     assert tokens[2] == tokens[1]
 
 
+@two_gpus
+def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed):
+    """Two replicas sharing a MoE model's experts over NCCL (decode CUDA graphs replayed at the
+    size the replicas agree on, padding-only steps on the replica that runs out of requests) give
+    one GPU's greedy tokens and logprobs, in float32."""
+    path = make_checkpoint(tmp_path / "moe", "qwen3_moe", seed=seed, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3,
+                           initializer_range=0.02, **GPU_MOE)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 128, 4, 40, seed)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (4, 30, 8, 20, 2, 12)]
+    results = {}
+    for dp in (1, 2):
+        with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
+                 data_parallel_size=dp, enable_expert_parallel=True) as llm:
+            results[dp] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                     o.outputs[0].token_ids)])
+                           for o in llm.generate(prompts, params, use_tqdm=False)]
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(results[1], results[2]):
+        assert tokens2 == tokens1
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
+
+
 def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> None:
     """A spawned rank: every all_reduce implementation over fresh random inputs, eager and
     replayed from a CUDA graph, against the float32 sum of the gathered inputs."""

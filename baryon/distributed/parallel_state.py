@@ -11,6 +11,13 @@ them (each rank runs its experts on every token and the MoE block's one all-redu
 ranks' parts), so a MoE layer's experts are then not split along their intermediate size. A
 gloo group over the same ranks carries host-side agreements (the KV-cache size).
 
+DP attention (`init_distributed(..., data_parallel=True)`): the ranks are data-parallel replicas,
+each with its own requests and attention (no tensor-parallel group); the experts are divided
+among all of them, and each MoE layer gathers every replica's tokens (`dp_all_gather`), runs its
+experts on them and hands each replica back the sum of the ranks' parts for its own tokens
+(`dp_reduce_scatter`). The replicas agree each step, over gloo, on how many tokens every one pads
+its MoE input to (`dp_all_gather_host`).
+
 The tensor-parallel all-reduce is chosen by the kernel selector (family `all_reduce`): on GPUs a
 one-shot all-reduce over symmetric memory for small messages (decode steps), NCCL's otherwise;
 `BARYON_KERNEL_ALL_REDUCE=torch` keeps NCCL for every message.
@@ -31,6 +38,7 @@ from baryon.logger import get_logger
 logger = get_logger(__name__)
 
 _TP_GROUP: dist.ProcessGroup | None = None
+_DP_GROUP: dist.ProcessGroup | None = None  # DP attention: the replicas that exchange MoE tokens
 _EP_GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
 _TP_ALL_REDUCE: Kernel | None = None  # a callable reducer over _TP_GROUP
@@ -47,11 +55,12 @@ TEARDOWN_TIMEOUT_S = 10.0
 
 
 def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
-                     expert_parallel: bool, dtype: torch.dtype) -> None:
+                     expert_parallel: bool, dtype: torch.dtype, data_parallel: bool = False) -> None:
     """Join the engine's ranks (blocks until all `world_size` have joined `init_method`) and
     install the groups. backend: "nccl" (GPUs) or "gloo" (CPU); dtype: the model's (the
-    activations the layers all-reduce)."""
-    global _CPU_GROUP
+    activations the layers all-reduce); data_parallel: the ranks are DP-attention replicas (see
+    the module's docstring), not the tensor-parallel ranks of one engine."""
+    global _CPU_GROUP, _DP_GROUP
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group (an earlier multi-GPU engine's "
                            "teardown did not finish, see the log): start the new engine in a new process")
@@ -61,8 +70,9 @@ def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
     dist.init_process_group(backend, store=store, world_size=world_size, rank=rank, timeout=COLLECTIVE_TIMEOUT,
                             **device)
     world = dist.group.WORLD
-    init_tensor_parallel(world, dtype)
-    init_expert_parallel(world if expert_parallel else None)
+    init_tensor_parallel(None if data_parallel else world, dtype)
+    init_expert_parallel(world if expert_parallel or data_parallel else None)
+    _DP_GROUP = world if data_parallel else None
     _CPU_GROUP = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
@@ -74,10 +84,10 @@ def destroy_distributed() -> None:
     exited (or was killed after its grace period). No collective is in flight at shutdown, and an
     abort waits for nobody. It is still given at most TEARDOWN_TIMEOUT_S: on two H100s the abort
     itself was once seen not to return at the end of a test, and a shutdown must never hang."""
-    global _CPU_GROUP
+    global _CPU_GROUP, _DP_GROUP
     init_tensor_parallel(None, None)
     init_expert_parallel(None)
-    _CPU_GROUP = None
+    _CPU_GROUP, _DP_GROUP = None, None
     if not dist.is_initialized():
         return
     teardown = threading.Thread(target=abort_distributed, name="baryon-process-group-teardown", daemon=True)
@@ -177,6 +187,42 @@ def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     if tp_world_size() > 1:
         dist.broadcast(x, src=dist.get_global_rank(_TP_GROUP, 0), group=_TP_GROUP)
     return x
+
+
+def dp_world_size() -> int:
+    """DP-attention replicas that exchange MoE tokens (1: none, every MoE layer is local)."""
+    return 1 if _DP_GROUP is None else dist.get_world_size(_DP_GROUP)
+
+
+def dp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, hidden], the same shape on every replica -> [replicas * tokens, hidden],
+    replica r's rows at r * tokens."""
+    x = x.contiguous()
+    out = torch.empty((dp_world_size() * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=_DP_GROUP)
+    return out
+
+
+def dp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
+    """x: [replicas * tokens, hidden] -> [tokens, hidden]: rows r * tokens .. of every replica's x,
+    summed, on replica r."""
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // dp_world_size(),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if x.device.type == "cpu":  # gloo has no reduce-scatter: sum everything, keep this replica's rows
+        dist.all_reduce(x, group=_DP_GROUP)
+        out.copy_(x.view((dp_world_size(),) + tuple(out.shape))[dist.get_rank(_DP_GROUP)])
+    else:
+        dist.reduce_scatter_tensor(out, x, group=_DP_GROUP)
+    return out
+
+
+def dp_all_gather_host(values: list[int]) -> list[list[int]]:
+    """Every replica's `values` (host integers, the same count on each), in rank order: the
+    replicas' agreement on a step."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(dp_world_size())]
+    dist.all_gather(gathered, mine, group=_CPU_GROUP)
+    return [g.tolist() for g in gathered]
 
 
 def min_over_ranks(value: int) -> int:

@@ -19,7 +19,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import time
 import torch
 import zmq
 
+from baryon.config import free_port
 from baryon.distributed.parallel_state import abort_distributed, destroy_distributed, init_distributed
 from baryon.logger import get_logger
 
@@ -47,12 +47,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class WorkerGroup:
     def __init__(self, socket_dir: str) -> None:
         self._socket_dir = socket_dir
@@ -68,7 +62,7 @@ class WorkerGroup:
         """Launch ranks 1 .. world_size - 1 and join the process group as rank 0 (returns once
         every rank has joined)."""
         group = cls(tempfile.mkdtemp(prefix="baryon-workers-"))
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         payload = pickle.dumps(config)
         try:
             for rank in range(1, world_size):

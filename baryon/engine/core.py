@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from baryon.config import EngineConfig
-from baryon.distributed.worker_group import WorkerGroup, WorkerDiedError
+from baryon.distributed.parallel_state import destroy_distributed, dp_all_gather_host, init_distributed
+from baryon.distributed.worker_group import WorkerGroup, WorkerDiedError, backend_for
 from baryon.engine.kv_cache import BlockManager
 from baryon.engine.scheduler import Scheduler
 from baryon.logger import get_logger
 from baryon.request import Request, RequestStatus
-from baryon.runner.model_runner import LaunchedStep, ModelRunner, RawLogprobs
+from baryon.runner.model_runner import DPStep, LaunchedStep, ModelRunner, RawLogprobs
 from baryon.sampling_params import SamplingParams
 from baryon.structured_output.compiler import GrammarCompiler
 from baryon.structured_output.matcher import RequestGrammar
@@ -107,9 +108,21 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._grammar_compiler: GrammarCompiler | None = None  # made for the first structured-output request
-        tp = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        tp = parallel.tensor_parallel_size
+        # DP attention: this replica is one rank of the replicas' process group (see step()).
+        self.data_parallel = parallel.data_parallel_attention
+        self.stopped = False  # DP attention: the replicas agreed to stop
+        if self.data_parallel:
+            if config.device.type == "cuda":
+                torch.cuda.set_device(config.device)
+            init_distributed(parallel.data_parallel_size, parallel.data_parallel_rank,
+                             parallel.data_parallel_init_method, backend_for(config.device), True,
+                             config.model.dtype, data_parallel=True)
+            logger.info("DP attention: replica %d of %d; the MoE layers' experts are divided among the replicas",
+                        parallel.data_parallel_rank, parallel.data_parallel_size)
         # Tensor parallelism: ranks 1.. in worker processes, rank 0 here; all build their runner at once.
-        self.workers = WorkerGroup.start(config, tp, config.parallel.enable_expert_parallel) if tp > 1 else None
+        self.workers = WorkerGroup.start(config, tp, parallel.enable_expert_parallel) if tp > 1 else None
         try:
             self.runner = ModelRunner(config, self.workers)
         except Exception as e:
@@ -177,26 +190,34 @@ class EngineCore:
         return self.block_manager.num_blocks
 
     def shutdown(self) -> None:
-        """Stop the worker processes (tensor parallelism); the engine cannot step afterwards."""
+        """Stop the worker processes (tensor parallelism) or leave the replicas' group (DP
+        attention); the engine cannot step afterwards."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self.data_parallel:
+            destroy_distributed()
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, stopping: bool = False) -> list[EngineCoreOutput]:
         """Schedule and launch the next step, then read back the previous one (see `_step`).
-        With worker processes, a step that fails because a worker died says so."""
+        With worker processes, a step that fails because a worker died says so.
+
+        DP attention: every replica calls this in every round of its loop, with or without work
+        (`stopping`: this replica was asked to stop). The replicas agree on the round first: if
+        one has tokens to run, all launch a forward pass (padding only where nothing is
+        scheduled); if one is stopping, all stop (`self.stopped`) and launch nothing."""
         if self.workers is None:
-            return self._step()
+            return self._step(stopping)
         try:
-            return self._step()
+            return self._step(stopping)
         except WorkerDiedError:
             raise
         except RuntimeError:  # a collective failed: a worker that died is the reason to give
             self.workers.check(wait_s=1.0)
             raise
 
-    def _step(self) -> list[EngineCoreOutput]:
+    def _step(self, stopping: bool = False) -> list[EngineCoreOutput]:
         """Schedule and launch the next step, then read back the previous one.
 
         Launching step N+1 before waiting for step N keeps the device busy while the host
@@ -219,10 +240,15 @@ class EngineCore:
         failed = self._fail_broken_grammars()
         if self.config.speculative is not None:
             self.runner.propose(self.scheduler.running)
-        scheduled = self.scheduler.schedule().scheduled
+        scheduled = self.scheduler.schedule().scheduled if not stopping else []
+        dp_step = self._agree_with_replicas(scheduled, stopping) if self.data_parallel else None
+        if self.stopped:
+            return failed
         launched = None
+        if not scheduled and dp_step is not None:
+            self.runner.launch([], dp_step)  # padding: the other replicas' tokens need this replica's experts
         if scheduled:
-            launched = _InFlight(scheduled, self.runner.launch(scheduled))
+            launched = _InFlight(scheduled, self.runner.launch(scheduled, dp_step))
             self.num_steps += 1
             for request, num_new in scheduled:
                 request.num_computed_tokens += num_new
@@ -235,6 +261,25 @@ class EngineCore:
         if previous is None:
             return failed
         return failed + self._update(previous)
+
+    def _agree_with_replicas(self, scheduled: list[tuple[Request, int]], stopping: bool) -> DPStep | None:
+        """DP attention: every replica says what it would run (tokens, sequences, whether all are
+        decodes) and whether it stops; all get the same answer: the step every one launches
+        (None: no replica has work) — the rows every replica pads its MoE input to, and the
+        decode graph all replay when every replica's step is decodes (or nothing) that fit one."""
+        num_tokens = sum(n for _, n in scheduled)
+        decodes = all(n == 1 for _, n in scheduled)
+        rounds = dp_all_gather_host([num_tokens, len(scheduled), int(decodes), int(stopping)])
+        if any(stop for *_, stop in rounds):
+            self.stopped = True
+            return None
+        padded_tokens = max(tokens for tokens, *_ in rounds)
+        if padded_tokens == 0:
+            return None
+        graph_size = None
+        if all(decodes for _, _, decodes, _ in rounds):
+            graph_size = self.runner.dp_graph_size(max(seqs for _, seqs, *_ in rounds))
+        return DPStep(padded_tokens=graph_size or padded_tokens, graph_size=graph_size)
 
     def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
         """Abort the waiting requests whose grammar did not compile (the frontends check every

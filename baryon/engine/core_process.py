@@ -9,6 +9,11 @@ tokenizes and detokenizes.
 
 It runs in its own session, so a terminal's Ctrl-C reaches only the server, which stops it in
 order; and it exits by itself when its parent is gone, so a killed server leaves no engine.
+
+With DP attention the replicas' loops go round together: every round each replica takes its
+messages, then steps (an agreement with the others, and a forward pass whenever any replica has
+work), so an idle replica polls its input every DP_IDLE_POLL_MS instead of sleeping on it, and a
+Shutdown stops all replicas at the same round.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ logger = get_logger(__name__)
 
 # How long an idle engine waits for a message before checking that its parent is alive (ms).
 _IDLE_POLL_MS = 200
+# DP attention: how long an idle replica waits for a message before its next round with the
+# others (ms): at most this much is added to the first step after all replicas were idle.
+DP_IDLE_POLL_MS = 5
 # How long an unsent failure report may hold the process at exit (ms).
 _LINGER_MS = 2000
 
@@ -53,14 +61,21 @@ class EngineCoreLoop:
         self.rejected: dict[str, str] = {}
 
     def run(self) -> None:
+        data_parallel = self.core.data_parallel
+        idle_ms = DP_IDLE_POLL_MS if data_parallel else _IDLE_POLL_MS
         while True:
-            changed = self._receive(timeout_ms=0 if self.core.has_unfinished_requests() else _IDLE_POLL_MS)
-            if changed is None:
-                return
+            changed = self._receive(timeout_ms=0 if self.core.has_unfinished_requests() else idle_ms)
             if os.getppid() != self.parent_pid:
                 logger.warning("the server process is gone; the engine process exits")
                 return
-            step_outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            if data_parallel:  # a round with the other replicas, work or not
+                step_outputs = self.core.step(stopping=changed is None)
+                if self.core.stopped:
+                    return
+            elif changed is None:
+                return
+            else:
+                step_outputs = self.core.step() if self.core.has_unfinished_requests() else []
             if step_outputs or changed:
                 self.outputs.send(encoder.encode(EngineOutputs(step_outputs, engine_stats(self.core), self.rejected)))
                 self.rejected = {}

@@ -2,10 +2,11 @@
 EngineCore interface that LLMEngine drives.
 
 Each replica is an engine-core process (`baryon.engine.core_process`, the server's too) on its
-own GPUs (`EngineConfig.replica`), with its own scheduler, KV cache and, with tensor parallelism,
-its own workers. A new request goes to the replica with the fewest unfinished requests; `step()`
-waits until some replica has produced outputs and returns everything that has arrived. A replica
-that fails or exits fails the engine with its reason.
+own GPUs (`EngineConfig.replicas`), with its own scheduler, KV cache and, with tensor parallelism,
+its own workers (with DP attention the replicas also step together and share a MoE model's
+experts: `engine/core_process.py`). A new request goes to the replica with the fewest unfinished
+requests; `step()` waits until some replica has produced outputs and returns everything that has
+arrived. A replica that fails or exits fails the engine with its reason.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class DataParallelEngineCores:
         self.num_kv_blocks = 0  # the replicas' KV-cache blocks, added up
         self._poller = zmq.Poller()
         try:
-            for index, replica in enumerate(self.replicas):
-                replica.configure(config.replica(index))
+            for replica, replica_config in zip(self.replicas, config.replicas()):
+                replica.configure(replica_config)
                 self._poller.register(replica.output_socket, zmq.POLLIN)
             for index, replica in enumerate(self.replicas):
                 self._wait_ready(index, replica)

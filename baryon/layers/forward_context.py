@@ -1,4 +1,5 @@
-"""The per-step context the runner sets and attention layers read (without importing the runner)."""
+"""The per-step context the runner sets and the layers read (without importing the runner): the
+attention metadata, and with DP attention the token count every replica pads its MoE input to."""
 
 from __future__ import annotations
 
@@ -8,19 +9,33 @@ from contextlib import contextmanager
 from baryon.kernels.attention.metadata import AttentionMetadata
 
 _attn_metadata: AttentionMetadata | None = None
+_dp_padded_tokens: int | None = None
 
 
 @contextmanager
-def forward_context(metadata: AttentionMetadata) -> Iterator[None]:
-    global _attn_metadata
-    previous, _attn_metadata = _attn_metadata, metadata
+def forward_context(metadata: AttentionMetadata, dp_padded_tokens: int | None = None) -> Iterator[None]:
+    """dp_padded_tokens: DP attention's agreed MoE row count for this step (None: this replica's
+    own token count, as when every replica runs the same profiling or capture step)."""
+    global _attn_metadata, _dp_padded_tokens
+    previous = _attn_metadata, _dp_padded_tokens
+    _attn_metadata, _dp_padded_tokens = metadata, dp_padded_tokens
     try:
         yield
     finally:
-        _attn_metadata = previous
+        _attn_metadata, _dp_padded_tokens = previous
 
 
 def current_attn_metadata() -> AttentionMetadata:
     if _attn_metadata is None:
         raise RuntimeError("attention called outside a forward context (the runner sets one per step)")
     return _attn_metadata
+
+
+def current_dp_padded_tokens(num_tokens: int) -> int:
+    """The rows every DP-attention replica's MoE input has this step (at least num_tokens, this
+    replica's own)."""
+    if _dp_padded_tokens is None:
+        return num_tokens
+    if _dp_padded_tokens < num_tokens:
+        raise RuntimeError(f"the replicas agreed on {_dp_padded_tokens} MoE rows for a step of {num_tokens} tokens")
+    return _dp_padded_tokens

@@ -88,11 +88,12 @@ class CUDAGraphRunner:
         if self.features_of is not None:
             self.features[:size].copy_(self.features_of(hidden))
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Replay the decode step of metadata.num_seqs sequences; returns logits [num_seqs, vocab]
-        float32."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+            size: int | None = None) -> torch.Tensor:
+        """Replay the decode step of metadata.num_seqs sequences in the graph of `size` (default:
+        the smallest that holds them); returns logits [num_seqs, vocab] float32."""
         n = metadata.num_seqs
-        size = self.padded_size(n)
+        size = self.padded_size(n) if size is None else size
         graph = self.graphs[size]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)

@@ -64,6 +64,16 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class DPStep:
+    """DP attention: what the replicas agreed on for this step (every replica runs one forward
+    pass, with the same MoE collectives): the rows each pads its MoE input to, and the decode
+    graph size all replay (None: every replica runs its step eagerly)."""
+
+    padded_tokens: int
+    graph_size: int | None
+
+
+@dataclass
 class _Batch:
     """A step's inputs on the device."""
 
@@ -157,6 +167,9 @@ class ModelRunner:
         if not all(isinstance(a, Attention) for a in self.attention_layers):
             logger.info("piecewise CUDA graphs off: they cut the forward pass at standard attention layers only")
             return []
+        if self.config.parallel.data_parallel_attention:
+            logger.info("piecewise CUDA graphs off: with DP attention a prefill step's MoE rows are agreed per step")
+            return []
         if self.config.speculative is not None and self.config.speculative.method == "eagle3":
             logger.info("piecewise CUDA graphs off: EAGLE-3 reads hidden states from inside the forward pass")
             return []
@@ -208,17 +221,47 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, scheduled: list[tuple[Request, int]]) -> LaunchedStep:
+    def launch(self, scheduled: list[tuple[Request, int]], dp_step: DPStep | None = None) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device and return without waiting.
 
         A request whose last token is still pending (sampled by the previous launch, not yet
         known on the host) reads it from that launch's device tensor, so the next step can be
         prepared while the previous one runs. With tensor parallelism the plan goes to the other
-        ranks first, which run the same forward pass."""
+        ranks first, which run the same forward pass. With DP attention `dp_step` says how this
+        step meets the other replicas' (an empty `scheduled`: a forward pass of padding only,
+        whose MoE layers serve the other replicas' tokens)."""
+        if not scheduled and dp_step is not None:
+            return self._launch_padding(dp_step)
         plan, sampling = self._plan(scheduled)
         if self.workers is not None:
             self.workers.send_step(plan.encode())
-        return self._launch(plan, scheduled, sampling)
+        return self._launch(plan, scheduled, sampling, dp_step)
+
+    def dp_graph_size(self, num_seqs: int) -> int | None:
+        """The decode graph a DP-attention step of at most num_seqs decodes per replica replays
+        on every replica (None: no graph that large, or no graphs)."""
+        return self.graph_runner.padded_size(max(num_seqs, 1)) if self.graph_runner is not None else None
+
+    def _launch_padding(self, dp_step: DPStep) -> LaunchedStep:
+        """DP attention, a replica with nothing scheduled: replay the agreed decode graph with
+        padding rows only, or run one padding token (stored nowhere) eagerly."""
+        if dp_step.graph_size is not None:
+            empty = np.zeros(0, dtype=np.int64)
+            layout = batch_layout(np.zeros((0, 1), dtype=np.int32), empty, empty, self.block_size)
+            metadata = build_metadata(layout, np.zeros((0, 1), dtype=np.int32), self.device)
+            no_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
+            self.graph_runner.run(no_ids, no_ids, metadata, size=dp_step.graph_size)
+        else:
+            one = np.ones(1, dtype=np.int64)
+            layout = batch_layout(np.zeros((1, 1), dtype=np.int32), one - 1, one, self.block_size)
+            layout.slot_mapping[:] = -1  # the padding token's key and value are stored nowhere
+            metadata = build_metadata(layout, np.zeros((1, 1), dtype=np.int32), self.device)
+            token = torch.zeros(1, dtype=torch.int64, device=self.device)
+            with forward_context(metadata, dp_step.padded_tokens):
+                self.forward(token, token)
+        step = LaunchedStep([])
+        step.finish_launch(self.device)
+        return step  # not the last launch: its samples feed nothing
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> None:
@@ -227,15 +270,16 @@ class ModelRunner:
         self._launch(plan, None, None)
 
     def _launch(self, plan: StepPlan, scheduled: list[tuple[Request, int]] | None,
-                sampling: _Sampling | None) -> LaunchedStep:
+                sampling: _Sampling | None, dp_step: DPStep | None = None) -> LaunchedStep:
         batch = self._upload(plan)
         rows = plan.logit_rows
         sampling_ids = [r.request_id for r in sampling.sampling_requests] if self.is_first_rank else []
         step = LaunchedStep(sampling_ids, self.workers.check if self.workers is not None else None)
         observe = getattr(self.proposer, "observe", None)  # a draft that reads the target's hidden states
-        if self._can_replay(batch):
+        if dp_step.graph_size is not None if dp_step is not None else self._can_replay(batch):
             # The graph computes logits of every row; a decode step usually samples every row.
-            all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata)
+            all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata,
+                                               size=dp_step.graph_size if dp_step is not None else None)
             logits = all_logits if len(rows) == batch.metadata.num_seqs else all_logits[self._index(rows)]
             if observe is not None:
                 observe(scheduled, batch.query_start, self.graph_runner.features[:batch.metadata.num_tokens])
@@ -243,7 +287,7 @@ class ModelRunner:
             if self.piecewise_runner is not None and self.piecewise_runner.padded_size(batch.metadata.num_tokens):
                 hidden = self.piecewise_runner.run(batch.input_ids, batch.positions, batch.metadata)
             else:
-                with forward_context(batch.metadata):
+                with forward_context(batch.metadata, dp_step.padded_tokens if dp_step is not None else None):
                     hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[self._index(rows)]) if len(rows) else None  # [rows, vocab]
             if observe is not None:

@@ -47,8 +47,8 @@ def run_server(args: argparse.Namespace) -> int:
     engines = [EngineProcess() for _ in range(max(args.data_parallel_size, 1))]
     try:
         config = EngineConfig.create(**kwargs)
-        for index, engine in enumerate(engines):
-            engine.configure(config.replica(index))  # the model loads while this process loads the tokenizer
+        for engine, replica in zip(engines, config.replicas()):
+            engine.configure(replica)  # the model loads while this process loads the tokenizer
         tokenizer = None
         if config.model.tokenizer_path is not None:
             from baryon.tokenizer import load_tokenizer

@@ -1,17 +1,35 @@
 """MoE blocks: what replaces the MLP in a sparse decoder layer. The router picks experts, the
 FusedMoE layer runs them, shared experts (if any) add a dense MLP on every token; the ranks'
-partial sums are reduced once, at the end. Attribute names follow the checkpoints."""
+partial sums are reduced once, at the end. Attribute names follow the checkpoints.
+
+With DP attention the routed experts run over every replica's tokens: each replica pads its rows
+to the step's agreed count, the replicas' rows are gathered, each replica routes all of them and
+runs its own experts, and the sum of the replicas' parts comes back to each replica for its own
+rows. Shared experts are whole on every replica and run on its own rows."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_all_reduce
+from baryon.distributed.parallel_state import dp_all_gather, dp_reduce_scatter, dp_world_size, tp_all_reduce
+from baryon.layers.forward_context import current_dp_padded_tokens
 from baryon.layers.fused_moe.layer import FusedMoE
 from baryon.layers.fused_moe.router import Router
 from baryon.layers.linear import ReplicatedLinear
 from baryon.layers.mlp import GatedMLP
+
+
+def run_routed_experts(gate: Router, experts: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, hidden] -> this rank's experts' part of the routed output [num_tokens, hidden]
+    (with DP attention, over every replica's tokens; see the module's docstring)."""
+    if dp_world_size() == 1:
+        return experts(x, *gate(x))
+    num_tokens = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, current_dp_padded_tokens(num_tokens) - num_tokens))  # [padded, hidden]
+    everyone = dp_all_gather(padded)  # [replicas * padded, hidden]
+    return dp_reduce_scatter(experts(everyone, *gate(everyone)))[:num_tokens]
 
 
 class SparseMoeBlock(nn.Module):
@@ -24,7 +42,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]."""
-        out = self.experts(x, *self.gate(x))
+        out = run_routed_experts(self.gate, self.experts, x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out)
@@ -39,5 +57,5 @@ class GatedSharedExpertMoeBlock(nn.Module):
         self.shared_expert_gate = ReplicatedLinear(experts.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.gate(x))
+        out = run_routed_experts(self.gate, self.experts, x)
         return tp_all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))

@@ -1,0 +1,206 @@
+"""DP attention with expert parallelism (CPU, gloo, two replica processes): data-parallel replicas
+that run attention on their own requests and share a MoE model's experts.
+
+A MoE block over two replicas equals the block with every expert on one rank, for replicas of
+different token counts; an engine of two such replicas gives the same greedy tokens and logprobs
+as one engine, also when one replica runs out of requests and the other still decodes (its
+padding steps keep the MoE layers going); configurations it does not support are refused by
+name; shutdown leaves no replica running.
+"""
+
+from __future__ import annotations
+
+import queue as queue_module
+import socket
+import traceback
+
+import pytest
+import torch
+
+from baryon import LLM, SamplingParams
+from conftest import TEST_SEED, make_checkpoint, random_prompts
+
+VOCAB = 128  # conftest's BASE_CONFIG
+LOGPROB_TOL = 1e-4
+EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 32, 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _moe_block(ep_size: int, ep_rank: int, seed: int):
+    """A Qwen3-style block (softmax top-k router, SiLU experts) with the same random weights on
+    every rank; the rank keeps its slice of the experts."""
+    from baryon.kernels.moe.routing import RoutingConfig
+    from baryon.layers.fused_moe.block import SparseMoeBlock
+    from baryon.layers.fused_moe.layer import FusedMoE
+    from baryon.layers.fused_moe.router import Router
+
+    generator = torch.Generator().manual_seed(seed)
+    block = SparseMoeBlock(Router(HIDDEN, RoutingConfig(EXPERTS, TOP_K, renormalize=True)),
+                           FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, ep_size=ep_size, ep_rank=ep_rank))
+    block.gate.weight.data.copy_(torch.randn(EXPERTS, HIDDEN, generator=generator))
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) / HIDDEN ** 0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) / INTER ** 0.5
+    start = block.experts.expert_start
+    block.experts.w13_weight.data.copy_(w13[start:start + block.experts.num_local_experts])
+    block.experts.w2_weight.data.copy_(w2[start:start + block.experts.num_local_experts])
+    return block
+
+
+def _block_rank(rank: int, world: int, init_method: str, seed: int, results) -> None:
+    """A spawned replica: its own tokens (a different count on each rank) through the block whose
+    experts are divided among the replicas, padded to the agreed count."""
+    from baryon.distributed.parallel_state import destroy_distributed, init_distributed
+    from baryon.layers.forward_context import forward_context
+
+    torch.set_num_threads(1)
+    try:
+        init_distributed(world, rank, init_method, "gloo", True, torch.float32, data_parallel=True)
+        try:
+            counts = [3, 7]
+            x = torch.randn(counts[rank], HIDDEN, generator=torch.Generator().manual_seed(seed + rank))
+            block = _moe_block(world, rank, seed)
+            assert block.experts.num_local_experts == EXPERTS // world
+            with torch.inference_mode(), forward_context(None, dp_padded_tokens=max(counts)):
+                out = block(x)
+            results.put((rank, (x, out)))
+        finally:
+            destroy_distributed()
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_moe_block_over_replicas_equals_every_expert_on_one_rank(seed):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_block_rank, args=(rank, 2, init_method, seed, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, value = results.get(timeout=120)
+            assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
+            got[rank] = value
+    except queue_module.Empty:
+        pytest.fail(f"the replicas did not report (exit codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    whole = _moe_block(1, 0, seed)  # every expert, one rank, no exchange
+    for rank, (x, out) in got.items():
+        with torch.inference_mode():
+            expected = whole(x)
+        assert out.shape == x.shape
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert expected.abs().max() > 0.1  # not vacuous: the experts produce something
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("dp_attention_moe"), "qwen3_moe", seed=TEST_SEED % 2**31)
+
+
+def _outputs(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+def test_dp_attention_matches_one_engine(moe_path, seed):
+    """Two replicas sharing the experts against one engine with all of them: greedy tokens and
+    logprobs. Output lengths differ a lot, so one replica's requests end while the other's still
+    decode, and prompts of different lengths put prefills beside decodes in the same round; a
+    second call runs after both replicas went idle together."""
+    from test_parallel_serving import wait_until_gone
+
+    prompts = random_prompts(5, VOCAB, 3, 24, seed)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (2, 14, 3, 9, 1)]
+    later = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True) as one:
+        expected = _outputs(one, prompts, params) + _outputs(one, prompts[-1:], later)
+    with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
+             enable_expert_parallel=True) as two:
+        assert two.config.parallel.data_parallel_attention
+        got = _outputs(two, prompts, params) + _outputs(two, prompts[-1:], later)
+        pids = [replica.pid for replica in two.engine.core.replicas]
+    for i, ((tokens1, logprobs1), (tokens2, logprobs2)) in enumerate(zip(expected, got)):
+        assert tokens2 == tokens1, f"prompt {i}: greedy tokens differ"
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < LOGPROB_TOL, f"prompt {i}"
+    wait_until_gone(pids, 10)  # shutdown stopped both replicas
+
+
+def test_dp_attention_configuration(moe_path, tmp_path):
+    from baryon.config import EngineConfig
+
+    base = dict(model=str(moe_path), device="cpu", skip_tokenizer_init=True, data_parallel_size=2)
+    config = EngineConfig.create(**base, enable_expert_parallel=True)
+    replicas = config.replicas()
+    assert [r.parallel.data_parallel_rank for r in replicas] == [0, 1]
+    assert replicas[0].parallel.data_parallel_init_method == replicas[1].parallel.data_parallel_init_method
+    assert all(r.parallel.data_parallel_size == 2 and r.parallel.data_parallel_attention for r in replicas)
+    # Without expert parallelism the replicas are independent engines, each with every expert.
+    plain = EngineConfig.create(**base).replicas()
+    assert all(r.parallel.data_parallel_size == 1 and not r.parallel.data_parallel_attention for r in plain)
+    # A dense model has no experts to share: independent replicas.
+    dense = make_checkpoint(tmp_path / "dense", "llama", seed=1)
+    assert not EngineConfig.create(**{**base, "model": str(dense)}, enable_expert_parallel=True
+                                   ).parallel.data_parallel_attention
+    with pytest.raises(ValueError, match=r"DP attention.*tensor_parallel_size=2"):
+        EngineConfig.create(**base, enable_expert_parallel=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"DP attention.*speculative decoding"):
+        EngineConfig.create(**base, enable_expert_parallel=True,
+                            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_server_with_dp_attention(moe_path, seed):
+    """`baryon serve --data-parallel-size 2 --enable-expert-parallel`: concurrent completions
+    spread over both replicas come back with the offline engine's greedy tokens, and SIGTERM
+    stops the server and both replicas."""
+    import signal
+    import threading
+
+    import httpx
+
+    from test_parallel_serving import wait_until_gone
+    from test_server import ServerProcess, child_pids
+
+    prompts = random_prompts(4, VOCAB, 3, 16, seed)
+    with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True) as one:
+        expected = [t for t, _ in _outputs(one, prompts, SamplingParams(temperature=0, max_tokens=6,
+                                                                       ignore_eos=True, logprobs=0))]
+    server = ServerProcess(moe_path, "--skip-tokenizer-init", "--dtype", "float32", "--data-parallel-size", "2",
+                           "--enable-expert-parallel")
+    try:
+        server.wait_ready()
+        assert len(child_pids(server.process.pid)) == 2  # one engine process per replica
+        results = [None] * len(prompts)
+
+        def post(i: int) -> None:
+            body = {"prompt": prompts[i], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+            results[i] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i, result in enumerate(results):
+            assert result["usage"]["completion_tokens"] == 6, result
+            tokens = [int(t.split(":")[1]) for t in result["choices"][0]["logprobs"]["tokens"]]  # "token_id:<id>"
+            assert tokens == expected[i], f"prompt {i}"
+        tree = [server.process.pid, *child_pids(server.process.pid)]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(15) == 0
+        wait_until_gone(tree, 10)
+    finally:
+        server.stop()
