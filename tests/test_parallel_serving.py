@@ -91,6 +91,23 @@ def test_shutdown_stops_every_worker(llama_path):
     wait_until_gone(pids, 10)
 
 
+def test_shutdown_frees_graphs_before_the_process_group(llama_path, monkeypatch):
+    """NCCL's teardown waits forever on a live CUDA graph that captured its collectives
+    (pytorch#115388; seen on two H100s): the engine frees its graphs first."""
+    import baryon.distributed.worker_group as worker_group
+
+    llm = LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True)
+    order = []
+    runner = llm.engine.core.runner
+    release = runner.release_cuda_graphs
+    monkeypatch.setattr(runner, "release_cuda_graphs", lambda: (order.append("graphs"), release()))
+    destroy = worker_group.destroy_distributed
+    monkeypatch.setattr(worker_group, "destroy_distributed", lambda: (order.append("group"), destroy()))
+    llm.shutdown()
+    assert order == ["graphs", "group"]
+    assert runner.graph_runner is None and runner.piecewise_runner is None
+
+
 def test_data_parallel_replicas_match_one_engine(llama_path, seed):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 128, 3, 20, seed)]
     params = SamplingParams(max_tokens=6, temperature=0)

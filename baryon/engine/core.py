@@ -192,6 +192,11 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the worker processes (tensor parallelism) or leave the replicas' group (DP
         attention); the engine cannot step afterwards."""
+        multi_rank = self.workers is not None or self.data_parallel
+        runner = getattr(self, "runner", None)  # absent when the runner failed to build
+        worker_died = self.workers is not None and self.workers.failure is not None  # the device may wait on it
+        if multi_rank and runner is not None and not worker_died:
+            runner.release_cuda_graphs()  # before the process group goes (see CUDAGraphRunner.release)
         if self.workers is not None:
             self.workers.shutdown()
         if self.data_parallel:

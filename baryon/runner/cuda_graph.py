@@ -82,6 +82,14 @@ class CUDAGraphRunner:
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
+    def release(self) -> None:
+        """Free the captured graphs. NCCL's process-group teardown waits forever on a graph that
+        captured its collectives and is still alive (pytorch#115388), so multi-GPU engines
+        release theirs before leaving the group."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def _step(self, size: int) -> None:
         hidden = self.forward(self.input_ids[:size], self.positions[:size])
         self.logits_into(hidden, self.logits[:size])

@@ -193,6 +193,17 @@ class ModelRunner:
             piecewise.capture()
         return decode, piecewise
 
+    def release_cuda_graphs(self) -> None:
+        """Free every captured graph, after the device has finished with them: a rank of a
+        multi-GPU engine calls this before it leaves the process group (see
+        CUDAGraphRunner.release); the runner cannot step afterwards."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for runner in (self.graph_runner, self.piecewise_runner):
+            if runner is not None:
+                runner.release()
+        self.graph_runner = self.piecewise_runner = None
+
     def kv_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.config.cache.kv_cache_dtype).element_size()
         return sum(math.prod(a.cache_shape(1, self.block_size)) * itemsize for a in self.attention_layers)

@@ -127,6 +127,13 @@ class PiecewiseGraphRunner:
         graphs[-1].capture_end()
         return _Captured(graphs, calls, hidden)
 
+    def release(self) -> None:
+        """Free the captured graphs (see CUDAGraphRunner.release)."""
+        for captured in self.captured.values():
+            for graph in captured.graphs:
+                graph.reset()
+        self.captured.clear()
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """The forward pass of a step of metadata.num_tokens tokens -> hidden [num_tokens, hidden]."""
         n = metadata.num_tokens

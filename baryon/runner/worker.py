@@ -45,6 +45,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     context = zmq.Context()
     steps = context.socket(zmq.PULL)
     steps.connect(step_address)
+    runner = None
     try:
         init_distributed(world_size, rank, init_method, backend_for(device),
                          config.parallel.enable_expert_parallel, config.model.dtype)
@@ -64,6 +65,8 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
         steps.close(linger=0)
         context.term()
         try:
+            if runner is not None:
+                runner.release_cuda_graphs()  # before the process group goes (see CUDAGraphRunner.release)
             destroy_distributed()
         except Exception:
             pass
