@@ -1,6 +1,8 @@
 """The tensor-parallel all-reduce on several GPUs: each `all_reduce` implementation (the one-shot
-all-reduce over symmetric memory, NCCL's) at decode and prefill message sizes, eager and replayed
-from a CUDA graph (what a decode step pays), after checking its result against the float32 sum.
+all-reduce over symmetric memory with and without the fused residual add + RMSNorm, NCCL's) at
+decode and prefill message sizes, eager and replayed from a CUDA graph (what a decode step pays),
+after checking its result against the float32 sum; "+norm": the all-reduce and the residual add
++ RMSNorm after it (one kernel in symm_mem_fused), graph-replayed.
 
     python benchmarks/all_reduce.py [--world-size 2] [--hidden 4096] [--tokens 1 8 64 256 1024] [--dtype bfloat16]
 
@@ -82,8 +84,12 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
             work = x.clone()
             eager = _time_eager(lambda: reducer(work))
             graphed = _time_graph(lambda: reducer(work))
+            # The all-reduce with the residual add and RMSNorm after it (fused by symm_mem_fused).
+            residual, weight = torch.ones_like(x), torch.ones(args.hidden, dtype=dtype, device=device)
+            with_norm = _time_graph(lambda: reducer.add_rms_norm(work, residual, weight, 1e-6))
             rows.append({"impl": reducer.name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
-                         "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2)})
+                         "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2),
+                         "with_norm_graph_us": round(with_norm, 2)})
     if rank == 0:
         results.put(rows)
     dist.barrier()
@@ -118,10 +124,10 @@ def main() -> None:
         p.join()
     for row in rows:
         print(json.dumps({"bench": "all_reduce", "world_size": args.world_size, "hidden": args.hidden, **row}))
-    print(f"\n{'impl':<20}{'tokens':>8}{'KiB':>8}{'eager us':>10}{'graph us':>10}{'max err':>10}")
+    print(f"\n{'impl':<20}{'tokens':>8}{'KiB':>8}{'eager us':>10}{'graph us':>10}{'+norm us':>10}{'max err':>10}")
     for row in rows:
         print(f"{row['impl']:<20}{row['tokens']:>8}{row['bytes'] / 1024:>8.0f}{row['eager_us']:>10.2f}"
-              f"{row['graph_us']:>10.2f}{row['max_abs_error']:>10.2g}")
+              f"{row['graph_us']:>10.2f}{row['with_norm_graph_us']:>10.2f}{row['max_abs_error']:>10.2g}")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,21 @@ def test_tp2_matches_tp1(case, checkpoint, seed):
         _assert_prompt_logprobs_match(a.prompt_logprobs, b.prompt_logprobs, k=2)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_tp_norms_reduce_what_the_blocks_leave(checkpoint, arch):
+    """Under TP the o/down projections and MoE blocks leave their sums to the RMSNorm after them
+    (one fused call on GPUs); the parity tests above check the numbers."""
+    path = checkpoint(arch, arch)
+    with LLM(str(path), tensor_parallel_size=2, device="cpu", dtype="float32", skip_tokenizer_init=True) as llm:
+        model = llm.engine.core.runner.model.model
+        for i, layer in enumerate(model.layers):
+            assert layer.self_attn.o_proj.reduce_results is False and layer.post_attention_layernorm.reduces_input
+            block = layer.mlp.down_proj if arch == "llama" else layer.mlp
+            assert block.reduce_results is False
+            assert (model.layers[i + 1].input_layernorm if i + 1 < len(model.layers) else model.norm).reduces_input
+        assert not model.layers[0].input_layernorm.reduces_input  # the embedding reduces its own sum
+
+
 def test_tp2_seeded_sampling_matches_tp1(checkpoint, seed):
     """Random sampling with a per-request seed: rank 0 samples from the gathered logits, so TP=2
     draws the same tokens as TP=1."""

@@ -67,7 +67,7 @@ def _block_rank(rank: int, world: int, init_method: str, seed: int, results) -> 
             assert block.experts.num_local_experts == EXPERTS // world
             with torch.inference_mode(), forward_context(None, dp_padded_tokens=max(counts)):
                 out = block(x)
-            results.put((rank, (x, out)))
+            results.put((rank, (x.numpy(), out.numpy())))  # by value: torch tensors would go by a fd the exiting child owns
         finally:
             destroy_distributed()
     except BaseException:
@@ -98,6 +98,7 @@ def test_moe_block_over_replicas_equals_every_expert_on_one_rank(seed):
                 p.kill()
     whole = _moe_block(1, 0, seed)  # every expert, one rank, no exchange
     for rank, (x, out) in got.items():
+        x, out = torch.from_numpy(x), torch.from_numpy(out)
         with torch.inference_mode():
             expected = whole(x)
         assert out.shape == x.shape

@@ -301,15 +301,19 @@ def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> No
 
     import torch.distributed as dist
 
-    from baryon.kernels.all_reduce import ONE_SHOT_MAX_BYTES, SymmMemOneShotAllReduce, all_reduce_reference
+    from baryon.kernels.all_reduce import ONE_SHOT_MAX_BYTES, all_reduce_reference
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_ROWS, SymmMemFusedAllReduce,
+                                                    all_reduce_add_rms_norm_reference)
 
+    graphs = []  # freed before the process group goes (NCCL's teardown waits on live graphs)
     try:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
-        reducer = SymmMemOneShotAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
-        assert isinstance(reducer, SymmMemOneShotAllReduce), "symmetric memory could not be set up"
+        reducer = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
+        assert isinstance(reducer, SymmMemFusedAllReduce), "symmetric memory could not be set up"
+        shared = torch.Generator().manual_seed(seed)  # what every rank holds alike: residual, weight
         generator = torch.Generator().manual_seed(seed + rank)
         hidden = 1000  # not a multiple of 16 bytes' worth of a vector
         # 1 and 7 rows, the largest one-shot message, and one past it (NCCL's path).
@@ -331,12 +335,42 @@ def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> No
                 a = reducer(static.clone())  # NCCL's path sums in place: keep `static` for c
                 b = reducer(a * 0.5)
                 c = reducer(static + b)
+            graphs.append(graph)
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(a, expected, rtol=0, atol=0)
             halves = all_reduce_reference([(expected * 0.5)] * world)
             torch.testing.assert_close(b, halves, rtol=0, atol=0)
             torch.testing.assert_close(c, all_reduce_reference([p + halves for p in parts]), rtol=0, atol=0)
+        # The all-reduce fused with the residual add and RMSNorm: one row, a decode batch, the
+        # largest fused batch and one past it (the all-reduce, then the norm kernel); eager, then
+        # twice in a row in a graph replayed twice (the rows' call counts and slots move on).
+        hidden, eps = 4096, 1e-6
+        weight = torch.randn(hidden, generator=shared).to(device, torch.bfloat16)
+        for rows in (1, 7, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1):
+            x = torch.randn(rows, hidden, generator=generator).to(device, torch.bfloat16)
+            residual = torch.randn(rows, hidden, generator=shared).to(device, torch.bfloat16)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            expected_out, expected_residual = all_reduce_add_rms_norm_reference(parts, residual, weight, eps)
+            out, residual_out = reducer.add_rms_norm(x.clone(), residual, weight, eps)
+            torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
+            torch.testing.assert_close(out, expected_out)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                first, first_residual = reducer.add_rms_norm(x.clone(), residual, weight, eps)
+                second, second_residual = reducer.add_rms_norm(first * 0.25, first_residual, weight, eps)
+            graphs.append(graph)
+            for _ in range(2):
+                graph.replay()
+                torch.cuda.synchronize()
+                torch.testing.assert_close(first, expected_out)
+                quarters = [(first * 0.25) for _ in range(world)]
+                expected_second = all_reduce_add_rms_norm_reference(quarters, first_residual, weight, eps)
+                torch.testing.assert_close(second, expected_second[0])
+                torch.testing.assert_close(second_residual, expected_second[1], rtol=0, atol=0)
+        for graph in graphs:
+            graph.reset()
         dist.barrier()
         dist.destroy_process_group()
         results.put((rank, None))
@@ -348,7 +382,8 @@ def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> No
 def test_one_shot_all_reduce_on_two_gpus(seed):
     """The symmetric-memory one-shot all-reduce equals the float32 sum of both ranks' inputs
     (exactly, for two ranks), eager and inside a CUDA graph with reductions back to back, and
-    hands messages past its buffer to NCCL."""
+    hands messages past its buffer to NCCL; the all-reduce fused with the residual add and
+    RMSNorm equals the two done one after the other, also replayed."""
     import socket
 
     import torch.multiprocessing as mp

@@ -162,6 +162,16 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return _TP_ALL_REDUCE(x)
 
 
+def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: this rank's partial sums [rows, hidden] -> (rms_norm(sum + residual) * weight, sum +
+    residual): the all-reduce and the norm after it, in one kernel where the selected all-reduce
+    fuses them (decode rows on GPUs)."""
+    if tp_world_size() == 1:
+        raise RuntimeError("a norm that reduces its input on a single rank: nothing left it unreduced")
+    return _TP_ALL_REDUCE.add_rms_norm(x, residual, weight, eps)
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate each rank's `x` along `dim` (rank order)."""
     world = tp_world_size()

@@ -11,6 +11,10 @@ is used instead. Both are captured in CUDA graphs.
 
     reducer = select("all_reduce", device, world_size=2).create(group, device, dtype)
     summed = reducer(x)  # x: [tokens, hidden]; a new tensor, or x summed in place (NCCL)
+    normed, residual = reducer.add_rms_norm(x, residual, weight, eps)  # the sum, + residual, RMSNorm
+
+`symm_mem_fused` (kernels/all_reduce_rms_norm.py) also fuses that add and norm into the
+all-reduce of decode rows.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from baryon.kernels.selector import Kernel
+from baryon.kernels.selector import Kernel, select
 from baryon.logger import get_logger
 
 logger = get_logger(__name__)
@@ -39,7 +43,25 @@ def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:
     return total.to(parts[0].dtype)
 
 
-class TorchDistributedAllReduce(Kernel):
+class Reducer(Kernel):
+    """What every all_reduce implementation offers the layers: the sum (`__call__`) and the sum
+    followed by the residual add and RMSNorm (`add_rms_norm`; here the two ops one after the
+    other, the norm through the kernel selector)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this rank's partial sum [rows, hidden] -> (rms_norm(sum + residual) * weight,
+        sum + residual)."""
+        if getattr(self, "norm_kernel", None) is None:
+            self.norm_kernel = select("rms_norm", x.device)
+        out, residual_out = self.norm_kernel.forward(self(x), weight, eps, residual)
+        return out, residual_out
+
+
+class TorchDistributedAllReduce(Reducer):
     """dist.all_reduce in place: NCCL on GPUs (its ring or tree), gloo on CPU."""
 
     name = "torch"
@@ -57,7 +79,7 @@ class TorchDistributedAllReduce(Kernel):
         return x
 
 
-class SymmMemOneShotAllReduce(Kernel):
+class SymmMemOneShotAllReduce(Reducer):
     """torch.ops.symm_mem.one_shot_all_reduce_copy_out over a symmetric buffer of
     ONE_SHOT_MAX_BYTES made once per engine (every rank allocates it in the same order: a
     collective); messages that do not fit, or of another dtype, go to NCCL."""
@@ -96,7 +118,7 @@ class SymmMemOneShotAllReduce(Kernel):
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-               max_bytes: int = ONE_SHOT_MAX_BYTES) -> Kernel:
+               max_bytes: int = ONE_SHOT_MAX_BYTES) -> Reducer:
         """The one-shot reducer for messages up to max_bytes, or NCCL's where symmetric memory
         cannot be set up on this host (the ranks agree, so that every rank runs the same
         collectives)."""

@@ -78,7 +78,10 @@ _REGISTRY: dict[str, list[str]] = {
                   "baryon.kernels.moe.experts_torch:TorchFusedExperts"],
     "fused_moe_mxfp4": ["baryon.kernels.moe.experts_triton:TritonMxfp4FusedExperts",
                         "baryon.kernels.moe.experts_torch:TorchMxfp4FusedExperts"],
+    # symm_mem_fused (all-reduce + residual add + RMSNorm in one kernel) is not yet measured on
+    # GPUs: it runs only when forced (BARYON_KERNEL_ALL_REDUCE=symm_mem_fused), behind the one-shot.
     "all_reduce": ["baryon.kernels.all_reduce:SymmMemOneShotAllReduce",
+                   "baryon.kernels.all_reduce_rms_norm:SymmMemFusedAllReduce",
                    "baryon.kernels.all_reduce:TorchDistributedAllReduce"],
     "fused_moe_fp8": ["baryon.kernels.moe.experts_triton:TritonFp8FusedExperts",
                       "baryon.kernels.moe.experts_torch:TorchFp8FusedExperts"],

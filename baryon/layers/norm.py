@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baryon.distributed.parallel_state import tp_all_reduce_add_rms_norm
 from baryon.kernels.norm import TorchRMSNorm
 from baryon.kernels.selector import select
 from baryon.layers.linear import copy_checked
@@ -14,6 +15,9 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        # Tensor parallelism: x is the ranks' partial sums, left unreduced by the layer before,
+        # and this norm adds them up with the residual add (tp_all_reduce_add_rms_norm).
+        self.reduces_input = False
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param.data, loaded)
         self.weight.expected_shards = frozenset([None])
@@ -22,6 +26,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [..., hidden]. Without residual returns rms_norm(x); with it returns
         (rms_norm(x + residual), x + residual), the new residual stream."""
+        if self.reduces_input:
+            hidden = x.shape[-1]
+            out, residual_out = tp_all_reduce_add_rms_norm(x.reshape(-1, hidden), residual.reshape(-1, hidden),
+                                                           self.weight, self.eps)
+            return out.view(x.shape), residual_out.view(x.shape)
         # Under torch.compile the plain torch ops, which inductor fuses with their neighbours.
         kernel = TorchRMSNorm if torch.compiler.is_compiling() else self.kernel
         out, residual_out = kernel.forward(x, self.weight, self.eps, residual)

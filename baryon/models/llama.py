@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from baryon.distributed.parallel_state import tp_world_size
 from baryon.layers.attention import Attention
 from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -101,6 +102,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(config, i), build_mlp(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if tp_world_size() > 1:
+            self._reduce_in_norms()
+
+    def _reduce_in_norms(self) -> None:
+        """Tensor parallelism: the all-reduce that ends an attention or MLP / MoE block is left to
+        the RMSNorm that follows it, which adds the ranks' parts, the residual and normalises in
+        one call (one kernel for decode rows on GPUs: kernels/all_reduce_rms_norm.py)."""
+        following = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, following):
+            if isinstance(layer.self_attn, LlamaAttention):
+                layer.self_attn.o_proj.reduce_results = False
+                layer.post_attention_layernorm.reduces_input = True
+            if isinstance(layer.mlp, GatedMLP):
+                layer.mlp.down_proj.reduce_results = False
+                next_norm.reduces_input = True
+            elif getattr(layer.mlp, "reduce_results", None) is True:  # the MoE blocks
+                layer.mlp.reduce_results = False
+                next_norm.reduces_input = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]

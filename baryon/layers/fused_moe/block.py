@@ -39,13 +39,14 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, gate: Router, experts: FusedMoE, shared_experts: GatedMLP | None = None) -> None:
         super().__init__()
         self.gate, self.experts, self.shared_experts = gate, experts, shared_experts
+        self.reduce_results = True  # False: the norm after the block adds the ranks' parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden] -> [num_tokens, hidden]."""
         out = run_routed_experts(self.gate, self.experts, x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return tp_all_reduce(out)
+        return tp_all_reduce(out) if self.reduce_results else out
 
 
 class GatedSharedExpertMoeBlock(nn.Module):
@@ -55,7 +56,9 @@ class GatedSharedExpertMoeBlock(nn.Module):
         super().__init__()
         self.gate, self.experts, self.shared_expert = gate, experts, shared_expert
         self.shared_expert_gate = ReplicatedLinear(experts.hidden_size, 1, bias=False)
+        self.reduce_results = True  # False: the norm after the block adds the ranks' parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = run_routed_experts(self.gate, self.experts, x)
-        return tp_all_reduce(out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x))
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return tp_all_reduce(out) if self.reduce_results else out

@@ -1,0 +1,61 @@
+"""The tensor-parallel all-reduce family on CPU: the selector's choice, and the fused all-reduce
++ residual add + RMSNorm kernel in Triton's interpreter, its peer simulated in the same process
+(the peer's row and its signal written by hand before this rank's launch). Two GPUs run the real
+thing in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baryon.kernels import selector
+from baryon.kernels.triton_utils import triton
+
+HIDDEN = 48  # not a power of two: masked columns
+
+
+def test_cpu_reduces_with_torch_distributed():
+    assert selector.select("all_reduce", torch.device("cpu"), world_size=2).name == "torch"
+    from baryon.kernels.all_reduce import SymmMemOneShotAllReduce
+    from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce
+
+    for cls in (SymmMemFusedAllReduce, SymmMemOneShotAllReduce):
+        assert cls.unsupported_reason(torch.device("cpu")) is not None
+        assert "one rank" in cls.cannot_implement_reason(world_size=1)
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated peer lives in host memory")
+def test_fused_kernel_with_a_simulated_peer(seed):
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
+                                                    all_reduce_add_rms_norm_reference)
+
+    generator = torch.Generator().manual_seed(seed)
+    world, rank, peer = 2, 1, 0  # this rank is 1: its own part is added second
+    buffers = [torch.zeros(2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(world)]
+    flags = [torch.zeros(FUSED_MAX_ROWS, world, dtype=torch.int32) for _ in range(world)]
+    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32)
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    weight = torch.randn(HIDDEN, generator=generator)
+    for rows in (3, 5, 2, 5, 300):  # rows 2-4 sit out some calls: their counts lag; 300 rows: programs loop
+        epochs = counters[:rows] + 1  # each row's call count, as both ranks keep it
+        mine = torch.randn(rows, HIDDEN, generator=generator)
+        theirs = torch.randn(rows, HIDDEN, generator=generator)
+        residual = torch.randn(rows, HIDDEN, generator=generator)
+        # The peer's half of this call: each row in its buffer's slot for that row's epoch, its
+        # signal in our flags.
+        for row, epoch in enumerate(epochs.tolist()):
+            buffers[peer][epoch & 1, row, :HIDDEN] = theirs[row]
+        flags[rank][:rows, peer] = epochs
+        out, residual_out = all_reduce_add_rms_norm(mine, residual, weight, 1e-6, buffer_ptrs, flag_ptrs, counters,
+                                                    rank, world)
+        expected_out, expected_residual = all_reduce_add_rms_norm_reference([theirs, mine], residual, weight, 1e-6)
+        torch.testing.assert_close(residual_out, expected_residual, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        # This rank's half: each row in its own buffer's slot, its signal in the peer's flags.
+        for row, epoch in enumerate(epochs.tolist()):
+            torch.testing.assert_close(buffers[rank][epoch & 1, row, :HIDDEN], mine[row], rtol=0, atol=0)
+        assert flags[peer][:rows, rank].tolist() == epochs.tolist()
+        assert counters[:rows].tolist() == epochs.tolist()
+    assert counters[:6].tolist() == [5, 5, 4, 3, 3, 1]
