@@ -163,6 +163,51 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def _rank_entry(target, rank: int, world: int, init_method: str, args: tuple, results) -> None:
+    import traceback
+
+    try:
+        results.put((rank, True, target(rank, world, init_method, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_in_ranks(target, world: int, *args, timeout_s: float = 120) -> dict:
+    """Run `target(rank, world, init_method, *args)` in `world` spawned processes (a module-level
+    function; init_method: where they meet, tcp://...). Returns {rank: what it returned} (sent
+    by value: numpy arrays rather than tensors, which would travel by a descriptor the exiting
+    child owns); fails the test with a rank's traceback or when a rank does not report in time."""
+    import queue as queue_module
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(target, rank, world, init_method, args, results))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            rank, ok, value = results.get(timeout=timeout_s)
+            assert ok, f"rank {rank} failed:\n{value}"
+            got[rank] = value
+    except queue_module.Empty:
+        pytest.fail(f"the ranks did not report in {timeout_s} s (exit codes {[p.exitcode for p in procs]})")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got
+
+
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ worker processes behind."""
 from __future__ import annotations
 
 import os
-import socket
-import traceback
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from safetensors import safe_open
 from torch.utils._pytree import tree_flatten
 
 from baryon import LLM, SamplingParams
-from conftest import TEST_SEED, make_checkpoint, random_prompts
+from conftest import TEST_SEED, make_checkpoint, random_prompts, run_in_ranks
 
 VOCAB = 128  # conftest's BASE_CONFIG
 LOGPROB_TOL = 1e-4
@@ -213,25 +211,16 @@ def _counting_load(path: str) -> int:
     return _Counted.read_bytes
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, path: str, queue) -> None:
-    """A spawned rank: join the group, load with counting, report (rank, bytes or a traceback)."""
+def _rank_main(rank: int, world_size: int, init_method: str, path: str) -> int:
+    """A spawned rank: join the group, load with counting; the bytes it read."""
     from baryon.distributed.parallel_state import destroy_distributed, init_distributed
 
     torch.set_num_threads(1)
+    init_distributed(world_size, rank, init_method, "gloo", expert_parallel=False, dtype=torch.float32)
     try:
-        init_distributed(world_size, rank, init_method, "gloo", expert_parallel=False, dtype=torch.float32)
-        try:
-            queue.put((rank, _counting_load(path)))
-        finally:
-            destroy_distributed()
-    except BaseException:
-        queue.put((rank, traceback.format_exc()))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return _counting_load(path)
+    finally:
+        destroy_distributed()
 
 
 @pytest.fixture(scope="module")
@@ -243,10 +232,6 @@ def load_checkpoint(tmp_path_factory):
 
 
 def test_each_rank_reads_only_its_shard(load_checkpoint):
-    import queue as queue_module
-
-    import torch.multiprocessing as mp
-
     sizes = {}
     for file in load_checkpoint.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as handle:
@@ -261,27 +246,7 @@ def test_each_rank_reads_only_its_shard(load_checkpoint):
     assert _counting_load(str(load_checkpoint)) == total
 
     # Two ranks, in their own processes.
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(rank, 2, init_method, str(load_checkpoint), results))
-             for rank in range(2)]
-    for p in procs:
-        p.start()
-    counts = {}
-    try:
-        for _ in procs:
-            rank, value = results.get(timeout=120)
-            assert isinstance(value, int), f"rank {rank} failed:\n{value}"
-            counts[rank] = value
-    except queue_module.Empty:
-        pytest.fail(f"the ranks did not report (exit codes {[p.exitcode for p in procs]})")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    counts = run_in_ranks(_rank_main, 2, str(load_checkpoint))
     expected = replicated + (total - replicated) // 2  # every split here is into equal halves
     for rank in range(2):
         assert counts[rank] < 0.6 * total, f"rank {rank} read {counts[rank]} of {total} bytes"

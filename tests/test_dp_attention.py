@@ -10,25 +10,15 @@ name; shutdown leaves no replica running.
 
 from __future__ import annotations
 
-import queue as queue_module
-import socket
-import traceback
-
 import pytest
 import torch
 
 from baryon import LLM, SamplingParams
-from conftest import TEST_SEED, make_checkpoint, random_prompts
+from conftest import TEST_SEED, make_checkpoint, random_prompts, run_in_ranks
 
 VOCAB = 128  # conftest's BASE_CONFIG
 LOGPROB_TOL = 1e-4
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 32, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _moe_block(ep_size: int, ep_rank: int, seed: int):
@@ -51,51 +41,28 @@ def _moe_block(ep_size: int, ep_rank: int, seed: int):
     return block
 
 
-def _block_rank(rank: int, world: int, init_method: str, seed: int, results) -> None:
+def _block_rank(rank: int, world: int, init_method: str, seed: int):
     """A spawned replica: its own tokens (a different count on each rank) through the block whose
-    experts are divided among the replicas, padded to the agreed count."""
+    experts are divided among the replicas, padded to the agreed count; (x, output) as numpy."""
     from baryon.distributed.parallel_state import destroy_distributed, init_distributed
     from baryon.layers.forward_context import forward_context
 
     torch.set_num_threads(1)
+    init_distributed(world, rank, init_method, "gloo", True, torch.float32, data_parallel=True)
     try:
-        init_distributed(world, rank, init_method, "gloo", True, torch.float32, data_parallel=True)
-        try:
-            counts = [3, 7]
-            x = torch.randn(counts[rank], HIDDEN, generator=torch.Generator().manual_seed(seed + rank))
-            block = _moe_block(world, rank, seed)
-            assert block.experts.num_local_experts == EXPERTS // world
-            with torch.inference_mode(), forward_context(None, dp_padded_tokens=max(counts)):
-                out = block(x)
-            results.put((rank, (x.numpy(), out.numpy())))  # by value: torch tensors would go by a fd the exiting child owns
-        finally:
-            destroy_distributed()
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
+        counts = [3, 7]
+        x = torch.randn(counts[rank], HIDDEN, generator=torch.Generator().manual_seed(seed + rank))
+        block = _moe_block(world, rank, seed)
+        assert block.experts.num_local_experts == EXPERTS // world
+        with torch.inference_mode(), forward_context(None, dp_padded_tokens=max(counts)):
+            out = block(x)
+        return x.numpy(), out.numpy()
+    finally:
+        destroy_distributed()
 
 
 def test_moe_block_over_replicas_equals_every_expert_on_one_rank(seed):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_block_rank, args=(rank, 2, init_method, seed, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in procs:
-            rank, value = results.get(timeout=120)
-            assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-            got[rank] = value
-    except queue_module.Empty:
-        pytest.fail(f"the replicas did not report (exit codes {[p.exitcode for p in procs]})")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    got = run_in_ranks(_block_rank, 2, seed)
     whole = _moe_block(1, 0, seed)  # every expert, one rank, no exchange
     for rank, (x, out) in got.items():
         x, out = torch.from_numpy(x), torch.from_numpy(out)

@@ -8,7 +8,7 @@ import torch
 
 from agreement import bf16_reference, greedy_agreement
 from baryon import LLM, SamplingParams
-from conftest import hf_classes_from_path, make_checkpoint, random_prompts
+from conftest import hf_classes_from_path, make_checkpoint, random_prompts, run_in_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -294,11 +294,9 @@ def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed):
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
 
 
-def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> None:
-    """A spawned rank: every all_reduce implementation over fresh random inputs, eager and
+def _all_reduce_rank(rank: int, world: int, init_method: str, seed: int) -> None:
+    """A spawned rank: the symmetric-memory all-reduces over fresh random inputs, eager and
     replayed from a CUDA graph, against the float32 sum of the gathered inputs."""
-    import traceback
-
     import torch.distributed as dist
 
     from baryon.kernels.all_reduce import ONE_SHOT_MAX_BYTES, all_reduce_reference
@@ -306,11 +304,10 @@ def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> No
                                                     all_reduce_add_rms_norm_reference)
 
     graphs = []  # freed before the process group goes (NCCL's teardown waits on live graphs)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=device)
     try:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
         reducer = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
         assert isinstance(reducer, SymmMemFusedAllReduce), "symmetric memory could not be set up"
         shared = torch.Generator().manual_seed(seed)  # what every rank holds alike: residual, weight
@@ -369,13 +366,10 @@ def _all_reduce_rank(rank: int, world: int, port: int, seed: int, results) -> No
                 expected_second = all_reduce_add_rms_norm_reference(quarters, first_residual, weight, eps)
                 torch.testing.assert_close(second, expected_second[0])
                 torch.testing.assert_close(second_residual, expected_second[1], rtol=0, atol=0)
+    finally:
         for graph in graphs:
             graph.reset()
-        dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, None))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
 
 
 @two_gpus
@@ -384,24 +378,4 @@ def test_one_shot_all_reduce_on_two_gpus(seed):
     (exactly, for two ranks), eager and inside a CUDA graph with reductions back to back, and
     hands messages past its buffer to NCCL; the all-reduce fused with the residual add and
     RMSNorm equals the two done one after the other, also replayed."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_all_reduce_rank, args=(r, 2, port, seed, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for _ in procs:
-            rank, failure = results.get(timeout=180)
-            assert failure is None, f"rank {rank} failed:\n{failure}"
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    run_in_ranks(_all_reduce_rank, 2, seed, timeout_s=180)
