@@ -113,6 +113,7 @@ class EngineCore:
         # DP attention: this replica is one rank of the replicas' process group (see step()).
         self.data_parallel = parallel.data_parallel_attention
         self.stopped = False  # DP attention: the replicas agreed to stop
+        self.replicas_busy = False  # DP attention: some replica had work in the last round
         if self.data_parallel:
             if config.device.type == "cuda":
                 torch.cuda.set_device(config.device)
@@ -279,6 +280,7 @@ class EngineCore:
             self.stopped = True
             return None
         padded_tokens = max(tokens for tokens, *_ in rounds)
+        self.replicas_busy = padded_tokens > 0
         if padded_tokens == 0:
             return None
         graph_size = None

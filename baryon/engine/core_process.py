@@ -12,8 +12,9 @@ order; and it exits by itself when its parent is gone, so a killed server leaves
 
 With DP attention the replicas' loops go round together: every round each replica takes its
 messages, then steps (an agreement with the others, and a forward pass whenever any replica has
-work), so an idle replica polls its input every DP_IDLE_POLL_MS instead of sleeping on it, and a
-Shutdown stops all replicas at the same round.
+work). A replica without requests of its own goes straight to the next round while another has
+work, and polls its input every DP_IDLE_POLL_MS once all are idle; a Shutdown stops all replicas
+at the same round.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ class EngineCoreLoop:
         data_parallel = self.core.data_parallel
         idle_ms = DP_IDLE_POLL_MS if data_parallel else _IDLE_POLL_MS
         while True:
-            changed = self._receive(timeout_ms=0 if self.core.has_unfinished_requests() else idle_ms)
+            # An idle replica waits for messages only while every replica is idle: a round it
+            # joins late holds up the replicas that have work.
+            busy = self.core.has_unfinished_requests() or (data_parallel and self.core.replicas_busy)
+            changed = self._receive(timeout_ms=0 if busy else idle_ms)
             if os.getppid() != self.parent_pid:
                 logger.warning("the server process is gone; the engine process exits")
                 return
