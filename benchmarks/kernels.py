@@ -148,21 +148,28 @@ def block_quant_kernels(record, device: torch.device) -> None:
 
     rng = np.random.default_rng(0)
     kernels = [k for k in (CpuInt8BlockQuantLinear, CpuBlockQuantLinear) if k.unsupported_reason(device) is None]
+
+    def halves(shape, scale):  # float16 values (so either pair width holds them exactly)
+        return (rng.random(shape, dtype=np.float32) * scale).astype(np.float16).astype(np.float32)
+
     for bits, out_features, in_features in [(4, 3072, 576), (4, 576, 1536), (6, 576, 1536), (8, 49152, 576)]:
         low, high = {4: (0, 16), 6: (-32, 32), 8: (-128, 128)}[bits]
         codes = rng.integers(low, high, (out_features, in_features))
         if bits == 6:  # Q6_K: a scale per 16 weights, no offset
-            packed = pack_rows(codes, rng.random((out_features, in_features // 16), dtype=np.float32) * 0.01, None, 6)
+            scale, minimum = halves((out_features, in_features // 16), 0.01), None
         else:
-            packed = pack_rows(codes, rng.random((out_features, in_features // 32), dtype=np.float32) * 0.01,
-                               rng.random((out_features, in_features // 32), dtype=np.float32) * -0.05, bits)
-        dense = dequantize_rows(packed, in_features, bits)
-        for rows in (1, 16, 128):
-            x = torch.randn(rows, in_features)
-            shape = f"x={rows}x{in_features} w={out_features}x{in_features} q{bits}"
-            for kernel in kernels:
-                record(f"block_quant_linear.{kernel.name}", shape, lambda: kernel.forward(x, packed, bits, in_features))
-            record("linear.dense_float32", shape, lambda: torch.nn.functional.linear(x, dense))
+            scale, minimum = halves((out_features, in_features // 32), 0.01), halves((out_features, in_features // 32), -0.05)
+        # Float32 pairs (K-quants) and float16 ones (what GGUF's Q4_0/Q4_1/Q5_x/Q8_0 store).
+        for pair_bytes in (8, 4) if bits != 6 else (8,):
+            packed = pack_rows(codes, scale, minimum, bits, pair_bytes)
+            dense = dequantize_rows(packed, in_features, bits)
+            for rows in (1, 16, 128):
+                x = torch.randn(rows, in_features)
+                shape = f"x={rows}x{in_features} w={out_features}x{in_features} q{bits} {'f16' if pair_bytes == 4 else 'f32'} pairs"
+                for kernel in kernels:
+                    record(f"block_quant_linear.{kernel.name}", shape, lambda: kernel.forward(x, packed, bits, in_features))
+                if pair_bytes == 8:
+                    record("linear.dense_float32", shape, lambda: torch.nn.functional.linear(x, dense))
 
 
 def zentorch_kernels(record, device: torch.device) -> None:

@@ -9,6 +9,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace baryon_cpu {
 
@@ -34,8 +37,13 @@ inline void read_pair(const uint8_t* pairs, int64_t b, bool half, float& first, 
   if (half) {
     uint16_t bits[2];
     std::memcpy(bits, pairs + 4 * b, 4);
+#if defined(__F16C__)
+    first = _cvtsh_ss(bits[0]);  // one instruction each, where c10::Half converts bit by bit
+    second = _cvtsh_ss(bits[1]);
+#else
     first = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
     second = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
+#endif
     return;
   }
   float values[2];

@@ -248,16 +248,31 @@ struct WeightGroup {
   __m256 scale, min;
 };
 
+// The group's pairs as float32: (scale, min) of its first block, then of its second (bits 4),
+// zeros past the row's last block. Float16 pairs convert in one F16C instruction; float32 ones are
+// read in place, no further than the row's end.
+template <int Bits, bool Half>
+inline __m128 load_pairs(const uint8_t* row, int64_t K, int64_t g) {
+  const uint8_t* bytes = group_pairs<Bits, Half>(row, K, g);
+  const bool two_blocks = blocks_in_group<Bits>(K, g) == 2;
+  if constexpr (Half) {
+#if defined(__F16C__)
+    int64_t eight = 0;
+    std::memcpy(&eight, bytes, two_blocks ? 8 : 4);
+    return _mm_cvtph_ps(_mm_cvtsi64_si128(eight));
+#else
+    float converted[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t b = 0; b < (two_blocks ? 2 : 1); ++b) read_pair(bytes, b, true, converted[2 * b], converted[2 * b + 1]);
+    return _mm_loadu_ps(converted);
+#endif
+  }
+  return two_blocks ? _mm_loadu_ps(reinterpret_cast<const float*>(bytes))
+                    : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(bytes)));
+}
+
 template <int Bits, bool Half>
 inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
-  // The group's pairs (at most two blocks: four values) as float32: read in place, or converted
-  // from float16 into a zero-padded copy.
-  const uint8_t* pair_bytes = group_pairs<Bits, Half>(row, K, g);
-  float converted[4] = {0.f, 0.f, 0.f, 0.f};
-  if constexpr (Half)
-    for (int64_t b = 0; b < blocks_in_group<Bits>(K, g); ++b)
-      read_pair(pair_bytes, b, true, converted[2 * b], converted[2 * b + 1]);
-  const float* scale_min = Half ? converted : reinterpret_cast<const float*>(pair_bytes);
+  const __m256 pairs = _mm256_castps128_ps256(load_pairs<Bits, Half>(row, K, g));  // lanes 0..3 only
   WeightGroup w;
   if constexpr (Bits == 4) {
     const bool two_blocks = blocks_in_group<Bits>(K, g) == 2;
@@ -266,24 +281,17 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     w.lo = _mm256_and_si256(codes, nibble);
     w.hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), nibble);
-    // In place, a lone block's pair is the row's last 8 bytes: read no further.
-    const __m256 both = two_blocks || Half
-                            ? _mm256_broadcast_ps(reinterpret_cast<const __m128*>(scale_min))
-                            : _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(scale_min)));
-    w.scale = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
-    w.min = _mm256_permutevar8x32_ps(both, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
-    if (!two_blocks) {  // the missing block's lanes: no scale, no min (its activations are zero)
-      w.scale = _mm256_blend_ps(w.scale, _mm256_setzero_ps(), 0xF0);
-      w.min = _mm256_blend_ps(w.min, _mm256_setzero_ps(), 0xF0);
-    }
-  } else if constexpr (Bits == 6) {
+    // Lanes 0..3: the first block's; 4..7: the second's (zeros for a lone block: its activations are zero).
+    w.scale = _mm256_permutevar8x32_ps(pairs, _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0));
+    w.min = _mm256_permutevar8x32_ps(pairs, _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1));
+  } else if constexpr (Bits == 6) {  // lanes 0..3: half 0's scale, 4..7: half 1's
     w.lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kVec));
-    w.scale = _mm256_setr_m128(_mm_set1_ps(scale_min[0]), _mm_set1_ps(scale_min[1]));
+    w.scale = _mm256_permutevar8x32_ps(pairs, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
     w.min = _mm256_setzero_ps();
   } else {
     w.lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * kVec));
-    w.scale = _mm256_set1_ps(scale_min[0]);
-    w.min = _mm256_set1_ps(scale_min[1]);
+    w.scale = _mm256_permutevar8x32_ps(pairs, _mm256_setzero_si256());
+    w.min = _mm256_permutevar8x32_ps(pairs, _mm256_set1_epi32(1));
   }
   return w;
 }
