@@ -59,7 +59,7 @@ def _time_graph(fn, replays: int = 20) -> float:
 
 
 def _rank_main(rank: int, world: int, port: int, args, results) -> None:
-    from baryon.kernels.all_reduce import all_reduce_reference
+    from baryon.kernels.all_reduce import SymmMemOneShotAllReduce, all_reduce_reference
     from baryon.kernels.selector import candidates
 
     torch.cuda.set_device(rank)
@@ -73,7 +73,9 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
         if cls.unsupported_reason(device) or cls.cannot_implement_reason(world_size=world):
             continue
         # Every size through the implementation itself (the engine's one-shot stops at ONE_SHOT_MAX_BYTES).
-        reducer = cls.create(group, device, dtype, max_bytes=max(args.tokens) * args.hidden * dtype.itemsize)
+        sized = {"max_bytes": max(args.tokens) * args.hidden * dtype.itemsize} \
+            if issubclass(cls, SymmMemOneShotAllReduce) else {}
+        reducer = cls.create(group, device, dtype, **sized)
         for tokens in args.tokens:
             generator = torch.Generator(device="cpu").manual_seed(1000 * tokens + rank)
             x = torch.randn(tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)

@@ -135,12 +135,9 @@ def test_server_with_dp_attention(moe_path, seed):
     spread over both replicas come back with the offline engine's greedy tokens, and SIGTERM
     stops the server and both replicas."""
     import signal
-    import threading
-
-    import httpx
 
     from test_parallel_serving import wait_until_gone
-    from test_server import ServerProcess, child_pids
+    from test_server import ServerProcess, child_pids, post_concurrently
 
     prompts = random_prompts(4, VOCAB, 3, 16, seed)
     with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True) as one:
@@ -151,17 +148,8 @@ def test_server_with_dp_attention(moe_path, seed):
     try:
         server.wait_ready()
         assert len(child_pids(server.process.pid)) == 2  # one engine process per replica
-        results = [None] * len(prompts)
-
-        def post(i: int) -> None:
-            body = {"prompt": prompts[i], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
-            results[i] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-
-        threads = [threading.Thread(target=post, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        bodies = [{"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0} for p in prompts]
+        results = post_concurrently(server.url, "/v1/completions", bodies)
         for i, result in enumerate(results):
             assert result["usage"]["completion_tokens"] == 6, result
             tokens = [int(t.split(":")[1]) for t in result["choices"][0]["logprobs"]["tokens"]]  # "token_id:<id>"

@@ -20,7 +20,7 @@ import pytest
 from baryon import LLM, SamplingParams
 from baryon.distributed.worker_group import WorkerDiedError
 from conftest import make_checkpoint, random_prompts
-from test_server import ServerProcess, child_pids, pid_alive
+from test_server import ServerProcess, child_pids, pid_alive, post_concurrently
 
 
 @pytest.fixture(scope="module")
@@ -174,16 +174,7 @@ def test_server_balances_two_replicas(stories_path):
         server.wait_ready()
         assert len(child_pids(server.process.pid)) == 2  # one engine process per replica
         body = {"prompt": "The little dog", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        results = [None] * 6
-
-        def post(i: int) -> None:
-            results[i] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-
-        threads = [threading.Thread(target=post, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        results = post_concurrently(server.url, "/v1/completions", [body] * 6)
         texts = {r["choices"][0]["text"] for r in results}
         assert len(texts) == 1  # the same greedy completion from either replica
         assert all(r["usage"]["completion_tokens"] == 12 for r in results)

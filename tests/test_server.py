@@ -62,6 +62,14 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
+def post_concurrently(url: str, route: str, bodies: list[dict], timeout_s: float = 60) -> list[dict]:
+    """POST every body at once (a thread each); their JSON answers, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda body: httpx.post(f"{url}{route}", json=body, timeout=timeout_s).json(), bodies))
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

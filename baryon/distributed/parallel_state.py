@@ -82,8 +82,9 @@ def destroy_distributed() -> None:
     The group is aborted, not destroyed: NCCL's orderly teardown (`destroy_process_group`) waits
     until every rank tears down too, so rank 0 waited forever for a worker that had already
     exited (or was killed after its grace period). No collective is in flight at shutdown, and an
-    abort waits for nobody. It is still given at most TEARDOWN_TIMEOUT_S: on two H100s the abort
-    itself was once seen not to return at the end of a test, and a shutdown must never hang."""
+    abort waits for nobody once the ranks have freed their CUDA graphs (ModelRunner.
+    release_cuda_graphs: a live graph that captured NCCL's collectives held even the abort, seen
+    on two H100s). It is still given at most TEARDOWN_TIMEOUT_S: a shutdown must never hang."""
     global _CPU_GROUP, _DP_GROUP
     init_tensor_parallel(None, None)
     init_expert_parallel(None)
@@ -177,14 +178,20 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     world = tp_world_size()
     if world == 1:
         return x
-    x = x.contiguous()
-    flat = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(flat, x, group=_TP_GROUP)
+    flat = _gather_rows(x, _TP_GROUP, world)  # [world * rows, ...]
     dim = dim % x.dim()
     if dim == 0:
         return flat
     gathered = flat.view((world,) + tuple(x.shape))  # [world, *x.shape]
     return torch.cat(gathered.unbind(0), dim=dim)
+
+
+def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """Every rank's `x` (the same shape on each) stacked along dim 0, in rank order."""
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)
+    return out
 
 
 # torch >= 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there).
@@ -207,10 +214,7 @@ def dp_world_size() -> int:
 def dp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """x: [tokens, hidden], the same shape on every replica -> [replicas * tokens, hidden],
     replica r's rows at r * tokens."""
-    x = x.contiguous()
-    out = torch.empty((dp_world_size() * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=_DP_GROUP)
-    return out
+    return _gather_rows(x, _DP_GROUP, dp_world_size())
 
 
 def dp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:

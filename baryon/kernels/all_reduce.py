@@ -48,6 +48,8 @@ class Reducer(Kernel):
     followed by the residual add and RMSNorm (`add_rms_norm`; here the two ops one after the
     other, the norm through the kernel selector)."""
 
+    norm_kernel: type[Kernel] | None = None  # rms_norm's, selected at the first call
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -55,7 +57,7 @@ class Reducer(Kernel):
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's partial sum [rows, hidden] -> (rms_norm(sum + residual) * weight,
         sum + residual)."""
-        if getattr(self, "norm_kernel", None) is None:
+        if self.norm_kernel is None:
             self.norm_kernel = select("rms_norm", x.device)
         out, residual_out = self.norm_kernel.forward(self(x), weight, eps, residual)
         return out, residual_out
@@ -70,8 +72,7 @@ class TorchDistributedAllReduce(Reducer):
         self.group = group
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-               max_bytes: int = 0) -> TorchDistributedAllReduce:
+    def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype) -> TorchDistributedAllReduce:
         return cls(group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

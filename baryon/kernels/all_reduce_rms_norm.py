@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from baryon.kernels.all_reduce import SymmMemOneShotAllReduce, all_reduce_reference
+from baryon.kernels.all_reduce import ONE_SHOT_MAX_BYTES, SymmMemOneShotAllReduce, all_reduce_reference
 from baryon.kernels.norm import rms_norm_reference
 from baryon.kernels.triton_utils import multiprocessor_count, next_power_of_2, tl, triton
 
@@ -117,10 +117,10 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         return super().unsupported_reason(device)
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        super().__init__(group, device, dtype, *(() if max_bytes is None else (max_bytes,)))
+        super().__init__(group, device, dtype, max_bytes)
         rows = symm_mem.empty(2 * FUSED_MAX_ROWS * FUSED_MAX_HIDDEN, dtype=dtype, device=device)  # [2 slots, rows, hidden]
         handle = symm_mem.rendezvous(rows, self.group_name)
         self.world, self.rank = handle.world_size, handle.rank

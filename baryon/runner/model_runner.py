@@ -287,10 +287,12 @@ class ModelRunner:
         sampling_ids = [r.request_id for r in sampling.sampling_requests] if self.is_first_rank else []
         step = LaunchedStep(sampling_ids, self.workers.check if self.workers is not None else None)
         observe = getattr(self.proposer, "observe", None)  # a draft that reads the target's hidden states
-        if dp_step.graph_size is not None if dp_step is not None else self._can_replay(batch):
+        # The decode graph this step replays (None: it runs eagerly); with DP attention the agreed one.
+        graph_size = dp_step.graph_size if dp_step is not None else \
+            self.graph_runner.padded_size(batch.metadata.num_seqs) if self._can_replay(batch) else None
+        if graph_size is not None:
             # The graph computes logits of every row; a decode step usually samples every row.
-            all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata,
-                                               size=dp_step.graph_size if dp_step is not None else None)
+            all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata, size=graph_size)
             logits = all_logits if len(rows) == batch.metadata.num_seqs else all_logits[self._index(rows)]
             if observe is not None:
                 observe(scheduled, batch.query_start, self.graph_runner.features[:batch.metadata.num_tokens])
@@ -298,7 +300,7 @@ class ModelRunner:
             if self.piecewise_runner is not None and self.piecewise_runner.padded_size(batch.metadata.num_tokens):
                 hidden = self.piecewise_runner.run(batch.input_ids, batch.positions, batch.metadata)
             else:
-                with forward_context(batch.metadata, dp_step.padded_tokens if dp_step is not None else None):
+                with forward_context(batch.metadata, dp_step and dp_step.padded_tokens):
                     hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[self._index(rows)]) if len(rows) else None  # [rows, vocab]
             if observe is not None:
