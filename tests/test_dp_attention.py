@@ -134,9 +134,7 @@ def test_server_with_dp_attention(moe_path, seed):
     """`baryon serve --data-parallel-size 2 --enable-expert-parallel`: concurrent completions
     spread over both replicas come back with the offline engine's greedy tokens, and SIGTERM
     stops the server and both replicas."""
-    import signal
-
-    from test_parallel_serving import wait_until_gone
+    from test_parallel_serving import assert_sigterm_stops_everything
     from test_server import ServerProcess, child_pids, post_concurrently
 
     prompts = random_prompts(4, VOCAB, 3, 16, seed)
@@ -154,9 +152,6 @@ def test_server_with_dp_attention(moe_path, seed):
             assert result["usage"]["completion_tokens"] == 6, result
             tokens = [int(t.split(":")[1]) for t in result["choices"][0]["logprobs"]["tokens"]]  # "token_id:<id>"
             assert tokens == expected[i], f"prompt {i}"
-        tree = [server.process.pid, *child_pids(server.process.pid)]
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(15) == 0
-        wait_until_gone(tree, 10)
+        assert_sigterm_stops_everything(server)
     finally:
         server.stop()

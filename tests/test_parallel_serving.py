@@ -127,6 +127,14 @@ def test_data_parallel_replicas_match_one_engine(llama_path, seed):
 LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
+def assert_sigterm_stops_everything(server: ServerProcess) -> None:
+    """SIGTERM: the server exits 0 and every process under it (engines, workers) is gone."""
+    tree = [server.process.pid, *child_pids(server.process.pid)]
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(15) == 0
+    wait_until_gone(tree, 10)
+
+
 def stream_events(url: str, events: list[str], started: threading.Event) -> None:
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=LONG_STREAM, timeout=30) as response:
@@ -160,10 +168,7 @@ def test_server_with_a_killed_worker_answers_503(stories_path):
         assert error["code"] == "engine_unavailable" and "tensor-parallel worker rank 1" in error["message"]
         health = httpx.get(f"{server.url}/health", timeout=5)
         assert health.status_code == 503
-        tree = [server.process.pid, *child_pids(server.process.pid)]
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(15) == 0
-        wait_until_gone(tree, 10)
+        assert_sigterm_stops_everything(server)
     finally:
         server.stop()
 
