@@ -369,12 +369,14 @@ def test_disconnect_mid_stream_frees_the_request(server):
 
 def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server):
     baseline = wait_for_idle_engine(server, {"baryon:num_requests_running": 0, "baryon:kv_cache_used_blocks": 0})
-    n = 8
+    # Enough work that running it to the end takes several times the read timeout (n = 8 with a
+    # 0.5 s timeout once finished first on a fast moment of a CI machine: 1,920 tokens).
+    n = 32
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True,
             "n": n}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                   timeout=httpx.Timeout(10, read=0.5))
+                   timeout=httpx.Timeout(10, read=0.2))
     after = wait_for_idle_engine(server, baseline)
     generated = after["baryon:generation_tokens_total"] - baseline["baryon:generation_tokens_total"]
     assert generated < n * (MAX_MODEL_LEN - 20)  # aborted, not run to the end
