@@ -205,6 +205,31 @@ def test_triton_split_kv_decode_matches_dense(seed, splits, with_sinks):
         torch.testing.assert_close(out[i:i + 1].cpu(), expected, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("tile_n,min_chunk", [(16, 16), (16, 48), (32, 128)])
+@pytest.mark.parametrize("with_sinks,window", [(False, None), (True, None), (True, 37)])
+def test_triton_decode_tiles_leave_short_sequences_fewer_splits(seed, tile_n, min_chunk, with_sinks, window):
+    """Decode launch shapes: 8 splits of at least min_chunk keys each, so short sequences leave
+    most splits empty (they write no accumulator and the merge skips them) and long ones fill them
+    all; with sinks seeding split 0 and a sliding window moving the first key."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, block_size = 4, 2, 64, 8
+    lengths = [int(torch.randint(0, 300, (1,), generator=gen)) for _ in range(3)] + [0, 5, 17, 299]
+    seqs = [(n, 1) for n in lengths]
+    cache, md, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
+    cache, q, k, v = (t.to(DEVICE) for t in (cache, q, k, v))
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        setattr(md, name, getattr(md, name).to(DEVICE))
+    sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE) if with_sinks else None
+    scale = 1 / math.sqrt(head_dim)
+    attn = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks)
+    attn.num_kv_splits = 8
+    attn.decode_tiles = triton_paged.DecodeTiles(tile_n=tile_n, min_chunk=min_chunk)
+    out = attn.forward(q, k, v, cache, md)
+    for i, ((cached, new), fk, fv) in enumerate(zip(seqs, full_k, full_v)):
+        expected = dense_attention(q[i:i + 1].cpu(), fk, fv, scale, window, None if sinks is None else sinks.cpu())
+        torch.testing.assert_close(out[i:i + 1].cpu(), expected, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
 def test_deepseek_engine_greedy_parity_with_the_triton_mla_kernels(tmp_path, seed, monkeypatch, arch):
     """DeepSeek-V3 and V3.2 with the Triton MLA prologue, latent attention and (V3.2) indexer and

@@ -14,8 +14,9 @@ and one norm kernel; this is one kernel with one barrier:
 
 No second barrier: a peer writes the other slot in the next call, and can only come back to
 this slot after this rank has signalled the next call, i.e. after it finished reading this one.
-Rows past FUSED_MAX_ROWS, hidden sizes past FUSED_MAX_HIDDEN or another dtype take the
-all-reduce and then the norm kernel, with the same numerics.
+Rows past `fused_max_rows` (where it stops being faster; the buffers hold FUSED_MAX_ROWS), hidden
+sizes past FUSED_MAX_HIDDEN or another dtype take the all-reduce and then the norm kernel, with the
+same numerics.
 
     reducer.add_rms_norm(partial, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual)
 """
@@ -109,6 +110,10 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
     Triton kernel over its own double-buffered symmetric buffer and flags."""
 
     name = "symm_mem_fused"
+    # Rows up to which add_rms_norm takes the fused kernel. Two H100s (`benchmarks/all_reduce.py`,
+    # hidden 4096 bf16, graph-replayed, all-reduce + add + norm): fused / one-shot then norm kernel
+    # 7.9 / 10.5 us at 1 row, 10.3 / 11.1 at 8, 11.1 / 11.6 at 16, 13.5 / 13.4 at 32, 19.3 / 15.1 at 64.
+    fused_max_rows = 16
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -137,7 +142,7 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
 
     def fused(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         rows, hidden = x.shape
-        return (x.dtype == self.dtype == residual.dtype and 0 < rows <= FUSED_MAX_ROWS
+        return (x.dtype == self.dtype == residual.dtype and 0 < rows <= min(self.fused_max_rows, FUSED_MAX_ROWS)
                 and hidden <= FUSED_MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

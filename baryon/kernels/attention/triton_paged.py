@@ -17,6 +17,7 @@ The writes divide by the scale (IEEE division, as torch), clamp to +-448 and con
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -130,8 +131,8 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
         TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr, TILED: tl.constexpr,
-        IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
-        FP8_KV: tl.constexpr, PDL: tl.constexpr,
+        IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+        NUM_HEADS: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_and_release(PDL)
         if TILED:  # program -> (sequence, query tile) from the step's tile table: no idle programs
@@ -176,8 +177,10 @@ if triton is not None:
             lo = tl.maximum(context + q_tile * BLOCK_Q - WINDOW + 1, 0)
             lo = (lo // TILE_N) * TILE_N
         hi = last_pos
-        if SPLITS > 1:  # flash decoding: this program takes one TILE_N-aligned share of the keys
+        if SPLITS > 1:  # flash decoding: this program takes one TILE_N-aligned share of the keys,
+            # at least MIN_CHUNK of them (a short sequence uses fewer splits; the rest stay empty)
             chunk = ((last_pos - lo + SPLITS - 1) // SPLITS + TILE_N - 1) // TILE_N * TILE_N
+            chunk = tl.maximum(chunk, MIN_CHUNK)
             lo = lo + split * chunk
             hi = tl.minimum(lo + chunk, last_pos)
         if INTERPRETED:
@@ -199,7 +202,11 @@ if triton is not None:
             acc = acc * tl.load(v_scale)
         if SPLITS > 1:  # unnormalised partial results; combine_splits_kernel merges them
             part = ((q_start + q_token) * NUM_HEADS + head) * SPLITS + split  # [BLOCK_M]
-            tl.store(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=row_valid[:, None])
+            # An empty split (no keys: l = 0, and not split 0, which a sink may have seeded) writes
+            # only its m and l; the combine reads no accumulator where l = 0.
+            no_rows = tl.zeros([BLOCK_M], tl.int32)
+            has_keys = row_valid & ((no_rows + split == 0) | (no_rows + lo < hi))  # [BLOCK_M]
+            tl.store(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc, mask=has_keys[:, None])
             tl.store(partial_m + part, m_i, mask=row_valid)
             tl.store(partial_l + part, l_i, mask=row_valid)
             return
@@ -225,7 +232,9 @@ if triton is not None:
         weight = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh 0
         total = tl.sum(l * weight, axis=0)
         dims = tl.arange(0, HEAD_DIM_PADDED)
-        acc = tl.load(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :])  # [SPLITS, D]
+        written = (l > 0.0) | (tl.arange(0, SPLITS) == 0)  # empty splits wrote no accumulator
+        acc = tl.load(partial_acc + part[:, None] * HEAD_DIM_PADDED + dims[None, :],
+                      mask=written[:, None], other=0.0)  # [SPLITS, D]
         out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
         tl.store(output + token * stride_ot + head * stride_oh + dims, out.to(output.dtype.element_ty),
                  mask=dims < HEAD_DIM)
@@ -268,8 +277,18 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
                                     INTERPRETED=INTERPRETED)
 
 
-MAX_KV_SPLITS = 16
+@dataclass(frozen=True)
+class DecodeTiles:
+    """How a decode step (one query token per sequence) is launched. The split count is fixed
+    per batch size (CUDA graphs capture the grid), so how many splits a sequence actually uses
+    comes from its length inside the kernel: chunks of at least `min_chunk` keys."""
 
+    tile_n: int = 64  # keys per online-softmax step
+    min_chunk: int = 64  # fewest keys a KV split takes (a multiple of tile_n)
+    max_splits: int = 64  # most programs sharing one sequence's keys (a power of two)
+    waves: int = 2  # when sequences x KV heads leave SMs idle, split until ~waves x SMs programs
+    num_warps: int = 4
+    num_stages: int = 3  # 1 was 3% faster with 64 splits but 23% slower with 4 (few programs)
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -277,6 +296,7 @@ class TritonPagedAttention(AttentionBackend):
     cuda_graph_safe = True
     # Decode KV splits (a power of two); None: chosen from the batch and the GPU's SM count.
     num_kv_splits: int | None = None
+    decode_tiles = DecodeTiles()
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -311,6 +331,12 @@ class TritonPagedAttention(AttentionBackend):
             block_q = block_m // group
         page = kv_cache.shape[2]
         tiled = metadata.max_query_len > 1
+        tiles = self.decode_tiles
+        if tiled:
+            tile_n, min_chunk, launch = max(16, min(64, page * 4)), 0, {}
+        else:
+            tile_n, min_chunk = tiles.tile_n, tiles.min_chunk
+            launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
         if tiled:
             tile_seq, tile_q = query_tiles(metadata, block_q)
             grid = (tile_seq.shape[0], 1, self.num_kv_heads)
@@ -336,10 +362,11 @@ class TritonPagedAttention(AttentionBackend):
             query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), metadata.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=self.head_dim,
-            HEAD_DIM_PADDED=head_dim_padded, PAGE=page, TILE_N=max(16, min(64, page * 4)),
+            HEAD_DIM_PADDED=head_dim_padded, PAGE=page, TILE_N=tile_n,
             WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED, TILED=tiled,
             IEEE_DOT=query.dtype == torch.float32, HAS_SINKS=self.sinks is not None,
-            SPLITS=splits, NUM_HEADS=self.num_heads, FP8_KV=fp8, **pdl_launch(query.device),
+            SPLITS=splits, MIN_CHUNK=min_chunk, NUM_HEADS=self.num_heads, FP8_KV=fp8,
+            **launch, **pdl_launch(query.device),
         )
         if splits > 1:
             combine_splits_kernel[(query.shape[0], self.num_heads)](
@@ -350,9 +377,10 @@ class TritonPagedAttention(AttentionBackend):
 
     def _decode_splits(self, num_seqs: int, device: torch.device) -> int:
         """How many programs share one sequence's keys in a decode step (flash decoding): enough
-        to give every SM work when sequences x KV heads alone would not; 1 otherwise. Measured on
-        an H100 (Qwen3-0.6B, batch 1, ~400-token sequences): splitting even short sequences is
-        faster (1.33 vs 1.45 ms per step), since 8 programs alone leave the GPU idle."""
+        for ~waves x SMs programs when sequences x KV heads alone leave SMs idle; 1 otherwise.
+        Measured on an H100 (`benchmarks/tune_decode_attention.py`, 8 KV heads, batch 1): 64
+        splits read a 16k-token cache at 2.3 TB/s where 16 read it at 1.6 (29.4 vs 41.1 us a
+        layer), 128k at 2.9 TB/s; short sequences use fewer splits through min_chunk."""
         if self.num_kv_splits is not None:
             return self.num_kv_splits
         if device.type != "cuda":
@@ -361,4 +389,4 @@ class TritonPagedAttention(AttentionBackend):
         sms = multiprocessor_count(device)
         if programs >= sms:
             return 1
-        return min(MAX_KV_SPLITS, next_power_of_2(-(-sms // programs)))
+        return min(self.decode_tiles.max_splits, next_power_of_2(-(-self.decode_tiles.waves * sms // programs)))
