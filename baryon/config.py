@@ -43,6 +43,9 @@ class EngineArgs:
     revision: str | None = _arg(None, "Hub revision (branch, tag or commit) of a repo id")
     download_dir: str | None = _arg(None, "Where Hub downloads go (default: the HF cache)")
     trust_remote_code: bool = _arg(False, "Allow custom code in the checkpoint's config/tokenizer")
+    hf_overrides: str | dict | None = _arg(
+        None, "Fields of the model's config.json to replace, a JSON object (or dict) as vLLM takes it, e.g. "
+              "{\"num_hidden_layers\": 4} to run the first layers of a published config with dummy weights")
     dtype: str = _arg("auto", "auto|float32|float16|bfloat16 (auto: checkpoint dtype on GPU, float32 on CPU)")
     device: str = _arg("auto", "auto|cpu|cuda|cuda:N (auto: cuda if available)")
     cpu_threads: int | None = _arg(
@@ -207,7 +210,7 @@ class EngineConfig:
         else:
             model_name, model_path = args.model, resolve_model_path(args.model, args.revision, args.download_dir)
         _check_load_format(model_path, args.load_format)
-        hf_config = _load_hf_config(model_path, args.trust_remote_code)
+        hf_config = _apply_hf_overrides(_load_hf_config(model_path, args.trust_remote_code), args.hf_overrides)
         tokenizer_path = None
         if not args.skip_tokenizer_init:
             tokenizer_path = resolve_model_path(args.tokenizer, args.revision, args.download_dir) \
@@ -478,6 +481,33 @@ def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read the model config of {model_path!r}: {e}") from e
+
+
+def _apply_hf_overrides(hf_config: Any, overrides: str | dict | None) -> Any:
+    """The config with the user's hf_overrides set on it; a key the config does not have is an
+    error (a misspelt field would otherwise be ignored)."""
+    if overrides is None:
+        return hf_config
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not valid JSON ({e}); give an object such as "
+                             f'{{"num_hidden_layers": 4}}') from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object (a dict), got {type(overrides).__name__}")
+    fields = hf_config.to_dict()
+    unknown = sorted(key for key in overrides if key not in fields)
+    if unknown:
+        raise ValueError(f"hf_overrides key(s) {unknown} are not fields of this model's config "
+                         f"({type(hf_config).__name__}); its fields: {sorted(fields)}")
+    for key, value in overrides.items():
+        setattr(hf_config, key, value)
+    layer_types, layers = getattr(hf_config, "layer_types", None), getattr(hf_config, "num_hidden_layers", None)
+    if "layer_types" not in overrides and layer_types is not None and isinstance(layers, int) \
+            and len(layer_types) > layers:  # fewer layers: the first layers keep their types
+        hf_config.layer_types = list(layer_types[:layers])
+    return hf_config
 
 
 def _checkpoint_dtype(hf_config: Any) -> torch.dtype:

@@ -307,3 +307,32 @@ def test_cli_reports_invalid_values(tiny_llama, capsys):
                "--block-size", "3", "--prompt", "x"])
     assert rc == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_hf_overrides_replace_config_fields(tiny_llama, seed):
+    """hf_overrides (a dict or its JSON, from the CLI) replaces config.json fields before the model
+    is built: fewer layers build fewer layers; a field the config lacks is an error naming it."""
+    layers = random.Random(seed).randrange(1, 4)
+    for overrides in ({"num_hidden_layers": layers}, json.dumps({"num_hidden_layers": layers})):
+        with LLM(str(tiny_llama), device="cpu", skip_tokenizer_init=True, hf_overrides=overrides) as llm:
+            assert llm.engine.config.model.hf_config.num_hidden_layers == layers
+            assert len(llm.engine.core.runner.model.model.layers) == layers
+    args = build_parser().parse_args(["generate", "--model", str(tiny_llama), "--device", "cpu", "--skip-tokenizer-init",
+                                      "--hf-overrides", '{"rms_norm_eps": 0.001}'])
+    assert EngineConfig.create(**engine_kwargs(args)).model.hf_config.rms_norm_eps == 0.001
+    for bad, error in (({"num_hiden_layers": 2}, "num_hiden_layers"), ("{layers: 2}", "not valid JSON"),
+                       ("[2]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=error):
+            EngineConfig.create(model=str(tiny_llama), device="cpu", skip_tokenizer_init=True, hf_overrides=bad)
+
+
+def test_hf_overrides_keep_layer_types_in_step_with_fewer_layers(tmp_path, seed):
+    """A config with per-layer types (Qwen3's sliding / full layers) keeps the first layers' types."""
+    from conftest import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=seed, num_hidden_layers=4,
+                           layer_types=["sliding_attention", "full_attention"] * 2, use_sliding_window=True,
+                           sliding_window=8, max_window_layers=4)
+    config = EngineConfig.create(model=str(path), device="cpu", skip_tokenizer_init=True,
+                                 hf_overrides={"num_hidden_layers": 3})
+    assert config.model.hf_config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]

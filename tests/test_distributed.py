@@ -117,6 +117,32 @@ def test_tp2_matches_tp1(case, checkpoint, seed):
         _assert_prompt_logprobs_match(a.prompt_logprobs, b.prompt_logprobs, k=2)
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                    dict(data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "tp2-ep", "dp2-attention-ep"])
+def test_deepseek_v3_fp8_blocks_across_ranks_match_one(checkpoint, tmp_path, seed, layout):
+    """Issue 16's layouts in miniature: DeepSeek-V3 (latent attention with query LoRA, grouped
+    noaux_tc routing, a shared expert) from an FP8 128x128-style block checkpoint (16x16 blocks
+    here) over two ranks, with heads split (TP), experts divided (EP) or replicas sharing the
+    experts (DP attention), gives one rank's greedy tokens and logprobs."""
+    from quant_checkpoints import fp8_block
+
+    path = fp8_block(checkpoint("deepseek_v3", "deepseek_v3"), tmp_path / "fp8").path
+    prompts = random_prompts(4, VOCAB, 3, 14, seed)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    (ref,) = _run(path, 1, prompts, params)
+    if "data_parallel_size" in layout:
+        with LLM(str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, **layout) as llm:
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    else:
+        (got,) = _run(path, layout["tensor_parallel_size"], prompts, params,
+                      **{k: v for k, v in layout.items() if k != "tensor_parallel_size"})
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt {i}: greedy tokens differ"
+        la, lb = _chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0])
+        assert max(abs(x - y) for x, y in zip(la, lb)) < LOGPROB_TOL, f"prompt {i}: logprobs {la} vs {lb}"
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_tp_norms_reduce_what_the_blocks_leave(checkpoint, arch):
     """Under TP the o/down projections and MoE blocks leave their sums to the RMSNorm after them

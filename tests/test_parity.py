@@ -96,3 +96,25 @@ def test_greedy_parity_with_transformers(tmp_path, seed, name, arch, overrides, 
         worst = max(abs(a - b) for a, b in zip(got, expected_logprobs))
         assert worst < 1e-4, f"{name}: chosen-token logprobs differ by {worst:.2e}"
         assert sample.finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch, overrides", [("llama", dict(rope_parameters=YARN)), ("deepseek_v3", {})])
+def test_layers_share_one_rotary_table(tmp_path, seed, arch, overrides):
+    """Every layer reads one cos/sin table (not a copy each: DeepSeek-V3's is 42 MB a layer), equal to
+    a freshly built one; a second engine on another config gets its own."""
+    from baryon.layers.rotary import RotaryEmbedding, rope_parameters
+
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed, **overrides)
+    with LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32") as llm:
+        model = llm.engine.core.runner.model
+        tables = {id(layer.self_attn.rotary_emb) for layer in model.model.layers}
+        assert len(tables) == 1 and len(model.model.layers) > 1
+        shared = model.model.layers[0].self_attn.rotary_emb
+        hf_config = llm.engine.config.model.hf_config
+        fresh = RotaryEmbedding(shared.cos_sin_cache.shape[1], hf_config.max_position_embeddings,
+                                rope_parameters(hf_config))
+        assert torch.equal(shared.cos_sin_cache, fresh.cos_sin_cache)
+        other = make_checkpoint(tmp_path / "other", arch, seed=seed, max_position_embeddings=96, **overrides)
+        with LLM(str(other), skip_tokenizer_init=True, device="cpu", dtype="float32") as second:
+            table = second.engine.core.runner.model.model.layers[0].self_attn.rotary_emb
+            assert table is not shared and table.cos_sin_cache.shape[0] == 96

@@ -51,6 +51,27 @@ PRESETS: dict[str, dict] = {
         rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", seq_aux=True, tie_word_embeddings=False,
         topk_group=1, topk_method="greedy", torch_dtype="bfloat16", use_cache=True, v_head_dim=128,
         vocab_size=102400),
+    # deepseek-ai/DeepSeek-V3 (its published config.json, issue 16): 61 layers of latent attention (128
+    # heads, query rank 1536, KV rank 512), the first 3 dense, then 256 routed experts (top-8, grouped
+    # noaux_tc routing) + 1 shared; FP8 128x128 block weights. Fewer layers for one or two GPUs:
+    # --hf-overrides '{"num_hidden_layers": 4}'.
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=False,
+        attention_dropout=0.0, aux_loss_alpha=0.001, bos_token_id=0, eos_token_id=1, ep_size=1,
+        first_k_dense_replace=3, hidden_act="silu", hidden_size=7168, initializer_range=0.02,
+        intermediate_size=18432, kv_lora_rank=512, max_position_embeddings=163840, moe_intermediate_size=2048,
+        moe_layer_freq=1, n_group=8, n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True,
+        num_attention_heads=128, num_experts_per_tok=8, num_hidden_layers=61, num_key_value_heads=128,
+        num_nextn_predict_layers=1, pretraining_tp=1, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                             "weight_block_size": [128, 128]},
+        rms_norm_eps=1e-6,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"},
+        rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", seq_aux=True,
+        tie_word_embeddings=False, topk_group=4, topk_method="noaux_tc", torch_dtype="bfloat16", use_cache=True,
+        v_head_dim=128, vocab_size=129280),
     # openai/gpt-oss-20b (../shared/configs/gpt-oss-20b.json): 24 layers alternating a 128-token
     # sliding window and full attention (64 heads of 64, 8 KV heads, sinks), 32 MXFP4 experts (top-4)
     "gpt-oss-20b": dict(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -100,11 +102,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
 
 
+# Tables shared by every layer that asks for the same one (a model's layers all do): one
+# [max_position, rotary_dim] float32 table per model instead of one per layer (DeepSeek-V3: 42 MB a
+# layer, 2.5 GB over 61). Weak values: a table goes with the last model that uses it.
+_TABLES: weakref.WeakValueDictionary[tuple, RotaryEmbedding] = weakref.WeakValueDictionary()
+
+
 def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+    """The rotary embedding of `hf_config` for heads of head_dim features, shared with every other
+    layer of the same table on the same device."""
     params = rope_parameters(hf_config)
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {params['rope_type']!r} (rope_scaling in config.json) is not "
                          f"supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
     rotary_dim = int(head_dim * partial)
-    return RotaryEmbedding(rotary_dim, hf_config.max_position_embeddings, params)
+    key = (rotary_dim, hf_config.max_position_embeddings, json.dumps(params, sort_keys=True, default=str),
+           str(torch.get_default_device()))
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = RotaryEmbedding(rotary_dim, hf_config.max_position_embeddings, params)
+    return table
