@@ -497,6 +497,15 @@ def _apply_hf_overrides(hf_config: Any, overrides: str | dict | None) -> Any:
     if not isinstance(overrides, dict):
         raise ValueError(f"hf_overrides must be a JSON object (a dict), got {type(overrides).__name__}")
     fields = hf_config.to_dict()
+    if "rope_scaling" in overrides and "rope_scaling" not in fields and "rope_parameters" in fields:
+        # transformers 5 keeps RoPE settings (theta included) in rope_parameters; model cards still
+        # give the older rope_scaling (Qwen3's YaRN to 128k): it replaces the scaling, theta stays.
+        overrides = dict(overrides)
+        scaling = dict(overrides.pop("rope_scaling") or {})
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        theta = (fields["rope_parameters"] or {}).get("rope_theta")
+        overrides["rope_parameters"] = {**({"rope_theta": theta} if theta is not None else {}), **scaling}
     unknown = sorted(key for key in overrides if key not in fields)
     if unknown:
         raise ValueError(f"hf_overrides key(s) {unknown} are not fields of this model's config "

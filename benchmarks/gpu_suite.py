@@ -28,6 +28,11 @@ WORKLOADS = {
     "decode-bs64": ["baryon.bench.latency", "--batch-size", "64"],
     "latency-16k": ["baryon.bench.latency", "--batch-size", "1", "--input-len", "16384", "--output-len", "129",
                     "--max-model-len", "16640"],  # issue 19: a fresh 16k prompt, then 128 tokens
+    # Past the native window (issue 19 item 4): presets llama-3.1-8b, qwen3-8b-yarn
+    # (128k: a prompt of 130,816 tokens, so that it and its 129 new tokens fit the models' 131,072)
+    **{name: ["baryon.bench.latency", "--batch-size", "1", "--input-len", str(n), "--output-len", "129",
+              "--max-model-len", str(min(n + 256, 131072)), "--num-iters", "1"]
+       for name, n in (("latency-32k", 32768), ("latency-64k", 65536), ("latency-128k", 131072 - 256))},
     "nano": ["baryon.bench.throughput", "--workload", "nano"],
     "prefill": ["baryon.bench.throughput", "--workload", "prefill"],
     "serve": ["baryon.bench.serve", "--num-prompts", "500", "--random-input-len", "1024",

@@ -311,10 +311,12 @@ def test_cli_reports_invalid_values(tiny_llama, capsys):
 
 def test_hf_overrides_replace_config_fields(tiny_llama, seed):
     """hf_overrides (a dict or its JSON, from the CLI) replaces config.json fields before the model
-    is built: fewer layers build fewer layers; a field the config lacks is an error naming it."""
+    is built: fewer or more layers build that many (random weights: the checkpoint's would not
+    match); a field the config lacks is an error naming it."""
     layers = random.Random(seed).randrange(1, 4)
     for overrides in ({"num_hidden_layers": layers}, json.dumps({"num_hidden_layers": layers})):
-        with LLM(str(tiny_llama), device="cpu", skip_tokenizer_init=True, hf_overrides=overrides) as llm:
+        with LLM(str(tiny_llama), device="cpu", skip_tokenizer_init=True, load_format="dummy",
+                 hf_overrides=overrides) as llm:
             assert llm.engine.config.model.hf_config.num_hidden_layers == layers
             assert len(llm.engine.core.runner.model.model.layers) == layers
     args = build_parser().parse_args(["generate", "--model", str(tiny_llama), "--device", "cpu", "--skip-tokenizer-init",
@@ -336,3 +338,21 @@ def test_hf_overrides_keep_layer_types_in_step_with_fewer_layers(tmp_path, seed)
     config = EngineConfig.create(model=str(path), device="cpu", skip_tokenizer_init=True,
                                  hf_overrides={"num_hidden_layers": 3})
     assert config.model.hf_config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def test_hf_overrides_rope_scaling_as_model_cards_give_it(tmp_path, seed):
+    """Qwen3's card extends it to 128k with rope_scaling (YaRN); transformers 5 configs keep RoPE in
+    rope_parameters: the override replaces the scaling there and keeps the checkpoint's theta."""
+    from baryon.layers.rotary import rope_parameters
+    from conftest import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=seed)
+    theta = rope_parameters(EngineConfig.create(model=str(path), device="cpu",
+                                                skip_tokenizer_init=True).model.hf_config)["rope_theta"]
+    factor = random.Random(seed).choice([2.0, 4.0])
+    config = EngineConfig.create(model=str(path), device="cpu", skip_tokenizer_init=True, hf_overrides={
+        "rope_scaling": {"type": "yarn", "factor": factor, "original_max_position_embeddings": 64},
+        "max_position_embeddings": int(64 * factor)})
+    params = rope_parameters(config.model.hf_config)
+    assert (params["rope_type"], params["factor"], params["rope_theta"]) == ("yarn", factor, theta)
+    assert config.model.max_model_len == int(64 * factor)

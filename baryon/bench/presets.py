@@ -51,6 +51,21 @@ PRESETS: dict[str, dict] = {
         rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", seq_aux=True, tie_word_embeddings=False,
         topk_group=1, topk_method="greedy", torch_dtype="bfloat16", use_cache=True, v_head_dim=128,
         vocab_size=102400),
+    # meta-llama/Llama-3.1-8B-Instruct: 32 layers, GQA 32/8, a 128k context through llama3 RoPE scaling
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, attention_dropout=0.0,
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009], head_dim=128, hidden_act="silu",
+        hidden_size=4096, initializer_range=0.02, intermediate_size=14336, max_position_embeddings=131072,
+        mlp_bias=False, num_attention_heads=32, num_hidden_layers=32, num_key_value_heads=8, pretraining_tp=1,
+        rms_norm_eps=1e-05,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        rope_theta=500000.0, tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, vocab_size=128256),
+    # Qwen/Qwen3-8B with YaRN to 131,072 tokens, as its model card extends it (factor 4 over 32,768)
+    "qwen3-8b-yarn": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False, max_window_layers=36,
+                          max_position_embeddings=131072,
+                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
     # deepseek-ai/DeepSeek-V3 (its published config.json, issue 16): 61 layers of latent attention (128
     # heads, query rank 1536, KV rank 512), the first 3 dense, then 256 routed experts (top-8, grouped
     # noaux_tc routing) + 1 shared; FP8 128x128 block weights. Fewer layers for one or two GPUs:
