@@ -413,9 +413,6 @@ def _resolve_parallel(args: EngineArgs, device: torch.device, compilation: Compi
     if tp > 1 and compilation.level > 0:
         raise ValueError(f"compilation_level={compilation.level} is not supported with tensor_parallel_size > 1 "
                          f"yet; use compilation_level=0 (decode steps still replay CUDA graphs)")
-    if tp > 1 and speculative is not None and speculative.method != "ngram":
-        raise ValueError(f"speculative method {speculative.method!r} is not supported with tensor_parallel_size > 1 "
-                         f"yet (its draft would run on one rank); use method 'ngram'")
     dp_attention = dp > 1 and bool(args.enable_expert_parallel) and is_moe(hf_config)
     if dp_attention:
         unsupported = [what for what, present in (

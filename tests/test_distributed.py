@@ -310,3 +310,63 @@ def test_indivisible_heads_fail_cleanly(checkpoint):
         LLM(str(path), tensor_parallel_size=3, device="cpu", dtype="float32", skip_tokenizer_init=True)
     # (Rank 0's own error, not the WorkerDiedError of a worker that exited of the same error.)
     assert not _worker_children() - before, "a failed start left worker processes running"
+
+
+# -- drafts over several ranks -----------------------------------------------------------------
+
+def _draft_cases(tmp_path, seed, checkpoint) -> dict[str, tuple]:
+    """name -> (target path, speculative config): a draft model (the target's weights with
+    noise), an EAGLE-3 head and DeepSeek-V3's MTP layer, each sharded like its target."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_deepseek_mtp import build_with_mtp
+    from test_eagle3 import _eagle3_tensors, _write_eagle3
+
+    target = checkpoint("llama", "llama")
+    near = tmp_path / "near"
+    near.mkdir()
+    for item in target.iterdir():
+        shutil.copy(item, near / item.name)
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(target / "model.safetensors")
+    save_file({n: w + 0.2 * w.std() * torch.randn(w.shape, generator=gen) for n, w in weights.items()},
+              near / "model.safetensors", metadata={"format": "pt"})
+    head = _write_eagle3(tmp_path / "eagle3", _eagle3_tensors(seed, 64, with_embedding=False),
+                         eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
+    mtp, _, _ = build_with_mtp(tmp_path / "mtp")
+    return {"draft_model": (target, {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3}),
+            "eagle3": (target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}),
+            "mtp": (mtp, {"method": "mtp", "num_speculative_tokens": 2})}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
+def test_drafts_over_two_ranks_match_one(checkpoint, tmp_path, seed, method):
+    """A draft with weights runs sharded on both ranks (rank 0 sends each propose's requests, the
+    drafts rank 0 draws reach the other rank over gloo): TP=2 gives TP=1's greedy tokens and
+    logprobs with the same drafts (as many proposed and accepted: a rank drafting from other
+    state would propose other tokens), and a seeded sampling run repeats itself. (The random
+    EAGLE-3 head and MTP layer are rarely right: their drafts are proposed, seldom accepted.)"""
+    path, spec = _draft_cases(tmp_path, seed, checkpoint)[method]
+    prompts = [{"prompt_token_ids": p + p[: len(p) // 2] + p} for p in random_prompts(4, VOCAB, 4, 12, seed)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=12, ignore_eos=True)
+    outputs, drafts = {}, {}
+    for tp in (1, 2):
+        with LLM(str(path), tensor_parallel_size=tp, device="cpu", dtype="float32", skip_tokenizer_init=True,
+                 block_size=4, speculative_config=spec) as llm:
+            outputs[tp] = llm.generate(prompts, greedy, use_tqdm=False)
+            stats = llm.engine.core.spec_stats
+            drafts[tp] = (stats.num_draft_tokens, stats.num_accepted_tokens)
+            assert drafts[tp][0] > 0, f"TP={tp}: no draft proposed"
+            if tp == 2:
+                first, again = ([o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)]
+                                for _ in range(2))
+                assert first == again
+    assert drafts[2] == drafts[1]
+    if method == "draft_model":  # the near draft agrees with the target often
+        assert drafts[1][1] > 0, "no draft accepted"
+    for i, (a, b) in enumerate(zip(outputs[1], outputs[2])):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt {i}: greedy tokens differ"
+        la, lb = _chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0])
+        assert max(abs(x - y) for x, y in zip(la, lb)) < LOGPROB_TOL, f"prompt {i}: logprobs {la} vs {lb}"

@@ -34,7 +34,9 @@ from baryon.logger import get_logger
 
 logger = get_logger(__name__)
 
-STEP, STOP = b"step", b"stop"  # the frames rank 0 sends: a plan to run, or the end
+# The frames rank 0 sends: a step's plan to run, the requests to draft for (speculative decoding
+# with a draft model, EAGLE-3 or MTP: runner/propose_plan.py), or the end.
+STEP, PROPOSE, STOP = b"step", b"propose", b"stop"
 _MONITOR_INTERVAL_S = 0.05
 _SHUTDOWN_GRACE_S = 5.0
 
@@ -123,6 +125,10 @@ class WorkerGroup:
     def send_step(self, payload: bytes) -> None:
         for sock in self._sockets:
             sock.send_multipart((STEP, payload), copy=False)
+
+    def send_propose(self, payload: bytes) -> None:
+        for sock in self._sockets:
+            sock.send_multipart((PROPOSE, payload), copy=False)
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and leave the process group."""

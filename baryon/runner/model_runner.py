@@ -33,6 +33,7 @@ from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
 from baryon.runner.sampling_inputs import build_sampling_batch
+from baryon.runner.propose_plan import ProposePlan, ProposeReceiver, ProposeSender
 from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
@@ -126,10 +127,22 @@ class ModelRunner:
         self.bitmask_staging: BitmaskStaging | None = None  # its host and device buffers, made with it
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.proposer, self.rejection_sampler = None, None
-        if config.speculative is not None and self.is_first_rank:
-            self.proposer = build_proposer(config, self.max_blocks_per_seq, self.model)
-            self.rejection_sampler = RejectionSampler(self.device, config.seed)
-            self.attention_layers += self.proposer.attention_layers  # the draft's caches share the block ids
+        # Drafting over several ranks (a sharded draft): rank 0 tells the others whom to draft for.
+        self.propose_sender: ProposeSender | None = None
+        self.propose_receiver: ProposeReceiver | None = None
+        if config.speculative is not None:
+            # A draft with weights is sharded like the target: every rank runs its forward passes.
+            # n-gram lookup has none: rank 0 alone proposes.
+            if self.is_first_rank or config.speculative.method != "ngram":
+                self.proposer = build_proposer(config, self.max_blocks_per_seq, self.model)
+                self.attention_layers += self.proposer.attention_layers  # the draft's caches share the block ids
+            if self.is_first_rank:
+                self.rejection_sampler = RejectionSampler(self.device, config.seed)
+            if tp_world_size() > 1 and config.speculative.method != "ngram":
+                if self.is_first_rank:
+                    self.propose_sender = ProposeSender()
+                else:
+                    self.propose_receiver = ProposeReceiver()
         self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
         self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
@@ -437,8 +450,21 @@ class ModelRunner:
                 request.spec_token_ids = []
             return
         sampling = build_sampling_batch(requests, self.vocab_size, self.device) if self.proposer.samples else None
+        if self.propose_sender is not None and self.workers is not None:
+            rows = getattr(self.proposer, "rows", {})
+            self.workers.send_propose(self.propose_sender.plan(requests, max_drafts, rows).encode())
         for request, drafts, lag in zip(requests, self.proposer.propose(requests, max_drafts, sampling), lags):
             request.spec_token_ids = drafts[lag:]
+
+    def run_propose(self, plan: ProposePlan) -> None:
+        """A rank > 0 drafts with rank 0 (its share of every draft forward pass); the drafts
+        rank 0 samples arrive over the device."""
+        requests, forgotten = self.propose_receiver.apply(plan)
+        for request_id in forgotten:
+            self.proposer.forget(request_id)
+        if hasattr(self.proposer, "rows"):
+            self.proposer.rows = {request_id: tuple(value) for request_id, value in plan.rows.items()}
+        self.proposer.propose(requests, plan.max_drafts, None)
 
     @torch.inference_mode()
     def profile_verify_sampling(self) -> torch.Tensor | None:
@@ -463,9 +489,11 @@ class ModelRunner:
                                       batch).num_output  # [num_requests]
 
     def forget(self, request_id: str) -> None:
-        """A request ended: the proposer drops its state."""
+        """A request ended: the proposer drops its state (the other ranks' with the next plan)."""
         if self.proposer is not None:
             self.proposer.forget(request_id)
+        if self.propose_sender is not None:
+            self.propose_sender.forget(request_id)
 
     def _sampling_batch(self, requests: list[Request]):
         """The requests' sampling inputs; penalties count a token still pending on the device."""

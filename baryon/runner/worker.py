@@ -3,8 +3,8 @@
 Started by `baryon.distributed.worker_group` as `python -m baryon.runner.worker RANK WORLD_SIZE
 INIT_METHOD STEP_ADDRESS PARENT_PID` with the pickled EngineConfig on stdin. It joins the process
 group, builds the same ModelRunner as rank 0 (its shards of the weights, its share of the KV
-heads) in step with it, then runs each StepPlan rank 0 pushes until told to stop. It exits by
-itself when the engine's process is gone.
+heads) in step with it, then runs each StepPlan (and, drafting, each ProposePlan) rank 0 pushes
+until told to stop. It exits by itself when the engine's process is gone.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import zmq
 
 from baryon.config import EngineConfig
 from baryon.distributed.parallel_state import destroy_distributed, init_distributed
-from baryon.distributed.worker_group import STEP, STOP, backend_for
+from baryon.distributed.worker_group import PROPOSE, STEP, STOP, backend_for
 from baryon.logger import get_logger
 from baryon.runner.model_runner import ModelRunner
+from baryon.runner.propose_plan import ProposePlan
 from baryon.runner.step_plan import StepPlan
 
 logger = get_logger(__name__)
@@ -59,6 +60,9 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
             kind, payload = steps.recv_multipart(copy=False)
             if kind.bytes == STOP:
                 return 0
+            if kind.bytes == PROPOSE:
+                runner.run_propose(ProposePlan.decode(payload.buffer))
+                continue
             assert kind.bytes == STEP
             runner.run_plan(StepPlan.decode(payload.buffer))
     finally:

@@ -12,7 +12,9 @@ it with the same number of blocks, so a request's blocks hold both models' K/V).
 
 Greedy requests draft greedily; sampling requests draw from the draft's distribution after
 temperature / top-k / top-p / min-p, which is kept for the rejection rule. A preempted request
-lost its blocks, so the draft starts over with it.
+lost its blocks, so the draft starts over with it. With tensor parallelism the draft is sharded
+like the target and every rank runs this code on the requests rank 0 sends it
+(runner/propose_plan.py); rank 0 draws the drafts and the others receive them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from baryon.config import EngineConfig
+from baryon.distributed.parallel_state import broadcast_from_first, tp_rank
 from baryon.kernels.attention.metadata import batch_layout, build_metadata
 from baryon.kernels.selector import select
 from baryon.layers.attention import PagedKVLayer
@@ -95,23 +98,26 @@ class DraftModelProposer:
                 drafts[i].append(token)
         row_of = [{i: j for j, i in enumerate(rows)} for rows, _, _ in columns]  # per depth: request -> row
         for i, request in enumerate(requests):
-            if max_drafts[i] and not request.sampling_params.is_greedy:
+            if max_drafts[i] and not request.sampling_params.is_greedy and tp_rank() == 0:  # rank 0 verifies
                 self.probs[request.request_id] = torch.stack(
                     [probs[row_of[depth][i]] for depth, (_, _, probs) in enumerate(columns[:max_drafts[i]])])
         return drafts
 
-    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft of each row [rows]: argmax (greedy rows) or a draw from the processed
-        distribution [rows, vocab], returned too when a row samples."""
+        distribution [rows, vocab], returned too when a row samples. With tensor parallelism rank
+        0 draws and the others receive its drafts (batch None there)."""
+        if tp_rank() > 0:
+            return broadcast_from_first(torch.empty(logits.shape[0], dtype=torch.int64, device=self.device)), None
         greedy = logits.argmax(dim=-1)
         if batch.all_greedy:
-            return greedy, None
+            return broadcast_from_first(greedy), None
         q = sampling_probs(self.sampling_kernel, logits, batch)
         q = q / q.sum(dim=-1, keepdim=True)  # [rows, vocab]: kept for the rejection rule
         noise = torch.empty_like(q).exponential_(generator=self.generator)
         for row, generator in batch.generators.items():
             noise[row].exponential_(generator=generator)
-        return torch.where(batch.greedy, greedy, (q / noise).argmax(dim=-1)), q
+        return broadcast_from_first(torch.where(batch.greedy, greedy, (q / noise).argmax(dim=-1))), q
 
     def capture_cuda_graphs(self, graph_runner_class, sizes: list[int]) -> None:
         """Capture the draft's forward + LM head for these token counts (its caches bound);
@@ -183,8 +189,12 @@ class DraftModelProposer:
                              np.arange(len(requests)))
 
 
-def _select_rows(batch: SamplingBatch, rows: list[int], requests: list[Request], device: torch.device) -> SamplingBatch:
-    """The sampling parameters of some rows of a batch (requests: theirs)."""
+def _select_rows(batch: SamplingBatch | None, rows: list[int], requests: list[Request],
+                 device: torch.device) -> SamplingBatch | None:
+    """The sampling parameters of some rows of a batch (requests: theirs); None stays None (a
+    rank > 0, which does not sample)."""
+    if batch is None:
+        return None
     index = to_device(torch.tensor(rows), device)
 
     def take(t: torch.Tensor | None) -> torch.Tensor | None:

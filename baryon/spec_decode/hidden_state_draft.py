@@ -71,10 +71,14 @@ class HiddenStateProposer(DraftModelProposer):
             return self.model.combine_hidden_states(self.target.model.aux_hidden_states)
         return hidden_states
 
-    def observe(self, scheduled: list[tuple[Request, int]], query_start: np.ndarray, features: torch.Tensor) -> None:
-        """Keep a step's features and where each request's tokens sit in them."""
+    def observe(self, scheduled: list[tuple[Request, int]] | None, query_start: np.ndarray,
+                features: torch.Tensor) -> None:
+        """Keep a step's features and where each request's tokens sit in them (scheduled None: a
+        rank > 0 of tensor parallelism, which gets the rows with rank 0's ProposePlan)."""
         self.features = features
-        self.rows = {r.request_id: (int(query_start[i]), r.num_computed_tokens) for i, (r, _) in enumerate(scheduled)}
+        if scheduled is not None:
+            self.rows = {r.request_id: (int(query_start[i]), r.num_computed_tokens)
+                         for i, (r, _) in enumerate(scheduled)}
 
     def propose(self, requests: list[Request], max_drafts: list[int], sampling) -> list[list[int]]:
         """Only requests the last observed step advanced can draft: their features are fresh."""
