@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_world_size
+from baryon.distributed.parallel_state import tp_all_reduce, tp_world_size
 from baryon.layers.attention import Attention
 from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -136,12 +136,21 @@ class LlamaModel(nn.Module):
         aux, residual = [], None
         for i, layer in enumerate(self.layers):
             if i in self.aux_hidden_state_layers:
-                aux.append(hidden_states if residual is None else hidden_states + residual)
+                aux.append(_residual_stream(hidden_states, residual, layer.input_layernorm))
             hidden_states, residual = layer(positions, hidden_states, residual)
         if len(self.layers) in self.aux_hidden_state_layers:
-            aux.append(hidden_states + residual)
+            aux.append(_residual_stream(hidden_states, residual, self.norm))
         self.aux_hidden_states = torch.cat(aux, dim=-1)  # [num_tokens, len(aux) * hidden]
         return hidden_states, residual
+
+
+def _residual_stream(hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
+    """What enters `norm`: hidden + residual. Under tensor parallelism a norm that reduces its
+    input receives each rank's partial sum: the stream is that sum over the ranks (an extra
+    all-reduce, of a copy, leaving the norm its own input) plus the residual."""
+    if norm.reduces_input:
+        hidden_states = tp_all_reduce(hidden_states.clone())
+    return hidden_states if residual is None else hidden_states + residual
 
 
 class LlamaForCausalLM(nn.Module):
