@@ -230,11 +230,14 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 @two_gpus
 @pytest.mark.parametrize("arch, extra", [("qwen3", {}), ("qwen3_moe", {"enable_expert_parallel": True}),
                                          ("qwen3_moe", {}), ("qwen2", {"speculative_config": {
-                                             "method": "ngram", "num_speculative_tokens": 3}})])
+                                             "method": "ngram", "num_speculative_tokens": 3}}),
+                                         ("qwen3", {"speculative_config": {
+                                             "method": "draft_model", "model": "SELF", "num_speculative_tokens": 3}})])
 def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
     """TP=2 over NCCL (CUDA graphs and piecewise graphs capturing the collectives) gives the
-    same greedy tokens and logprobs as one GPU, in float32; also with expert parallelism and
-    with n-gram speculation (drafts verified on two ranks)."""
+    same greedy tokens and logprobs as one GPU, in float32; also with expert parallelism, with
+    n-gram speculation (drafts verified on two ranks) and with a draft model sharded over both
+    ranks (the checkpoint drafting for itself: its draft graphs capture collectives too)."""
     overrides = dict(num_key_value_heads=1, tie_word_embeddings=True) if arch == "qwen2" else {}
     path = make_checkpoint(tmp_path / arch, arch, seed=seed, hidden_size=256, intermediate_size=512,
                            num_attention_heads=4, head_dim=64, num_hidden_layers=3, initializer_range=0.02,
@@ -243,6 +246,8 @@ def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
     prompts = [p * 3 for p in random_prompts(6, 128, 4, 12, seed)]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
     results = {}
+    if extra.get("speculative_config", {}).get("model") == "SELF":
+        extra = {"speculative_config": {**extra["speculative_config"], "model": str(path)}}
     for tp in (1, 2):
         kwargs = dict(extra) if tp == 2 else {}
         with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,

@@ -32,8 +32,8 @@ from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_gr
 from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
-from baryon.runner.sampling_inputs import build_sampling_batch
 from baryon.runner.propose_plan import ProposePlan, ProposeReceiver, ProposeSender
+from baryon.runner.sampling_inputs import build_sampling_batch
 from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
