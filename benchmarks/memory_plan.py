@@ -32,21 +32,14 @@ def _rank_plan(rank: int, world: int, init_method: str, engine_kwargs: dict, que
     from baryon.config import EngineConfig
     from baryon.distributed.parallel_state import destroy_distributed, init_distributed
     from baryon.layers.attention import PagedKVLayer
-    from baryon.loader.model_loader import _default_dtype, _quantization
-    from baryon.loader.names import CheckpointNames
-    from baryon.loader.quantized import use_quantized_methods
-    from baryon.models.registry import resolve_model_class
+    from baryon.loader.model_loader import build_model
 
     config = EngineConfig.create(**engine_kwargs)
     parallel = config.parallel
     init_distributed(world, rank, init_method, "gloo", parallel.enable_expert_parallel, config.model.dtype,
                      data_parallel=parallel.data_parallel_attention)
     try:
-        with torch.device("meta"), _default_dtype(config.model.dtype):
-            model = resolve_model_class(config.model.architecture)(config.model.hf_config)
-            quantization = _quantization(config.model)
-            if quantization is not None:
-                use_quantized_methods(model, quantization, CheckpointNames(model, config.model.hf_config))
+        model = build_model(config.model, torch.device("meta"))
         by_dtype = defaultdict(int)
         for tensor in [*model.parameters(), *model.buffers()]:
             by_dtype[str(tensor.dtype).removeprefix("torch.")] += tensor.numel() * tensor.element_size()

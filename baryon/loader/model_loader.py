@@ -36,15 +36,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
-    """Build the model, put in the quantization scheme's weight layouts, fill the weights
-    (checkpoint or random), then let each layout repack what loaded."""
+def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
+    """The model in the quantization scheme's weight layouts, its weights not filled (on the meta
+    device nothing is allocated: benchmarks/memory_plan.py counts a rank's bytes that way)."""
     model_class = resolve_model_class(config.architecture)
     quant_config = _quantization(config)
     with torch.device(device), _default_dtype(config.dtype):
         model = model_class(config.hf_config)
         if quant_config is not None:
             use_quantized_methods(model, quant_config, CheckpointNames(model, config.hf_config))
+    return model
+
+
+def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
+    """Build the model, put in the quantization scheme's weight layouts, fill the weights
+    (checkpoint or random), then let each layout repack what loaded."""
+    model = build_model(config, device)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
