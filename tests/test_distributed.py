@@ -292,13 +292,11 @@ def test_config_errors(checkpoint):
         EngineConfig.create(**base, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="compilation_level=1"):
         EngineConfig.create(**base, tensor_parallel_size=2, compilation_level=1)
-    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": path}
-    EngineConfig.create(**base, speculative_config=spec)  # fine on one rank
-    with pytest.raises(ValueError, match="draft_model"):
-        EngineConfig.create(**base, tensor_parallel_size=2, speculative_config=spec)
-    # Prompt lookup runs on rank 0 alone, so it is allowed with TP.
-    EngineConfig.create(**base, tensor_parallel_size=2, speculative_config={"method": "ngram",
-                                                                          "num_speculative_tokens": 2})
+    # Every proposer runs with TP: prompt lookup on rank 0, a draft model sharded over the ranks.
+    for spec in ({"method": "draft_model", "num_speculative_tokens": 2, "model": path},
+                 {"method": "ngram", "num_speculative_tokens": 2}):
+        config = EngineConfig.create(**base, tensor_parallel_size=2, speculative_config=spec)
+        assert config.speculative.method == spec["method"] and config.parallel.tensor_parallel_size == 2
 
 
 def test_indivisible_heads_fail_cleanly(checkpoint):
