@@ -42,8 +42,10 @@ def _on_cpu(metadata: AttentionMetadata) -> AttentionMetadata:
 def _paged_case(gen, seqs, kv_lora_rank, rope_dim, block_size, num_blocks=128):
     """seqs: (cached, new) per sequence. Returns the cache with every prefix stored, metadata for
     the new tokens (slot_mapping of the new tokens), the new tokens' latents and every sequence's
-    full latents."""
+    full latents. The cache has num_blocks blocks, or more where the sequences need them (one-token
+    blocks)."""
     width = kv_lora_rank + rope_dim
+    num_blocks = max(num_blocks, sum(-(-(c + n) // block_size) for c, n in seqs))
     cache = torch.zeros(num_blocks, block_size, width)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(seqs), -(-max(c + n for c, n in seqs) // block_size), dtype=torch.int32)
