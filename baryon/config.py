@@ -315,15 +315,21 @@ def _resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else torch.float8_e4m3fn
 
 
-def _parse_speculative(value: str | dict) -> dict:
+def _json_object(value: str | dict, name: str, example: str) -> dict:
+    """An engine argument given as a dict or as its JSON text (CLI), as a dict; anything else is an
+    error naming the argument and showing an accepted value."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON ({e}); give an object such as "
-                             f'{{"method": "ngram", "num_speculative_tokens": 4}}') from None
+            raise ValueError(f"{name} is not valid JSON ({e}); give an object such as {example}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}")
+        raise ValueError(f"{name} must be a JSON object (a dict), got {type(value).__name__}")
+    return value
+
+
+def _parse_speculative(value: str | dict) -> dict:
+    value = _json_object(value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 4}')
     unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(f"speculative_config has unknown key(s) {unknown}; accepted: {list(_SPECULATIVE_KEYS)}")
@@ -485,14 +491,7 @@ def _apply_hf_overrides(hf_config: Any, overrides: str | dict | None) -> Any:
     error (a misspelt field would otherwise be ignored)."""
     if overrides is None:
         return hf_config
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides is not valid JSON ({e}); give an object such as "
-                             f'{{"num_hidden_layers": 4}}') from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"hf_overrides must be a JSON object (a dict), got {type(overrides).__name__}")
+    overrides = _json_object(overrides, "hf_overrides", '{"num_hidden_layers": 4}')
     fields = hf_config.to_dict()
     if "rope_scaling" in overrides and "rope_scaling" not in fields and "rope_parameters" in fields:
         # transformers 5 keeps RoPE settings (theta included) in rope_parameters; model cards still

@@ -184,25 +184,33 @@ def test_triton_paged_attention_with_sinks(seed):
         start += new
 
 
-@pytest.mark.parametrize("splits", [2, 4, 16])
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_triton_split_kv_decode_matches_dense(seed, splits, with_sinks):
-    """Flash decoding: each sequence's keys split over several programs, then merged."""
-    gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, head_dim, block_size = 4, 2, 64, 16
-    seqs = [(int(torch.randint(0, 150, (1,), generator=gen)), 1) for _ in range(3)] + [(0, 1), (63, 1)]
+def _assert_split_decode_matches_dense(gen, seqs, block_size, splits, window, with_sinks, tiles=None) -> None:
+    """Decodes (seqs: (cached, 1) each) through the Triton kernel with `splits` KV splits (and
+    these DecodeTiles) equal dense attention over each sequence's keys."""
+    heads, kv_heads, head_dim = 4, 2, 64
     cache, md, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
     cache, q, k, v = (t.to(DEVICE) for t in (cache, q, k, v))
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         setattr(md, name, getattr(md, name).to(DEVICE))
     sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE) if with_sinks else None
     scale = 1 / math.sqrt(head_dim)
-    attn = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, None, sinks)
+    attn = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks)
     attn.num_kv_splits = splits
+    if tiles is not None:
+        attn.decode_tiles = tiles
     out = attn.forward(q, k, v, cache, md)
-    for i, ((cached, new), fk, fv) in enumerate(zip(seqs, full_k, full_v)):
-        expected = dense_attention(q[i:i + 1].cpu(), fk, fv, scale, None, None if sinks is None else sinks.cpu())
+    for i, (fk, fv) in enumerate(zip(full_k, full_v)):
+        expected = dense_attention(q[i:i + 1].cpu(), fk, fv, scale, window, None if sinks is None else sinks.cpu())
         torch.testing.assert_close(out[i:i + 1].cpu(), expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_triton_split_kv_decode_matches_dense(seed, splits, with_sinks):
+    """Flash decoding: each sequence's keys split over several programs, then merged."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [(int(torch.randint(0, 150, (1,), generator=gen)), 1) for _ in range(3)] + [(0, 1), (63, 1)]
+    _assert_split_decode_matches_dense(gen, seqs, 16, splits, None, with_sinks)
 
 
 @pytest.mark.parametrize("tile_n,min_chunk", [(16, 16), (16, 48), (32, 128)])
@@ -212,22 +220,9 @@ def test_triton_decode_tiles_leave_short_sequences_fewer_splits(seed, tile_n, mi
     most splits empty (they write no accumulator and the merge skips them) and long ones fill them
     all; with sinks seeding split 0 and a sliding window moving the first key."""
     gen = torch.Generator().manual_seed(seed)
-    heads, kv_heads, head_dim, block_size = 4, 2, 64, 8
     lengths = [int(torch.randint(0, 300, (1,), generator=gen)) for _ in range(3)] + [0, 5, 17, 299]
-    seqs = [(n, 1) for n in lengths]
-    cache, md, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
-    cache, q, k, v = (t.to(DEVICE) for t in (cache, q, k, v))
-    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
-        setattr(md, name, getattr(md, name).to(DEVICE))
-    sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE) if with_sinks else None
-    scale = 1 / math.sqrt(head_dim)
-    attn = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks)
-    attn.num_kv_splits = 8
-    attn.decode_tiles = triton_paged.DecodeTiles(tile_n=tile_n, min_chunk=min_chunk)
-    out = attn.forward(q, k, v, cache, md)
-    for i, ((cached, new), fk, fv) in enumerate(zip(seqs, full_k, full_v)):
-        expected = dense_attention(q[i:i + 1].cpu(), fk, fv, scale, window, None if sinks is None else sinks.cpu())
-        torch.testing.assert_close(out[i:i + 1].cpu(), expected, atol=2e-3, rtol=2e-3)
+    _assert_split_decode_matches_dense(gen, [(n, 1) for n in lengths], 8, 8, window, with_sinks,
+                                       triton_paged.DecodeTiles(tile_n=tile_n, min_chunk=min_chunk))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
