@@ -33,6 +33,11 @@ WORKLOADS = {
     **{name: ["baryon.bench.latency", "--batch-size", "1", "--input-len", str(n), "--output-len", "129",
               "--max-model-len", str(min(n + 256, 131072)), "--num-iters", "1"]
        for name, n in (("latency-32k", 32768), ("latency-64k", 65536), ("latency-128k", 131072 - 256))},
+    # Issue 19 item 3: a long prompt arriving while 16 requests decode; sweep the token budget
+    # with --variants "b2k:--max-num-batched-tokens 2048" "b8k:--max-num-batched-tokens 8192" ...
+    **{name: ["baryon.bench.prefill_beside_decodes", "--input-len", str(n), "--decodes", "16",
+              "--max-model-len", str(n + 1024)]
+       for name, n in (("beside-16k", 16384), ("beside-64k", 65536))},
     "nano": ["baryon.bench.throughput", "--workload", "nano"],
     "prefill": ["baryon.bench.throughput", "--workload", "prefill"],
     "serve": ["baryon.bench.serve", "--num-prompts", "500", "--random-input-len", "1024",
@@ -120,6 +125,9 @@ def main() -> None:
             figure = f"error: {r['error']}"
         elif r["benchmark"] == "latency":
             figure = f"TPOT {r['tpot_ms']:.3f} ms, TTFT {r['ttft_ms']:.1f} ms"
+        elif r["benchmark"] == "prefill_beside_decodes":
+            figure = (f"TTFT {r['ttft_ms']:.0f} ms, ITL {r['itl_ms']:.2f} -> {r['itl_during_ms']:.2f} "
+                      f"(max {r['itl_max_ms']:.1f}) ms")
         elif r["workload"] == "serve":
             figure = (f"{r['output_throughput']:,.0f} out tok/s, TTFT p50 {r['median_ttft_ms']:.0f} ms, "
                       f"TPOT p50 {r['median_tpot_ms']:.1f} ms, ITL p99 {r['p99_itl_ms']:.1f} ms")

@@ -372,6 +372,29 @@ def _all_reduce_rank(rank: int, world: int, init_method: str, seed: int) -> None
                 expected_second = all_reduce_add_rms_norm_reference(quarters, first_residual, weight, eps)
                 torch.testing.assert_close(second, expected_second[0])
                 torch.testing.assert_close(second_residual, expected_second[1], rtol=0, atol=0)
+        # Float32, as the TP parity tests run: 240 calls of 1-16 rows back to back (decode and
+        # short prefill sizes, the rows' call counts drifting apart), the ranks out of step (each
+        # now and then busy with a matmul before a call), checked only at the end.
+        hidden = 256
+        reducer32 = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.float32)
+        weight = torch.randn(hidden, generator=shared).to(device)
+        rows_per_call = torch.randint(1, 17, (240,), generator=shared).tolist()
+        busy = torch.randint(0, 3, (240,), generator=generator).tolist()
+        xs = [torch.randn(rows, hidden, generator=generator).to(device) for rows in rows_per_call]
+        residuals = [torch.randn(rows, hidden, generator=shared).to(device) for rows in rows_per_call]
+        filler = torch.randn(2048, 2048, device=device)
+        results = []
+        for x, residual, matmuls in zip(xs, residuals, busy):
+            for _ in range(matmuls):
+                filler = torch.tanh(filler @ filler)
+            results.append(reducer32.add_rms_norm(x, residual, weight, eps))
+        torch.cuda.synchronize()
+        for call, (x, residual, (out, residual_out)) in enumerate(zip(xs, residuals, results)):
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            expected_out, expected_residual = all_reduce_add_rms_norm_reference(parts, residual, weight, eps)
+            torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0, msg=lambda m: f"call {call}: {m}")
+            torch.testing.assert_close(out, expected_out, msg=lambda m: f"call {call}: {m}")
     finally:
         for graph in graphs:
             graph.reset()

@@ -211,13 +211,15 @@ def test_paged_attention_with_sinks_matches_dense(seed, kind):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 4, 16, 4), (8, 2, 32, 8), (6, 1, 8, 16)])
 def test_sdpa_prefill_matches_dense(seed, heads, kv_heads, head_dim, block_size):
-    """Whole prompts through F.scaled_dot_product_attention, their keys and values read back from
-    the paged cache (blocks scattered, a last block partly filled)."""
+    """Whole prompts and chunks over a cached prefix through the SDPA path, their keys and values
+    read back from the paged cache (blocks scattered, a last block partly filled); a chunk is two
+    attention calls merged by their log-sum-exps (float32 math on CPU, cuDNN on GPUs)."""
     from baryon.kernels.attention import sdpa_prefill
     from baryon.kernels.attention.torch_paged import store_kv
 
     gen = torch.Generator().manual_seed(seed)
-    seqs = [(0, int(n)) for n in torch.randint(1, 40, (4,), generator=gen)]
+    lens = torch.randint(1, 40, (5, 2), generator=gen).tolist()
+    seqs = [(0, lens[0][1]), (1, lens[1][1])] + [(c, n) for c, n in lens[2:]]
     cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
     store_kv(k, v, cache, metadata.slot_mapping)
     scale = 1 / math.sqrt(head_dim)
@@ -227,38 +229,84 @@ def test_sdpa_prefill_matches_dense(seed, heads, kv_heads, head_dim, block_size)
         torch.testing.assert_close(out[start:start + new], dense_attention(q[start:start + new], fk, fv, scale, None),
                                    atol=1e-5, rtol=1e-5)
         start += new
+    # Only the sequences asked for are written.
+    some = sdpa_prefill.prefill(q, cache, metadata, scale, torch.full_like(q, float("nan")), (1, 3))
+    starts = metadata.query_start_loc_cpu.tolist()
+    for seq in range(len(seqs)):
+        rows = some[starts[seq]:starts[seq + 1]]
+        if seq in (1, 3):
+            torch.testing.assert_close(rows, out[starts[seq]:starts[seq + 1]])
+        else:
+            assert rows.isnan().all()
 
 
-def test_sdpa_prefill_takes_only_steps_of_whole_long_prompts(monkeypatch):
+def test_attention_with_lse_and_the_chunk_merge(seed):
+    """attention_with_lse returns softmax attention and each row's log-sum-exp (GQA, no mask and
+    causal); a chunk after a prefix, merged from its two calls, is causal attention over both."""
     from baryon.kernels.attention import sdpa_prefill
 
-    monkeypatch.setattr(sdpa_prefill, "MIN_PROMPT_TOKENS", 8)
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, q_len, prefix, dim = 4, 2, int(torch.randint(1, 12, (1,), generator=gen)), 9, 16
+    q = torch.randn(heads, q_len, dim, generator=gen)
+    k, v = torch.randn(2, kv_heads, prefix + q_len, dim, generator=gen).unbind(0)
+    for causal, keys, values in ((False, k, v), (True, k[:, prefix:], v[:, prefix:])):
+        out, lse = sdpa_prefill.attention_with_lse(q, keys, values, causal, 0.25)
+        scores = torch.einsum("hld,hsd->hls", q.double(), keys.repeat_interleave(2, 0).double()) * 0.25
+        if causal:
+            scores = scores.masked_fill(torch.ones(q_len, q_len, dtype=torch.bool).triu(1), float("-inf"))
+        expected = torch.einsum("hls,hsd->hld", scores.softmax(-1), values.repeat_interleave(2, 0).double())
+        torch.testing.assert_close(out, expected.float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float(), atol=1e-5, rtol=1e-5)
+    chunk = sdpa_prefill.attend_after_prefix(q, k, v, prefix, 0.25)
+    expected = dense_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), 0.25, None)
+    torch.testing.assert_close(chunk.transpose(0, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sdpa_prefill_takes_the_long_queries_of_a_step(monkeypatch):
+    from baryon.kernels.attention import sdpa_prefill
+
+    monkeypatch.setattr(sdpa_prefill, "MIN_QUERY_TOKENS", 8)
     gen = torch.Generator().manual_seed(0)
-    for seqs, expected in [([(0, 9), (0, 3)], True), ([(0, 9), (4, 1)], False), ([(0, 5), (0, 7)], False),
-                           ([(2, 12)], False)]:
+    for seqs, expected in [([(0, 9), (0, 3)], (0,)), ([(0, 9), (4, 1)], (0,)), ([(0, 5), (0, 7)], ()),
+                           ([(2, 12)], (0,)), ([(3, 1), (20, 8), (0, 30)], (1, 2))]:
         metadata = _case(gen, seqs, 2, 2, 8, 4)[1]
-        assert sdpa_prefill.whole_prompts(metadata) is expected, seqs
+        assert sdpa_prefill.long_queries(metadata) == expected, seqs
+
+
+def test_query_tiles_leave_out_the_sequences_served_elsewhere():
+    from baryon.kernels.attention.triton_paged import query_tiles
+
+    metadata = _case(torch.Generator().manual_seed(0), [(0, 9), (3, 1), (0, 17), (5, 4)], 2, 2, 8, 4)[1]
+    tile_seq, tile_q = query_tiles(metadata, 4)
+    assert tile_seq.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2, 3] and tile_q.tolist() == [0, 1, 2, 0, 0, 1, 2, 3, 4, 0]
+    tile_seq, tile_q = query_tiles(metadata, 4, skip=(0, 2))
+    assert tile_seq.tolist() == [1, 3] and tile_q.tolist() == [0, 0]
+    assert query_tiles(metadata, 4, skip=(0, 1, 2, 3))[0].numel() == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs CUDA")
-def test_paged_backend_hands_long_whole_prompts_to_sdpa(seed):
-    """On CUDA in bf16 the paged Triton backend serves a step of whole prompts, one >= 4096 tokens,
-    through SDPA; the result matches dense attention, and the paged kernel's on the same step."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_backend_hands_long_queries_to_sdpa(seed, dtype):
+    """On CUDA the paged Triton backend serves a step's long queries (a whole prompt and a chunk
+    over a cached prefix, both >= 4096 tokens) through cuDNN and the rest (a short prompt, a
+    decode, a short chunk) with its own kernel; the result matches dense attention, and the paged
+    kernel's on the whole step."""
     from baryon.kernels.attention import sdpa_prefill
     from baryon.kernels.attention.triton_paged import TritonPagedAttention
 
     gen = torch.Generator().manual_seed(seed)
-    seqs = [(0, 700), (0, 4096 + int(torch.randint(0, 300, (1,), generator=gen)))]
+    extra = int(torch.randint(0, 300, (1,), generator=gen))
+    seqs = [(0, 700), (0, 4096 + extra), (50, 1), (3000 + extra, 4100), (33, 200)]
     heads, kv_heads, head_dim = 4, 2, 128
     cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, 16)
-    moved = [x.cuda().to(torch.bfloat16) for x in (cache, q, k, v)]
+    moved = [x.cuda().to(dtype) for x in (cache, q, k, v)]
     md = AttentionMetadata(metadata.num_tokens, metadata.query_start_loc.cuda(), metadata.seq_lens.cuda(),
                            metadata.block_tables.cuda(), metadata.slot_mapping.cuda(), metadata.max_query_len,
                            metadata.max_seq_len, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
     attn = TritonPagedAttention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
-    assert sdpa_prefill.takes(moved[1], moved[0], md, None, None)
-    out = attn.forward(moved[1], moved[2], moved[3], moved[0], md)
-    md.backend_scratch["sdpa_whole_prompts"] = False  # the paged kernel on the same step
+    assert sdpa_prefill.takes(moved[1], moved[0], None, None) and sdpa_prefill.long_queries(md) == (1, 3)
+    out = attn.forward(moved[1], moved[2], moved[3], moved[0], md, output=torch.full_like(moved[1], float("nan")))
+    md.backend_scratch["sdpa_long_queries"] = ()  # the paged kernel on the same step
     paged = attn.forward(moved[1], None, None, moved[0], md)
     torch.testing.assert_close(out, paged, atol=2e-2, rtol=2e-2)
     start = 0

@@ -240,12 +240,15 @@ if triton is not None:
                  mask=dims < HEAD_DIM)
 
 
-def query_tiles(metadata: AttentionMetadata, block_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, query tile) of every non-empty tile of the step, built once per step on the
-    host and shared by all layers. Returns two [num_tiles] int32 device tensors."""
-    key = f"triton_tiles_{block_q}"
+def query_tiles(metadata: AttentionMetadata, block_q: int,
+                skip: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, query tile) of every non-empty tile of the step but those of the sequences in
+    `skip` (served elsewhere), built once per step on the host and shared by all layers. Returns
+    two [num_tiles] int32 device tensors."""
+    key = f"triton_tiles_{block_q}_{skip}"
     if key not in metadata.backend_scratch:
         q_lens = (metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]).long()
+        q_lens[list(skip)] = 0
         tiles_per_seq = (q_lens + block_q - 1) // block_q
         tile_seq = torch.repeat_interleave(torch.arange(len(q_lens)), tiles_per_seq)
         first_tile = torch.cumsum(tiles_per_seq, 0) - tiles_per_seq
@@ -320,8 +323,10 @@ class TritonPagedAttention(AttentionBackend):
             store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         if output is None:
             output = torch.empty_like(query)
-        if sdpa_prefill.takes(query, kv_cache, metadata, self.sliding_window, self.sinks):
-            return sdpa_prefill.prefill(query, kv_cache, metadata, self.scale, output)
+        long_queries = ()
+        if metadata.max_query_len > 1 and sdpa_prefill.takes(query, kv_cache, self.sliding_window, self.sinks):
+            long_queries = sdpa_prefill.long_queries(metadata)
+            sdpa_prefill.prefill(query, kv_cache, metadata, self.scale, output, long_queries)
         group = self.num_heads // self.num_kv_heads
         if metadata.max_query_len == 1:
             block_q = 1
@@ -338,7 +343,9 @@ class TritonPagedAttention(AttentionBackend):
             tile_n, min_chunk = tiles.tile_n, tiles.min_chunk
             launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
         if tiled:
-            tile_seq, tile_q = query_tiles(metadata, block_q)
+            tile_seq, tile_q = query_tiles(metadata, block_q, skip=long_queries)
+            if tile_seq.shape[0] == 0:  # every sequence went to SDPA
+                return output
             grid = (tile_seq.shape[0], 1, self.num_kv_heads)
         else:
             tile_seq = tile_q = metadata.seq_lens  # unused
