@@ -27,8 +27,8 @@ def test_cpu_reduces_with_torch_distributed():
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated peer lives in host memory")
 def test_fused_kernel_with_a_simulated_peer(seed):
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
-                                                    all_reduce_add_rms_norm_reference)
+    from baryon.kernels.all_reduce_rms_norm import (FENCE_THREADS, FUSED_MAX_HIDDEN, FUSED_MAX_ROWS,
+                                                    all_reduce_add_rms_norm, all_reduce_add_rms_norm_reference)
 
     generator = torch.Generator().manual_seed(seed)
     world, rank, peer = 2, 1, 0  # this rank is 1: its own part is added second
@@ -49,7 +49,7 @@ def test_fused_kernel_with_a_simulated_peer(seed):
             buffers[peer][epoch & 1, row, :HIDDEN] = theirs[row]
         flags[rank][:rows, peer] = epochs
         out, residual_out = all_reduce_add_rms_norm(mine, residual, weight, 1e-6, buffer_ptrs, flag_ptrs, counters,
-                                                    rank, world)
+                                                    torch.zeros(FENCE_THREADS, dtype=torch.int32), rank, world)
         expected_out, expected_residual = all_reduce_add_rms_norm_reference([theirs, mine], residual, weight, 1e-6)
         torch.testing.assert_close(residual_out, expected_residual, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)

@@ -266,9 +266,11 @@ def test_sdpa_prefill_takes_the_long_queries_of_a_step(monkeypatch):
     from baryon.kernels.attention import sdpa_prefill
 
     monkeypatch.setattr(sdpa_prefill, "MIN_QUERY_TOKENS", 8)
+    monkeypatch.setattr(sdpa_prefill, "MIN_QUERY_KEY_PAIRS", 80)  # a whole prompt of 9, a chunk of 8 after 2
     gen = torch.Generator().manual_seed(0)
     for seqs, expected in [([(0, 9), (0, 3)], (0,)), ([(0, 9), (4, 1)], (0,)), ([(0, 5), (0, 7)], ()),
-                           ([(2, 12)], (0,)), ([(3, 1), (20, 8), (0, 30)], (1, 2))]:
+                           ([(2, 12)], (0,)), ([(3, 1), (20, 8), (0, 30)], (1, 2)), ([(0, 8), (2, 8)], (1,)),
+                           ([(90, 7)], ())]:
         metadata = _case(gen, seqs, 2, 2, 8, 4)[1]
         assert sdpa_prefill.long_queries(metadata) == expected, seqs
 
@@ -287,16 +289,16 @@ def test_query_tiles_leave_out_the_sequences_served_elsewhere():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_backend_hands_long_queries_to_sdpa(seed, dtype):
-    """On CUDA the paged Triton backend serves a step's long queries (a whole prompt and a chunk
-    over a cached prefix, both >= 4096 tokens) through cuDNN and the rest (a short prompt, a
-    decode, a short chunk) with its own kernel; the result matches dense attention, and the paged
-    kernel's on the whole step."""
+    """On CUDA the paged Triton backend serves a step's large attentions (a whole prompt of >= 4096
+    tokens, a 4100-token chunk over a cached prefix, a 600-token chunk over a 17k prefix) through
+    cuDNN and the rest (a short prompt, a decode, a short chunk) with its own kernel; the result
+    matches dense attention, and the paged kernel's on the whole step."""
     from baryon.kernels.attention import sdpa_prefill
     from baryon.kernels.attention.triton_paged import TritonPagedAttention
 
     gen = torch.Generator().manual_seed(seed)
     extra = int(torch.randint(0, 300, (1,), generator=gen))
-    seqs = [(0, 700), (0, 4096 + extra), (50, 1), (3000 + extra, 4100), (33, 200)]
+    seqs = [(0, 700), (0, 4096 + extra), (50, 1), (3000 + extra, 4100), (33, 200), (17000 + extra, 600)]
     heads, kv_heads, head_dim = 4, 2, 128
     cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, 16)
     moved = [x.cuda().to(dtype) for x in (cache, q, k, v)]
@@ -304,7 +306,7 @@ def test_paged_backend_hands_long_queries_to_sdpa(seed, dtype):
                            metadata.block_tables.cuda(), metadata.slot_mapping.cuda(), metadata.max_query_len,
                            metadata.max_seq_len, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
     attn = TritonPagedAttention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
-    assert sdpa_prefill.takes(moved[1], moved[0], None, None) and sdpa_prefill.long_queries(md) == (1, 3)
+    assert sdpa_prefill.takes(moved[1], moved[0], None, None) and sdpa_prefill.long_queries(md) == (1, 3, 5)
     out = attn.forward(moved[1], moved[2], moved[3], moved[0], md, output=torch.full_like(moved[1], float("nan")))
     md.backend_scratch["sdpa_long_queries"] = ()  # the paged kernel on the same step
     paged = attn.forward(moved[1], None, None, moved[0], md)

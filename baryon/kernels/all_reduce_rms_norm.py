@@ -8,9 +8,10 @@ and one norm kernel; this is one kernel with one barrier:
     for each row r (a persistent grid of at most one program per multiprocessor walks the rows):
     epoch e = the row's call count + 1 (a counter per row in device memory, so CUDA-graph replays
     count on); write x[r] into this rank's symmetric buffer, slot e & 1;
-    set flag[r, this rank] = e on every peer (release, system scope); wait until every peer has
-    set flag[r, peer] >= e here (acquire); sum the row over the ranks' buffers (float32, rounded
-    to the model dtype as the all-reduce would), add the residual, store it, normalise, scale.
+    every thread releases its stores (system scope); set flag[r, this rank] = e on every peer
+    (release); wait until every peer has set flag[r, peer] >= e here (acquire), then every thread
+    acquires it too; sum the row over the ranks' buffers (float32, rounded to the model dtype as
+    the all-reduce would), add the residual, store it, normalise, scale.
 
 No second barrier: a peer writes the other slot in the next call, and can only come back to
 this slot after this rank has signalled the next call, i.e. after it finished reading this one.
@@ -32,6 +33,7 @@ from baryon.kernels.triton_utils import multiprocessor_count, next_power_of_2, t
 
 FUSED_MAX_ROWS = 512  # decode batches
 FUSED_MAX_HIDDEN = 8192
+FENCE_THREADS = 256  # the most threads a program runs (8 warps)
 
 
 def all_reduce_add_rms_norm_reference(parts: list[torch.Tensor], residual: torch.Tensor, weight: torch.Tensor,
@@ -45,14 +47,21 @@ def all_reduce_add_rms_norm_reference(parts: list[torch.Tensor], residual: torch
 if triton is not None:
 
     @triton.jit
-    def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, flags, counters, rows,
+    def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, flags, counters,
+                                        fence_scratch, rows,
                                         stride_x, stride_r, stride_o, stride_ro, eps,
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
-                                        ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr):
+                                        ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                                        THREADS: tl.constexpr):
         # A persistent grid (at most one program per multiprocessor, all resident at once), so no
         # program waits on a peer's program that cannot start.
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
+        # One element per thread: the atomics below give every thread release / acquire
+        # semantics. One thread's release (or acquire) across a CTA barrier did not cover the
+        # other warps' row stores (or loads): two H200s read half a row from the call before
+        # last in the float32 stress case of tests/test_gpu.py.
+        lanes = tl.arange(0, THREADS)
         mine = tl.load(buffers + RANK).to(tl.pointer_type(x.dtype.element_ty))
         my_flags = tl.load(flags + RANK).to(tl.pointer_type(tl.int32))
         w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
@@ -62,7 +71,8 @@ if triton is not None:
             at = ((epoch & 1) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE  # the row's place in a rank's buffer
             part = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
             tl.store(mine + at + cols, part, mask=mask)
-            tl.debug_barrier()  # the whole row is written before any peer is told
+            tl.atomic_add(fence_scratch + lanes, 0, sem="release", scope="sys")  # each thread's stores visible ...
+            tl.debug_barrier()  # ... before any peer is told
             for peer in tl.static_range(WORLD):
                 if peer != RANK:
                     peer_flags = tl.load(flags + peer).to(tl.pointer_type(tl.int32))
@@ -73,6 +83,9 @@ if triton is not None:
                     while tl.atomic_add(my_flags + row * WORLD + peer, 0, sem="acquire", scope="sys") - epoch < 0:
                         pass
             tl.debug_barrier()
+            for peer in tl.static_range(WORLD):  # every thread's loads after an acquire of its own
+                if peer != RANK:
+                    tl.atomic_add(my_flags + row * WORLD + peer + lanes * 0, 0, sem="acquire", scope="sys")
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for rank in tl.static_range(WORLD):  # rank order, as all_reduce_reference adds
                 if rank == RANK:
@@ -89,19 +102,21 @@ if triton is not None:
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            buffers: torch.Tensor, flags: torch.Tensor, counters: torch.Tensor, rank: int,
-                            world: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            buffers: torch.Tensor, flags: torch.Tensor, counters: torch.Tensor,
+                            fence_scratch: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel for this rank. x, residual: [rows, hidden] (rows <= FUSED_MAX_ROWS,
     hidden <= FUSED_MAX_HIDDEN); buffers: [world] int64 addresses of every rank's row buffer
     ([2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN] of x's dtype); flags: [world] int64 addresses of every
-    rank's int32 flags [FUSED_MAX_ROWS, world]; counters: [FUSED_MAX_ROWS] int32, this rank's."""
+    rank's int32 flags [FUSED_MAX_ROWS, world]; counters: [FUSED_MAX_ROWS] int32, this rank's;
+    fence_scratch: [FENCE_THREADS] int32 the threads' release atomics add 0 to."""
     rows, hidden = x.shape
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    num_warps = 8 if hidden >= 4096 else 4
     _all_reduce_add_rms_norm_kernel[(min(rows, multiprocessor_count(x.device)),)](
-        x, residual, weight, out, residual_out, buffers, flags, counters, rows,
+        x, residual, weight, out, residual_out, buffers, flags, counters, fence_scratch, rows,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), eps,
         HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
-        RANK=rank, WORLD=world, num_warps=8 if hidden >= 4096 else 4)
+        RANK=rank, WORLD=world, THREADS=32 * num_warps, num_warps=num_warps)
     return out, residual_out
 
 
@@ -110,9 +125,11 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
     Triton kernel over its own double-buffered symmetric buffer and flags."""
 
     name = "symm_mem_fused"
-    # Rows up to which add_rms_norm takes the fused kernel. Two H100s (`benchmarks/all_reduce.py`,
-    # hidden 4096 bf16, graph-replayed, all-reduce + add + norm): fused / one-shot then norm kernel
-    # 7.9 / 10.5 us at 1 row, 10.3 / 11.1 at 8, 11.1 / 11.6 at 16, 13.5 / 13.4 at 32, 19.3 / 15.1 at 64.
+    # Rows up to which add_rms_norm takes the fused kernel. `benchmarks/all_reduce.py` (hidden 4096
+    # bf16, graph-replayed, all-reduce + add + norm), fused / one-shot then norm kernel: two H100s,
+    # one thread releasing and acquiring for its CTA (which raced), 7.9 / 10.5 us at 1 row, 11.1 /
+    # 11.6 at 16, 19.3 / 15.1 at 64; two H200s, every thread for itself, 8.2 / 8.6 at 1 row, 9.0 /
+    # 8.9 at 8, 10.3 / 9.9 at 16.
     fused_max_rows = 16
 
     @classmethod
@@ -137,6 +154,7 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         self.flags = torch.tensor(symm_mem.rendezvous(flags, self.group_name).buffer_ptrs, dtype=torch.int64,
                                   device=device)
         self.counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)  # calls per row, this rank
+        self.fence_scratch = torch.zeros(FENCE_THREADS, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags are zero before any rank sets one
 
@@ -150,4 +168,4 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         if not self.fused(x, residual):
             return super().add_rms_norm(x, residual, weight, eps)
         return all_reduce_add_rms_norm(x, residual, weight, eps, self.buffers, self.flags, self.counters,
-                                       self.rank, self.world)
+                                       self.fence_scratch, self.rank, self.world)

@@ -79,9 +79,9 @@ _REGISTRY: dict[str, list[str]] = {
     "fused_moe_mxfp4": ["baryon.kernels.moe.experts_triton:TritonMxfp4FusedExperts",
                         "baryon.kernels.moe.experts_torch:TorchMxfp4FusedExperts"],
     # symm_mem_fused (the one-shot all-reduce with the residual add + RMSNorm of decode rows in the
-    # same kernel) is faster on two H100s (Qwen3-8B TP=2 batch 1: 4.33 vs 4.42 ms a token) but the
-    # float32 TP=2 parity test differs from one GPU by 0.004 in a logprob with it (1e-3 allowed;
-    # passes with symm_mem_one_shot): forced only (BARYON_KERNEL_ALL_REDUCE=symm_mem_fused) until found.
+    # same kernel) is, with every thread releasing and acquiring for itself as correctness needs,
+    # no faster than symm_mem_one_shot + the norm kernel on two H200s (8.2 vs 8.6 us at 1 row, 10.3
+    # vs 9.9 at 16; Qwen3-8B TP=2 batch 1 3.63 vs 3.66 ms): forced only (BARYON_KERNEL_ALL_REDUCE).
     "all_reduce": ["baryon.kernels.all_reduce:SymmMemOneShotAllReduce",
                    "baryon.kernels.all_reduce_rms_norm:SymmMemFusedAllReduce",
                    "baryon.kernels.all_reduce:TorchDistributedAllReduce"],

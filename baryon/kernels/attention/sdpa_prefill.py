@@ -3,8 +3,8 @@
 On an H100 with Qwen3-8B's heads (32 query, 8 KV, 128 wide) `F.scaled_dot_product_attention` on
 cuDNN ran 269 / 602 / 612 TFLOP/s at 2k / 16k / 32k causal tokens where the paged Triton kernel
 ran 107 / 223 / 241 (`python benchmarks/kernels.py --only long_context`). So the paged backend
-hands each sequence of a prefill step whose query is long (>= MIN_QUERY_TOKENS: a whole prompt,
-or a chunk of one over its cached prefix) to this module, and runs its own kernel on the rest of
+hands each sequence of a prefill step whose attention is large (a long whole prompt, or a chunk
+of one over a long cached prefix: `long_queries`) to this module, and runs its own kernel on the rest of
 the step (decodes, short chunks). The keys and values are read back from the paged cache (the
 fused QKV prologue has already written them there): one gather per sequence and layer.
 
@@ -17,7 +17,7 @@ its softmax's log-sum-exp per query row, merged as flash attention merges splits
 (SDPA's own causal mask for q_len < kv_len is aligned top-left, not the bottom-right a chunk
 needs.) End to end (fresh prompts, before chunks were served here): a 16k prompt's TTFT fell
 from 169 to 93 ms (0.6B) and 692 to 493 ms (8B); the 2k-prompt prefill workload lost 1-3% when
-2k prompts came here too, hence MIN_QUERY_TOKENS above 2k. Sliding windows, sinks and fp8
+2k prompts came here too, hence the query-key pairs above 2k x 2k. Sliding windows, sinks and fp8
 caches stay with the paged kernel.
 """
 
@@ -35,7 +35,11 @@ from baryon.logger import get_logger
 
 logger = get_logger(__name__)
 
-MIN_QUERY_TOKENS = 4096  # a sequence's query tokens in the step, below which the paged kernel serves it
+# A sequence comes here when its query has >= MIN_QUERY_TOKENS tokens and query x keys >=
+# MIN_QUERY_KEY_PAIRS: a whole prompt from 4,096 tokens, a chunk of 2,032 (a 2,048-token budget
+# beside 16 decodes) once its prefix passes ~6k tokens.
+MIN_QUERY_TOKENS = 512
+MIN_QUERY_KEY_PAIRS = 4096 * 4096
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
             SDPBackend.MATH]
@@ -43,14 +47,16 @@ _cudnn_failed = False  # set once cuDNN's attention raised here: the memory-effi
 
 
 def long_queries(metadata: AttentionMetadata) -> tuple[int, ...]:
-    """The sequences of the step with >= MIN_QUERY_TOKENS query tokens (decided once per step,
-    on the host)."""
+    """The sequences of the step whose attention is large enough for a call of their own: >=
+    MIN_QUERY_TOKENS query tokens and >= MIN_QUERY_KEY_PAIRS query-key pairs (decided once per
+    step, on the host)."""
     decided = metadata.backend_scratch.get("sdpa_long_queries")
     if decided is None:
         decided = ()
         if metadata.max_query_len >= MIN_QUERY_TOKENS:
-            query_lens = metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]
-            decided = tuple(torch.nonzero(query_lens >= MIN_QUERY_TOKENS).flatten().tolist())
+            query_lens = (metadata.query_start_loc_cpu[1:] - metadata.query_start_loc_cpu[:-1]).long()
+            large = (query_lens >= MIN_QUERY_TOKENS) & (query_lens * metadata.seq_lens_cpu.long() >= MIN_QUERY_KEY_PAIRS)
+            decided = tuple(torch.nonzero(large).flatten().tolist())
         metadata.backend_scratch["sdpa_long_queries"] = decided
     return decided
 
