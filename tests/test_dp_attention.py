@@ -107,6 +107,27 @@ def test_dp_attention_matches_one_engine(moe_path, seed):
     wait_until_gone(pids, 10)  # shutdown stopped both replicas
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_dp_attention_with_drafts_matches_one_engine(moe_path, tmp_path, seed, method):
+    """Speculative decoding on two DP-attention replicas (a verify step is read back before the
+    next is planned, yet every round still meets the other replica): n-gram drafts, and a dense
+    draft model on each replica; greedy tokens and logprobs equal one engine's without drafts."""
+    prompts = [p * 3 for p in random_prompts(4, VOCAB, 3, 8, seed)]  # repetitive: n-gram drafts to verify
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 3, 9, 16)]
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(make_checkpoint(tmp_path / "draft", "qwen3", seed=seed % 2**31, num_hidden_layers=1))
+    with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True) as one:
+        expected = _outputs(one, prompts, params)
+    with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
+             enable_expert_parallel=True, speculative_config=spec) as two:
+        assert two.config.parallel.data_parallel_attention and two.config.speculative.method == method
+        got = _outputs(two, prompts, params)
+    for i, ((tokens1, logprobs1), (tokens2, logprobs2)) in enumerate(zip(expected, got)):
+        assert tokens2 == tokens1, f"prompt {i}: greedy tokens differ"
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < LOGPROB_TOL, f"prompt {i}"
+
+
 def test_dp_attention_configuration(moe_path, tmp_path):
     from baryon.config import EngineConfig
 
@@ -125,9 +146,13 @@ def test_dp_attention_configuration(moe_path, tmp_path):
                                    ).parallel.data_parallel_attention
     with pytest.raises(ValueError, match=r"DP attention.*tensor_parallel_size=2"):
         EngineConfig.create(**base, enable_expert_parallel=True, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"DP attention.*speculative decoding"):
-        EngineConfig.create(**base, enable_expert_parallel=True,
-                            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    # Drafts: n-gram and dense draft models run on each replica alone; a draft with experts is refused.
+    ngram = EngineConfig.create(**base, enable_expert_parallel=True,
+                                speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert ngram.parallel.data_parallel_attention and ngram.speculative.method == "ngram"
+    with pytest.raises(ValueError, match=r"DP attention.*draft that has experts \(draft_model"):
+        EngineConfig.create(**base, enable_expert_parallel=True, speculative_config={
+            "method": "draft_model", "model": str(moe_path), "num_speculative_tokens": 2})
 
 
 def test_server_with_dp_attention(moe_path, seed):

@@ -239,11 +239,15 @@ class EngineCore:
         the positions after the pending token). A model draft runs on the device after each
         step's read-back, so with one every step is read back before the next is planned.
         """
-        flight = self._in_flight
+        flight, read_back = self._in_flight, []
         if flight is not None and (flight.num_drafts or not self._overlap):
             self._in_flight = None
-            return self._update(flight)
-        failed = self._fail_broken_grammars()
+            read_back = self._update(flight)
+            if not self.data_parallel:
+                return read_back
+            # DP attention: this round still meets the other replicas (their MoE layers may need
+            # this replica's experts), with the step planned from the tokens just read.
+        failed = read_back + self._fail_broken_grammars()
         if self.config.speculative is not None:
             self.runner.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule().scheduled if not stopping else []
