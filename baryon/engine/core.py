@@ -247,13 +247,13 @@ class EngineCore:
                 return read_back
             # DP attention: this round still meets the other replicas (their MoE layers may need
             # this replica's experts), with the step planned from the tokens just read.
-        failed = read_back + self._fail_broken_grammars()
+        outputs = read_back + self._fail_broken_grammars()
         if self.config.speculative is not None:
             self.runner.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule().scheduled if not stopping else []
         dp_step = self._agree_with_replicas(scheduled, stopping) if self.data_parallel else None
         if self.stopped:
-            return failed
+            return outputs
         launched = None
         if not scheduled and dp_step is not None:
             self.runner.launch([], dp_step)  # padding: the other replicas' tokens need this replica's experts
@@ -269,8 +269,8 @@ class EngineCore:
                     request.spec_token_ids = []
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
-            return failed
-        return failed + self._update(previous)
+            return outputs
+        return outputs + self._update(previous)
 
     def _agree_with_replicas(self, scheduled: list[tuple[Request, int]], stopping: bool) -> DPStep | None:
         """DP attention: every replica says what it would run (tokens, sequences, whether all are
