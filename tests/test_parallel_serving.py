@@ -108,6 +108,29 @@ def test_shutdown_frees_graphs_before_the_process_group(llama_path, monkeypatch)
     assert runner.graph_runner is None and runner.piecewise_runner is None
 
 
+def test_replicas_are_loaded_by_tokens_not_by_requests(seed):
+    """nano's 256 requests (prompts and outputs of 100-1,024 tokens, all at once) over two
+    replicas: by tokens each holds half the work within one request's; a long request goes where
+    the short ones are not; ending a request frees its tokens; no max_tokens counts the context."""
+    import random
+
+    from baryon.engine.replica_load import ReplicaLoad, request_tokens
+
+    rng = random.Random(seed)
+    load, work = ReplicaLoad(2), []
+    for i in range(256):
+        prompt, output = rng.randint(100, 1024), rng.randint(100, 1024)
+        work.append(request_tokens(prompt, SamplingParams(max_tokens=output), 4096))
+        load.assign(f"r{i}", work[-1])
+    assert abs(load.tokens[0] - load.tokens[1]) <= max(work) and sum(load.tokens) == sum(work)
+    for i in range(256):
+        assert load.release(f"r{i}") in (0, 1)
+    assert load.tokens == [0, 0] and len(load) == 0 and load.release("r0") is None
+    assert load.assign("long", 5000) == 0 and load.assign("a", 100) == 1 and load.assign("b", 100) == 1
+    assert load.replica_of("b") == 1 and "b" in load
+    assert request_tokens(10, SamplingParams(max_tokens=None, n=2), 4096) == 2 * 4096
+
+
 def test_data_parallel_replicas_match_one_engine(llama_path, seed):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 128, 3, 20, seed)]
     params = SamplingParams(max_tokens=6, temperature=0)
@@ -116,7 +139,7 @@ def test_data_parallel_replicas_match_one_engine(llama_path, seed):
     with LLM(str(llama_path), data_parallel_size=2, device="cpu", skip_tokenizer_init=True) as two:
         replicas = two.engine.core
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
-        assert not replicas.owner and replicas.load == [0, 0]
+        assert not len(replicas.load) and replicas.load.tokens == [0, 0]
         pids = [r.pid for r in replicas.replicas]
     assert got == expected
     wait_until_gone(pids, 10)

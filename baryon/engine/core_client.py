@@ -31,6 +31,7 @@ from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreReques
                                     EngineOutputs, EngineReady, EngineStats, Shutdown, encoder,
                                     engine_message_decoder)
 from baryon.engine.output_processor import OutputProcessor
+from baryon.engine.replica_load import ReplicaLoad, request_tokens
 from baryon.logger import get_logger
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
@@ -150,8 +151,8 @@ class EngineProcess:
 
 class AsyncEngineClient:
     """The server's client of one engine process, or of data_parallel_size replicas: each new
-    request goes to the replica with the fewest unfinished samples; a replica that fails fails
-    the whole engine (every request, and /health answers 503)."""
+    request goes to the replica with the least work outstanding, in tokens (ReplicaLoad); a
+    replica that fails fails the whole engine (every request, and /health answers 503)."""
 
     def __init__(self, engines: list[EngineProcess], config: EngineConfig, tokenizer: Any | None) -> None:
         self.engines = engines
@@ -163,8 +164,7 @@ class AsyncEngineClient:
         self.num_generation_tokens = 0
         self.dead_reason: str | None = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._replica_of: dict[str, int] = {}  # request id -> the replica that runs it
-        self._load = [0] * len(engines)  # unfinished samples per replica
+        self._load = ReplicaLoad(len(engines))  # the unfinished requests and their replicas
         self._closing = False
         self._tasks: list[asyncio.Task] = []
 
@@ -224,9 +224,8 @@ class AsyncEngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         core_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         self._queues[request_id] = queue
-        replica = min(range(len(self.engines)), key=self._load.__getitem__)
-        self._replica_of[request_id] = replica
-        self._load[replica] += params.n
+        replica = self._load.assign(request_id, request_tokens(len(prompt_token_ids), params,
+                                                               self.config.model.max_model_len))
         try:
             samples = [params.for_sample(i) if params.n > 1 else params for i in range(params.n)]
             self._send(replica, AddRequests([EngineCoreRequest(core_id, prompt_token_ids, sample, self.eos_token_ids)
@@ -244,14 +243,14 @@ class AsyncEngineClient:
         finally:
             self._queues.pop(request_id, None)
             self.abort(request_id)
-            self._load[self._replica_of.pop(request_id)] -= params.n
+            self._load.release(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its engine-core requests free their KV blocks in the next step."""
         unfinished = self.output_processor.abort_request(request_id)
         if unfinished and self.dead_reason is None:
             try:
-                self._send(self._replica_of.get(request_id, 0), AbortRequests(unfinished))
+                self._send(self._load.replica_of(request_id) or 0, AbortRequests(unfinished))
             except EngineDeadError:
                 pass
 

@@ -4,8 +4,8 @@ EngineCore interface that LLMEngine drives.
 Each replica is an engine-core process (`baryon.engine.core_process`, the server's too) on its
 own GPUs (`EngineConfig.replicas`), with its own scheduler, KV cache and, with tensor parallelism,
 its own workers (with DP attention the replicas also step together and share a MoE model's
-experts: `engine/core_process.py`). A new request goes to the replica with the fewest unfinished
-requests; `step()` waits until some replica has produced outputs and returns everything that has
+experts: `engine/core_process.py`). A new request goes to the replica with the least work
+outstanding, in tokens (`engine/replica_load.py`); `step()` waits until some replica has produced outputs and returns everything that has
 arrived. A replica that fails or exits fails the engine with its reason.
 """
 
@@ -20,6 +20,7 @@ from baryon.engine.core import EngineCoreOutput, check_prompt
 from baryon.engine.core_client import EngineProcess
 from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreRequest, EngineFailed, EngineOutputs,
                                     EngineReady, Shutdown)
+from baryon.engine.replica_load import ReplicaLoad, request_tokens
 from baryon.sampling_params import SamplingParams
 
 _POLL_MS = 100  # how often a wait for outputs checks that the replicas are alive
@@ -33,8 +34,7 @@ class DataParallelEngineCores:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.replicas = [EngineProcess(async_outputs=False) for _ in range(config.parallel.data_parallel_size)]
-        self.owner: dict[str, int] = {}  # unfinished core request id -> replica
-        self.load = [0] * len(self.replicas)  # unfinished requests per replica
+        self.load = ReplicaLoad(len(self.replicas))  # the unfinished core requests and their replicas
         self.num_kv_blocks = 0  # the replicas' KV-cache blocks, added up
         self._poller = zmq.Poller()
         try:
@@ -66,31 +66,29 @@ class DataParallelEngineCores:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: frozenset[int]) -> None:
-        if request_id in self.owner:
+        if request_id in self.load:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
-        index = min(range(len(self.replicas)), key=self.load.__getitem__)
+        index = self.load.assign(request_id, request_tokens(len(prompt_token_ids), params,
+                                                            self.config.model.max_model_len))
         self.replicas[index].send(AddRequests([EngineCoreRequest(request_id, list(prompt_token_ids), params,
                                                                  eos_token_ids)]))
-        self.owner[request_id] = index
-        self.load[index] += 1
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         for request_id in request_ids:
-            index = self.owner.pop(request_id, None)
+            index = self.load.release(request_id)
             if index is not None:
-                self.load[index] -= 1
                 by_replica.setdefault(index, []).append(request_id)
         for index, ids in by_replica.items():
             self.replicas[index].send(AbortRequests(ids))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.owner)
+        return len(self.load) > 0
 
     def step(self) -> list[EngineCoreOutput]:
         """Every output the replicas have sent, waiting for at least one message."""
-        if not self.owner:
+        if not len(self.load):
             return []
         while not self._poller.poll(_POLL_MS):
             self._check_alive()
@@ -102,12 +100,12 @@ class DataParallelEngineCores:
                 if isinstance(message, EngineOutputs):
                     if message.rejected:  # the prompt was checked here: a bug if it happens
                         raise ReplicaFailedError(f"engine replica {index} refused requests: {message.rejected}")
-                    outputs.extend(self._finished(o) for o in message.outputs if o.request_id in self.owner)
+                    outputs.extend(self._finished(o) for o in message.outputs if o.request_id in self.load)
         return outputs
 
     def _finished(self, output: EngineCoreOutput) -> EngineCoreOutput:
         if output.finish_reason is not None:
-            self.load[self.owner.pop(output.request_id)] -= 1
+            self.load.release(output.request_id)
         return output
 
     def _check_alive(self) -> None:
