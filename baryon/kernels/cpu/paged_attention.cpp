@@ -115,24 +115,6 @@ void dot4(const float* q, const float* const* keys, int64_t D, float scale, floa
     const f32xn qv = loadn(q + i);
     for (int r = 0; r < 4; ++r) acc[r] += qv * loadn(keys[r] + i);
   }
-#if defined(__AVX__)
-  if (i == D) {  // the four sums at once: three horizontal adds instead of four reductions
-    __m256 a[4];
-    for (int r = 0; r < 4; ++r) {
-#if defined(__AVX512F__)
-      const __m512 wide = reinterpret_cast<__m512>(acc[r]);
-      a[r] = _mm256_add_ps(_mm512_castps512_ps256(wide),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(wide), 1)));
-#else
-      a[r] = reinterpret_cast<__m256>(acc[r]);
-#endif
-    }
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));  // rows 0..3
-    _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-    return;
-  }
-#endif
   for (int r = 0; r < 4; ++r) {
     float s = sumn(acc[r]);
     for (int64_t k = i; k < D; ++k) s += q[k] * keys[r][k];
