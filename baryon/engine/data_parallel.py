@@ -5,8 +5,9 @@ Each replica is an engine-core process (`baryon.engine.core_process`, the server
 own GPUs (`EngineConfig.replicas`), with its own scheduler, KV cache and, with tensor parallelism,
 its own workers (with DP attention the replicas also step together and share a MoE model's
 experts: `engine/core_process.py`). A new request goes to the replica with the least work
-outstanding, in tokens (`engine/replica_load.py`); `step()` waits until some replica has produced outputs and returns everything that has
-arrived. A replica that fails or exits fails the engine with its reason.
+outstanding, in tokens (`engine/replica_load.py`); `step()` waits until some replica has produced
+outputs and returns everything that has arrived. A replica that fails or exits fails the engine
+with its reason.
 """
 
 from __future__ import annotations
