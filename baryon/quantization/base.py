@@ -58,7 +58,9 @@ class LinearMethod:
 
 class DenseLinearMethod(LinearMethod):
     """A float weight [out, in] multiplied with F.linear; on CPU by the `dense_linear` kernel
-    that measured fastest on the layer's shape (F.linear unless zentorch is installed and wins)."""
+    that measured fastest on the layer's shape (F.linear unless zentorch is installed and wins);
+    on a GPU a decode batch of one row takes the `dense_gemv` kernel (the weight streamed with
+    programmatic dependent launch), larger batches cuBLAS."""
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.add_param("weight", (layer.output_size, layer.input_size))
@@ -66,7 +68,14 @@ class DenseLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
         is_matrix = hasattr(layer, "output_size") or hasattr(layer, "compute_logits")  # not an embedding table
-        if not is_matrix or weight.device.type != "cpu":
+        if not is_matrix:
+            return
+        if weight.device.type == "cuda" and hasattr(layer, "output_size"):  # a projection, not the LM head
+            from baryon.kernels.selector import select
+
+            gemv = select("dense_gemv", weight.device, dtype=weight.dtype)
+            layer.dense_gemv = gemv if gemv.name != "torch" else None
+        if weight.device.type != "cpu":
             return
         from baryon.kernels.selector import select_fastest
 
@@ -79,6 +88,9 @@ class DenseLinearMethod(LinearMethod):
         layer.dense_kernel = kernel if kernel.name != "torch" else None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        gemv = layer.__dict__.get("dense_gemv")
+        if gemv is not None and x.dim() == 2 and x.shape[0] <= gemv.max_m:
+            return gemv.forward(x, layer.weight, bias)
         kernel = layer.__dict__.get("dense_kernel")
         if kernel is not None:
             return kernel.forward(x, layer.weight, bias)

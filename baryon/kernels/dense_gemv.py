@@ -1,0 +1,160 @@
+"""GEMV of a 16-bit float weight for decode batches on the GPU (family `dense_gemv`):
+
+    y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])     x [M, K], w [N, K] -> y [M, N]
+
+x and w in the model's dtype (bfloat16 / float16; float32 in the interpreter), products summed in
+float32, the result cast back. At one row a decode step's projections are bound by reading their
+weights; cuBLAS streams the large ones near memory speed but not the small and medium ones, and
+a cuBLAS launch cannot start before the kernel ahead of it ends. This kernel is the 8-bit GEMV's
+design (`quant/w8_gemv.py`) on 16-bit weights: one program owns BLOCK_N weight rows and one row
+of x over the whole of K, streams [BLOCK_N, BLOCK_K] tiles (16-byte loads along K), keeps float32
+partial sums and reduces them once at the end. On Hopper it is launched with programmatic
+dependent launch: its programs start during the previous kernel's tail and load their first
+weight tile before waiting for x.
+
+Kernels: `triton` (TritonDenseGemv) and `torch` (TorchDenseGemv, the reference: a float32 matmul;
+runs anywhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from baryon.kernels.selector import Kernel
+from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, pdl_launch, tl, triton
+
+MAX_M = 4  # the most rows the kernel takes
+# The most rows a layer sends it (larger batches keep cuBLAS): measured on an H100 with
+# benchmarks/tune_dense_gemv.py over Qwen3-8B's and Qwen3-0.6B's projections.
+DECODE_MAX_M = 1
+
+
+def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] in x's dtype: x times the weight in float32, plus the bias."""
+    y = x.float() @ weight.float().t()  # [M, N] float32
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or not weight.dtype.is_floating_point or weight.element_size() > 4:
+        raise ValueError(f"dense_gemv takes a float weight [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {weight.shape[1]}")
+
+
+class TorchDenseGemv(Kernel):
+    name = "torch"
+    max_m = DECODE_MAX_M
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        _check(x, weight)
+        return dense_gemv_reference(x, weight, bias)
+
+
+# (largest M, smallest N, smallest K, BLOCK_N, BLOCK_K, num_warps): first match wins. Tuned on an
+# H100 with benchmarks/tune_dense_gemv.py (one row; us per layer, the GEMV against cuBLAS): Qwen3-8B
+# qkv 17.5 / 20.6, o 11.6 / 16.6, gate/up 64.5 / 71.7, down 34.4 / 39.6 (2.9-3.1 TB/s); Qwen3-0.6B
+# qkv 3.5 / 5.6, o 2.8 / 5.7, gate/up 4.5 / 7.0, down 3.7 / 7.9. Narrow layers take few rows per
+# program so that enough programs stream at once.
+TILE_TABLE: tuple[tuple[int, int, int, int, int, int], ...] = (
+    (1, 12288, 0, 8, 1024, 4),    # gate/up of an 8B
+    (1, 6144, 2048, 8, 1024, 8),  # qkv of an 8B
+    (1, 6144, 0, 16, 512, 8),     # gate/up of a 0.6B
+    (1, 4096, 8192, 8, 1024, 4),  # down of an 8B
+    (1, 4096, 2048, 16, 1024, 8),  # o of an 8B
+    (1, 2048, 0, 4, 1024, 4),     # qkv of a 0.6B
+    (1, 0, 0, 2, 1024, 8),        # o and down of a 0.6B
+    (MAX_M, 0, 0, 8, 256, 4),
+)
+
+
+def tile_config(m: int, n: int, k: int, override: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for m rows of an [n, k] weight."""
+    return override or next(cfg[3:] for cfg in TILE_TABLE if m <= cfg[0] and n >= cfg[1] and k >= cfg[2])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tile(w_ptrs, n_mask, cols, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+        """The [BN, BK] weight tile at w_ptrs; cols [BK] its columns."""
+        if EVEN_N and EVEN_K:
+            return tl.load(w_ptrs)
+        if EVEN_K:
+            return tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+        return tl.load(w_ptrs, mask=n_mask[:, None] & (cols < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _x_cols(x_ptrs, cols, K, EVEN_K: tl.constexpr):
+        if EVEN_K:
+            return tl.load(x_ptrs).to(tl.float32)
+        return tl.load(x_ptrs, mask=cols < K, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _dense_gemv_kernel(x, w, bias, out, N, K, stride_xm, stride_wn, stride_om,
+                           HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """out[m, n] for BLOCK_N rows n of the weight and one row m of x (program (n tile, m))."""
+        pid = tl.program_id(0)
+        row = tl.program_id(1)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        cols = tl.arange(0, BLOCK_K)  # [BK]
+        n_mask = offs_n < N
+        w_ptrs = w + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]  # [BN, BK]
+        x_ptrs = x + row * stride_xm + cols  # [BK]
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        wt = _tile(w_ptrs, n_mask, cols, K, EVEN_N, EVEN_K)
+        if PDL:  # the weight never depends on an earlier kernel; x does
+            tl.extra.cuda.gdc_wait()
+        acc = wt.to(tl.float32) * _x_cols(x_ptrs, cols, K, EVEN_K)[None, :]  # [BN, BK]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            wt = _tile(w_ptrs, n_mask, k0 + cols, K, EVEN_N, EVEN_K)
+            acc += wt.to(tl.float32) * _x_cols(x_ptrs, k0 + cols, K, EVEN_K)[None, :]
+        y = tl.sum(acc, axis=1)  # [BN]
+        if HAS_BIAS:
+            y = y + tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out + row * stride_om + offs_n, y.to(out.dtype.element_ty), mask=n_mask)
+
+
+class TritonDenseGemv(TritonKernel):
+    family = "dense_gemv"
+    max_m = DECODE_MAX_M
+
+    @classmethod
+    def cannot_implement_reason(cls, *, dtype: torch.dtype = torch.bfloat16, **_: Any) -> str | None:
+        allowed = (torch.bfloat16, torch.float16) + ((torch.float32,) if INTERPRETED else ())
+        if dtype not in allowed:
+            return f"weights in {dtype} (supported: {', '.join(map(str, allowed))})"
+        return None
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """x [M, K] with M <= MAX_M -> [M, N] in x's dtype. tiles: (BLOCK_N, BLOCK_K, num_warps)
+        instead of the table's (tests, tuning)."""
+        _check(x, weight)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if weight.stride(-1) != 1:
+            raise ValueError("dense_gemv needs the weight's rows contiguous")
+        m, k = x.shape
+        n = weight.shape[0]
+        if m > MAX_M:
+            raise ValueError(f"dense_gemv serves at most {MAX_M} rows, got {m}")
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if m == 0:
+            return out
+        block_n, block_k, warps = tile_config(m, n, k, tiles)
+        _dense_gemv_kernel[(triton.cdiv(n, block_n), m)](
+            x, weight, bias if bias is not None else out, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x.device))
+        return out
