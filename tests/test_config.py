@@ -56,6 +56,7 @@ INVALID = [
     (dict(kv_cache_memory_gib=0), "kv_cache_memory_gib", ValueError),
     (dict(kv_cache_memory_gib=-1.0), "kv_cache_memory_gib", ValueError),
     (dict(num_kv_blocks=0), "num_kv_blocks", ValueError),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens", ValueError),
     (dict(max_logprobs=0), "max_logprobs", ValueError),
     (dict(dtype="float8"), "dtype", ValueError),
     (dict(dtype="fp16"), "dtype", ValueError),
@@ -256,6 +257,23 @@ def _random_value(field: dataclasses.Field, rng: random.Random):
     if typing.get_origin(kind) is list:
         return sorted(rng.sample(range(1, 512), rng.randrange(1, 5)))
     return f"value-{field.name}-{rng.randrange(10**6)}"
+
+
+def test_token_budget_defaults_by_gpu_memory_and_command(tiny_llama, monkeypatch):
+    """No budget given: 8,192 on a CPU or a GPU under 70 GiB, 16,384 on a larger GPU (vLLM's
+    offline defaults); `baryon serve` asks for 8,192; a given budget is kept."""
+    from baryon import config as config_module
+
+    assert create(tiny_llama).scheduler.max_num_batched_tokens == 8192  # CPU
+    assert create(tiny_llama, max_num_batched_tokens=300).scheduler.max_num_batched_tokens == 300
+    for gib, budget in ((80, 16384), (141, 16384), (40, 8192), (69, 8192)):
+        props = type("Props", (), {"total_memory": gib * 2**30})()
+        monkeypatch.setattr(config_module.torch.cuda, "get_device_properties", lambda device, _p=props: _p)
+        assert config_module.default_token_budget(torch.device("cuda", 0)) == budget
+    assert config_module.default_token_budget(torch.device("cpu")) == 8192
+    serve = build_parser().parse_args(["serve", str(tiny_llama)])
+    assert serve.max_num_batched_tokens == 8192
+    assert build_parser().parse_args(["generate"]).max_num_batched_tokens is None
 
 
 def test_cli_exposes_every_engine_arg():
