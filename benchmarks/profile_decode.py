@@ -1,6 +1,7 @@
 """Where a decode step's time goes: cProfile of the host side and torch.profiler's kernel table.
 
     python benchmarks/profile_decode.py --model qwen3-0.6b --batch-size 1 [engine flags]
+    python benchmarks/profile_decode.py --model qwen3-8b --input-len 16384 --max-model-len 16640  # long context
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="prompt tokens (the profiled run finds them in the prefix cache: decode steps over "
+                             "a context of this length)")
     add_engine_flags(parser)
     args = parser.parse_args()
     from baryon.sampling_params import SamplingParams
 
     llm, _ = build_llm(args)
-    prompts = random_token_prompts(random.Random(0), [128] * args.batch_size, 10000)
+    prompts = random_token_prompts(random.Random(0), [args.input_len] * args.batch_size, 10000)
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
     profiler = cProfile.Profile()
