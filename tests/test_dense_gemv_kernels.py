@@ -44,6 +44,11 @@ def test_triton_gemv_matches_reference(seed, monkeypatch, n, k, tiles):
         b = bias if (m + n) % 2 == 0 else None
         out = TritonDenseGemv.forward(x.to(DEVICE), weight.to(DEVICE), None if b is None else b.to(DEVICE), tiles=tiles)
         _assert_close(out, dense_gemv_reference(x, weight, b))
+    # a float32 weight against x in the model dtype, float32 out (DeepSeek's router)
+    x = torch.randn(1, k, generator=gen).to(DTYPE)
+    w32 = torch.randn(n, k, generator=gen)
+    out = TritonDenseGemv.forward(x.to(DEVICE), w32.to(DEVICE), out_dtype=torch.float32, tiles=tiles)
+    _assert_close(out, dense_gemv_reference(x, w32, out_dtype=torch.float32))
     # x as a strided view (a slice of a wider activation) reads the right columns
     wide = torch.randn(1, k + 8, generator=gen).to(DTYPE)
     out = TritonDenseGemv.forward(wide[:, 4:4 + k].to(DEVICE), weight.to(DEVICE), tiles=tiles)
@@ -113,3 +118,35 @@ def test_dense_layers_take_the_gemv_for_one_row(seed, monkeypatch):
         ref = (x.float() @ layer.weight.float().cpu().t() + layer.bias.float().cpu()).to(DTYPE)
         _assert_close(out, ref)
     assert calls == [1]
+
+
+@needs_triton
+def test_float32_router_takes_the_gemv_for_one_row(seed, monkeypatch):
+    """A router that keeps float32 logits (DeepSeek's) computes one row's logits with the GEMV on
+    its float32 weight, larger batches with F.linear; both give the float32 product's experts."""
+    from baryon.kernels.moe.routing import RoutingConfig
+    from baryon.layers.fused_moe.router import Router
+
+    monkeypatch.setenv("BARYON_KERNEL_DENSE_GEMV", "triton")
+    gen = torch.Generator().manual_seed(seed)
+    hidden, experts = 96, 16
+    with torch.device(DEVICE), torch.no_grad():
+        router = Router(hidden, RoutingConfig(experts, 4, renormalize=True), float32_logits=True)
+        router.weight.copy_(torch.randn(experts, hidden, generator=gen, device="cpu"))
+        router.method.process_weights_after_loading(router)
+    if DEVICE == "cpu":
+        router.dense_gemv = TritonDenseGemv
+    assert router.weight.dtype == torch.float32 and router.dense_gemv is TritonDenseGemv
+    calls = []
+    original = TritonDenseGemv.forward
+    monkeypatch.setattr(TritonDenseGemv, "forward", staticmethod(
+        lambda *a, **kw: calls.append(kw.get("out_dtype")) or original(*a, **kw)))
+    for m in (1, 3):
+        x = torch.randn(m, hidden, generator=gen).to(DTYPE)
+        weights, ids = router(x.to(DEVICE))
+        logits = x.float() @ router.weight.float().cpu().t()
+        expected = torch.topk(logits, 4, dim=-1)
+        assert torch.equal(ids.cpu().long().sort(-1).values, expected.indices.sort(-1).values)
+        probs = torch.softmax(logits, -1).gather(-1, ids.cpu().long())
+        torch.testing.assert_close(weights.cpu(), probs / probs.sum(-1, keepdim=True), atol=1e-5, rtol=1e-5)
+    assert calls == [torch.float32]

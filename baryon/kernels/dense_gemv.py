@@ -2,8 +2,8 @@
 
     y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])     x [M, K], w [N, K] -> y [M, N]
 
-x and w in the model's dtype (bfloat16 / float16; float32 in the interpreter), products summed in
-float32, the result cast back. At one row a decode step's projections are bound by reading their
+x in the model's dtype, w in it too (bfloat16 / float16) or in float32 (a router kept in float32,
+DeepSeek's), products summed in float32, the result in x's dtype or the one asked for. At one row a decode step's projections are bound by reading their
 weights; cuBLAS streams the large ones near memory speed but not the small and medium ones, and
 a cuBLAS launch cannot start before the kernel ahead of it ends. This kernel is the 8-bit GEMV's
 design (`quant/w8_gemv.py`) on 16-bit weights: one program owns BLOCK_N weight rows and one row
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, pdl_launch, tl, triton
+from baryon.kernels.triton_utils import TritonKernel, pdl_launch, tl, triton
 
 MAX_M = 4  # the most rows the kernel takes
 # The most rows a layer sends it (larger batches keep cuBLAS): measured on an H100 with
@@ -31,12 +31,13 @@ MAX_M = 4  # the most rows the kernel takes
 DECODE_MAX_M = 1
 
 
-def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, N] in x's dtype: x times the weight in float32, plus the bias."""
+def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[M, N] in out_dtype (default: x's): x times the weight in float32, plus the bias."""
     y = x.float() @ weight.float().t()  # [M, N] float32
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -51,9 +52,10 @@ class TorchDenseGemv(Kernel):
     max_m = DECODE_MAX_M
 
     @staticmethod
-    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         _check(x, weight)
-        return dense_gemv_reference(x, weight, bias)
+        return dense_gemv_reference(x, weight, bias, out_dtype)
 
 
 # (largest M, smallest N, smallest K, BLOCK_N, BLOCK_K, num_warps): first match wins. Tuned on an
@@ -130,16 +132,16 @@ class TritonDenseGemv(TritonKernel):
 
     @classmethod
     def cannot_implement_reason(cls, *, dtype: torch.dtype = torch.bfloat16, **_: Any) -> str | None:
-        allowed = (torch.bfloat16, torch.float16) + ((torch.float32,) if INTERPRETED else ())
+        allowed = (torch.bfloat16, torch.float16, torch.float32)
         if dtype not in allowed:
             return f"weights in {dtype} (supported: {', '.join(map(str, allowed))})"
         return None
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
-        """x [M, K] with M <= MAX_M -> [M, N] in x's dtype. tiles: (BLOCK_N, BLOCK_K, num_warps)
-        instead of the table's (tests, tuning)."""
+                out_dtype: torch.dtype | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """x [M, K] with M <= MAX_M -> [M, N] in out_dtype (default: x's). tiles: (BLOCK_N,
+        BLOCK_K, num_warps) instead of the table's (tests, tuning)."""
         _check(x, weight)
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -149,7 +151,7 @@ class TritonDenseGemv(TritonKernel):
         n = weight.shape[0]
         if m > MAX_M:
             raise ValueError(f"dense_gemv serves at most {MAX_M} rows, got {m}")
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
         if m == 0:
             return out
         block_n, block_k, warps = tile_config(m, n, k, tiles)
