@@ -3,7 +3,7 @@
 projections (layers x qkv, o, gate/up, down, each reading the previous one's output) chained in
 one CUDA graph, cuBLAS against the GEMV, which is where programmatic dependent launch shows.
 
-    python benchmarks/tune_dense_gemv.py [--models qwen3-8b qwen3-0.6b] [--m 1 2 4] [--quick]
+    python benchmarks/tune_dense_gemv.py [--models qwen3-8b qwen3-0.6b] [--m 1 2 4 8] [--quick]
 
 Each time is a CUDA-graph replay (`triton.testing.do_bench_cudagraph`) over copies of the weight
 that overflow the L2 cache, divided by the copies. One JSON line per case, then a table.
@@ -41,9 +41,11 @@ def shape_rows(model: str, ms: list[int], quick: bool) -> list[dict]:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cublas = _bench(lambda: [F.linear(x, w) for w in weights], copies)
-        small = quick or m > 1
-        grid = itertools.product((4, 8, 16) if small else (2, 4, 8, 16, 32), (256, 512) if small else (128, 256, 512, 1024),
-                                 (4, 8))
+        if m > 1:  # x's rows multiply each weight tile in registers: shorter steps along K
+            grid = itertools.product((4, 8, 16), (64, 128, 256), (4, 8))
+        else:
+            grid = itertools.product((4, 8, 16) if quick else (2, 4, 8, 16, 32),
+                                     (256, 512) if quick else (128, 256, 512, 1024), (4, 8))
         tried = {}
         for tiles in [None, *grid]:
             key = tile_config(m, n, k, tiles)
@@ -89,7 +91,7 @@ def chain_row(model: str, m: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--quick", action="store_true", help="a small grid")
     parser.add_argument("--no-shapes", action="store_true", help="only the chained step")
     args = parser.parse_args()

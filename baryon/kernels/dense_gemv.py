@@ -3,14 +3,15 @@
     y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])     x [M, K], w [N, K] -> y [M, N]
 
 x in the model's dtype, w in it too (bfloat16 / float16) or in float32 (a router kept in float32,
-DeepSeek's), products summed in float32, the result in x's dtype or the one asked for. At one row a decode step's projections are bound by reading their
-weights; cuBLAS streams the large ones near memory speed but not the small and medium ones, and
-a cuBLAS launch cannot start before the kernel ahead of it ends. This kernel is the 8-bit GEMV's
-design (`quant/w8_gemv.py`) on 16-bit weights: one program owns BLOCK_N weight rows and one row
-of x over the whole of K, streams [BLOCK_N, BLOCK_K] tiles (16-byte loads along K), keeps float32
-partial sums and reduces them once at the end. On Hopper it is launched with programmatic
-dependent launch: its programs start during the previous kernel's tail and load their first
-weight tile before waiting for x.
+DeepSeek's), products summed in float32, the result in x's dtype or the one asked for. At one row
+a decode step's projections are bound by reading their weights; cuBLAS streams the large ones
+near memory speed but not the small and medium ones, and a cuBLAS launch cannot start before the
+kernel ahead of it ends. This kernel is the 8-bit GEMV's design (`quant/w8_gemv.py`) on 16-bit
+weights: one program owns BLOCK_N weight rows and every row of x (at most MAX_M) over the whole
+of K, streams [BLOCK_N, BLOCK_K] tiles (16-byte loads along K), keeps float32 partial sums and
+reduces them once at the end. On Hopper it is launched with programmatic dependent launch: its
+programs start during the previous kernel's tail and load their first weight tile before waiting
+for x.
 
 Kernels: `triton` (TritonDenseGemv) and `torch` (TorchDenseGemv, the reference: a float32 matmul;
 runs anywhere).
@@ -25,9 +26,11 @@ import torch
 from baryon.kernels.selector import Kernel
 from baryon.kernels.triton_utils import TritonKernel, pdl_launch, tl, triton
 
-MAX_M = 4  # the most rows the kernel takes
-# The most rows a layer sends it (larger batches keep cuBLAS): measured on an H100 with
-# benchmarks/tune_dense_gemv.py over Qwen3-8B's and Qwen3-0.6B's projections.
+MAX_M = 8  # the most rows the kernel takes
+# The most rows a layer sends it (larger batches keep cuBLAS): on an H100 (benchmarks/tune_dense_gemv.py)
+# a decode step's projections chained in one graph took 4.80 / 0.48 ms against cuBLAS's 5.35 / 0.73
+# (Qwen3-8B / 0.6B) at one row, but 6.68 / 1.23 at two rows: with x's rows sharing each weight tile
+# the best tiles only tie cuBLAS on the 8B's layers and lose on the 0.6B's.
 DECODE_MAX_M = 1
 
 
@@ -71,7 +74,7 @@ TILE_TABLE: tuple[tuple[int, int, int, int, int, int], ...] = (
     (1, 4096, 2048, 16, 1024, 8),  # o of an 8B
     (1, 2048, 0, 4, 1024, 4),     # qkv of a 0.6B
     (1, 0, 0, 2, 1024, 8),        # o and down of a 0.6B
-    (MAX_M, 0, 0, 8, 256, 4),
+    (MAX_M, 0, 0, 8, 128, 4),
 )
 
 
@@ -92,38 +95,44 @@ if triton is not None:
         return tl.load(w_ptrs, mask=n_mask[:, None] & (cols < K)[None, :], other=0.0)
 
     @triton.jit
-    def _x_cols(x_ptrs, cols, K, EVEN_K: tl.constexpr):
+    def _x_rows(x_ptrs, row_mask, cols, K, EVEN_K: tl.constexpr):
+        """x's [ROWS, BK] tile in float32 (rows past M read as 0)."""
         if EVEN_K:
-            return tl.load(x_ptrs).to(tl.float32)
-        return tl.load(x_ptrs, mask=cols < K, other=0.0).to(tl.float32)
+            return tl.load(x_ptrs, mask=row_mask[:, None], other=0.0).to(tl.float32)
+        return tl.load(x_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
 
     @triton.jit
-    def _dense_gemv_kernel(x, w, bias, out, N, K, stride_xm, stride_wn, stride_om,
+    def _dense_gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om,
                            HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """out[m, n] for BLOCK_N rows n of the weight and one row m of x (program (n tile, m))."""
+                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """out[m, n] for BLOCK_N rows n of the weight and ROWS rows m of x (program (n tile, row
+        group)): each weight tile is loaded once for the ROWS rows of x."""
         pid = tl.program_id(0)
-        row = tl.program_id(1)
+        rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [R]
+        row_mask = rows < M
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         cols = tl.arange(0, BLOCK_K)  # [BK]
         n_mask = offs_n < N
         w_ptrs = w + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]  # [BN, BK]
-        x_ptrs = x + row * stride_xm + cols  # [BK]
+        x_ptrs = x + rows[:, None] * stride_xm + cols[None, :]  # [R, BK]
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         wt = _tile(w_ptrs, n_mask, cols, K, EVEN_N, EVEN_K)
         if PDL:  # the weight never depends on an earlier kernel; x does
             tl.extra.cuda.gdc_wait()
-        acc = wt.to(tl.float32) * _x_cols(x_ptrs, cols, K, EVEN_K)[None, :]  # [BN, BK]
+        xt = _x_rows(x_ptrs, row_mask, cols, K, EVEN_K)
+        acc = wt.to(tl.float32)[None, :, :] * xt[:, None, :]  # [R, BN, BK]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             wt = _tile(w_ptrs, n_mask, k0 + cols, K, EVEN_N, EVEN_K)
-            acc += wt.to(tl.float32) * _x_cols(x_ptrs, k0 + cols, K, EVEN_K)[None, :]
-        y = tl.sum(acc, axis=1)  # [BN]
+            xt = _x_rows(x_ptrs, row_mask, k0 + cols, K, EVEN_K)
+            acc += wt.to(tl.float32)[None, :, :] * xt[:, None, :]
+        y = tl.sum(acc, axis=2)  # [R, BN]
         if HAS_BIAS:
-            y = y + tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out + row * stride_om + offs_n, y.to(out.dtype.element_ty), mask=n_mask)
+            y = y + tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out + rows[:, None] * stride_om + offs_n[None, :], y.to(out.dtype.element_ty),
+                 mask=row_mask[:, None] & n_mask[None, :])
 
 
 class TritonDenseGemv(TritonKernel):
@@ -155,8 +164,9 @@ class TritonDenseGemv(TritonKernel):
         if m == 0:
             return out
         block_n, block_k, warps = tile_config(m, n, k, tiles)
-        _dense_gemv_kernel[(triton.cdiv(n, block_n), m)](
-            x, weight, bias if bias is not None else out, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0,
+        rows = triton.next_power_of_2(m)  # every row of x in one program: each weight tile read once
+        _dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](
+            x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, ROWS=rows,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x.device))
         return out
