@@ -104,8 +104,8 @@ def default_token_budget(device: torch.device) -> int:
     """The scheduler's token budget when none is given, as vLLM chooses it for offline use: 16,384
     tokens a step on GPUs of at least 70 GiB (H100, H200), 8,192 elsewhere. Measured on an H100
     (BENCHMARKS.md, issue 19): a 16k prompt prefilled in one step gives its first token 7-14% sooner
-    (Qwen3-8B / 0.6B), 2k-token prompts prefill 3-8% faster; the server asks for 8,192 (`baryon serve`), since each
-    step of a long prompt stalls every running request's next token."""
+    (Qwen3-8B / 0.6B) and 2k-token prompts prefill 3-8% faster. `baryon serve` asks for 8,192, since
+    each step of a long prompt stalls every running request's next token."""
     if device.type == "cuda" and torch.cuda.get_device_properties(device).total_memory >= LARGE_GPU_BYTES:
         return 16384
     return 8192
