@@ -139,7 +139,7 @@ def test_data_parallel_replicas_match_one_engine(llama_path, seed):
     with LLM(str(llama_path), data_parallel_size=2, device="cpu", skip_tokenizer_init=True) as two:
         replicas = two.engine.core
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
-        assert not len(replicas.load) and replicas.load.tokens == [0, 0]
+        assert not replicas.load and replicas.load.tokens == [0, 0]
         pids = [r.pid for r in replicas.replicas]
     assert got == expected
     wait_until_gone(pids, 10)

@@ -85,11 +85,11 @@ class DataParallelEngineCores:
             self.replicas[index].send(AbortRequests(ids))
 
     def has_unfinished_requests(self) -> bool:
-        return len(self.load) > 0
+        return bool(self.load)
 
     def step(self) -> list[EngineCoreOutput]:
         """Every output the replicas have sent, waiting for at least one message."""
-        if not len(self.load):
+        if not self.load:
             return []
         while not self._poller.poll(_POLL_MS):
             self._check_alive()

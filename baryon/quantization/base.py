@@ -87,9 +87,15 @@ class DenseLinearMethod(LinearMethod):
                                 out_features=weight.shape[0], dtype=weight.dtype)
         layer.dense_kernel = kernel if kernel.name != "torch" else None
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    @staticmethod
+    def gemv_for(layer: nn.Module, x: torch.Tensor) -> type | None:
+        """The layer's `dense_gemv` kernel when x [rows, in] is a batch it serves, else None."""
         gemv = layer.__dict__.get("dense_gemv")
-        if gemv is not None and x.dim() == 2 and x.shape[0] <= gemv.max_m:
+        return gemv if gemv is not None and x.dim() == 2 and x.shape[0] <= gemv.max_m else None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        gemv = self.gemv_for(layer, x)
+        if gemv is not None:
             return gemv.forward(x, layer.weight, bias)
         kernel = layer.__dict__.get("dense_kernel")
         if kernel is not None:

@@ -38,8 +38,8 @@ class Router(ReplicatedLinear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, expert ids int32)."""
-        gemv = self.__dict__.get("dense_gemv")  # a decode batch of one row (DenseLinearMethod picks it)
-        if self.float32_logits and gemv is not None and x.shape[0] <= gemv.max_m:
+        gemv = self.method.gemv_for(self, x)  # a decode batch of one row (DenseLinearMethod's kernel)
+        if self.float32_logits and gemv is not None:
             logits = gemv.forward(x, self.weight, self.bias, out_dtype=torch.float32)
         elif self.float32_logits:
             logits = F.linear(x.float(), self.weight, None if self.bias is None else self.bias.float())
