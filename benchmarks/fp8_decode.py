@@ -5,6 +5,7 @@ a batch-1 decode step chained in one CUDA graph (each reads the previous one's o
 where programmatic dependent launch shows.
 
     python benchmarks/fp8_decode.py [--m 1 16 64] [--splits 1 2 4]
+    python benchmarks/fp8_decode.py --sweep --m 128 256 512     # decode GEMM tiles past 64 tokens
 
 Every time is a CUDA-graph replay (`triton.testing.do_bench_cudagraph`) over copies of the
 weight that overflow the L2 cache, divided by the copies. One JSON line per case, then a table.
@@ -13,6 +14,7 @@ weight that overflow the L2 cache, divided by the copies. One JSON line per case
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -70,6 +72,59 @@ def layer_rows(ms: list[int], splits: list[int]) -> list[dict]:
     return rows
 
 
+def _sweep_tiles():
+    """Candidate tiles of the decode GEMM past 64 tokens: token tiles of 64-256, 64 or 128 weight
+    rows, 128 or 256 columns a step; those whose pipeline stages overflow shared memory are left out."""
+    from baryon.kernels.quant.fp8_decode_gemm import DecodeTiles
+
+    for bm, bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (128, 256), (4, 8), (3, 4)):
+        if stages * (bn * bk + bk * bm) <= 200 * 1024 and not (warps == 8 and bm * bn < 128 * 64):
+            yield DecodeTiles(bm, bn, bk, warps, stages)
+
+
+def sweep_rows(ms: list[int]) -> list[dict]:
+    """Per layer and token count: cuBLAS, the table's tiles and the fastest candidate (with the split
+    1, 2 or 4 slices)."""
+    from baryon.kernels.quant.act_quant import TritonActQuant, FP8
+    from baryon.kernels.quant.fp8_decode_gemm import TritonFp8DecodeLinear, tile_config
+    from baryon.kernels.quant.fp8_gemm import ScaledMMFp8Linear
+
+    rows = []
+    for n, k in SHAPES:
+        copies = max(1, int(256e6 // (n * k)))
+        weights = [_fp8_weight(n, k) for _ in range(copies)]
+        cublas = [ScaledMMFp8Linear.prepare(w, s) for w, s in weights]
+        for m in ms:
+            x_q, x_scale = TritonActQuant.per_token(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), FP8)
+            row = {"N": n, "K": k, "M": m,
+                   "cublas": _bench(lambda: [ScaledMMFp8Linear.forward(x_q, x_scale, p, torch.bfloat16)
+                                             for p in cublas], copies),
+                   "table": _bench(lambda: [TritonFp8DecodeLinear.forward(x_q, x_scale, w, s, torch.bfloat16)
+                                            for w, s in weights], copies),
+                   "table_tiles": list(tile_config(m))}
+            best = None
+            for tiles in _sweep_tiles():
+                for split in (1, 2, 4):
+                    try:
+                        us = _bench(lambda: [TritonFp8DecodeLinear.forward(x_q, x_scale, w, s, torch.bfloat16,
+                                                                           split=split, tiles=tiles)
+                                             for w, s in weights], copies)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
+                        print(json.dumps({"skipped": list(tiles), "error": str(e)[:120]}), flush=True)
+                        break
+                    if best is None or us < best[0]:
+                        best = (us, list(tiles), split)
+            row["best"], row["best_tiles"], row["best_split"] = best
+            row = {key: round(v, 2) if isinstance(v, float) else v for key, v in row.items()}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'N x K':12} {'M':>4} {'cublas':>8} {'table':>8} {'best':>8}  best tiles (BM, BN, BK, warps, stages), split")
+    for r in rows:
+        print(f"{r['N']}x{r['K']:<7} {r['M']:>4} {r['cublas']:>8} {r['table']:>8} {r['best']:>8}  "
+              f"{r['best_tiles']} {r['best_split']}")
+    return rows
+
+
 def chain_row() -> dict:
     """The batch-1 step's GEMVs in order, every layer its own weights (7 GB)."""
     from baryon.kernels.quant.w8_gemv import TritonW8Gemv
@@ -96,7 +151,12 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--splits", type=int, nargs="*", default=[],
                         help="also time the decode GEMM with K cut into this many slices")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only the decode GEMM's candidate tiles against cuBLAS at each --m")
     args = parser.parse_args()
+    if args.sweep:
+        sweep_rows(args.m)
+        return
     rows = layer_rows(args.m, args.splits)
     chain = chain_row()
     columns = ("gemv", "act_quant", "cublas", "triton_gemm", "decode_gemm")

@@ -8,7 +8,8 @@ import torch
 
 from baryon.kernels.quant import fp8_decode_gemm
 from baryon.kernels.quant.act_quant import FP8, FP8_MAX, quantize_per_token_reference
-from baryon.kernels.quant.fp8_decode_gemm import MAX_M, TorchFp8DecodeLinear, TritonFp8DecodeLinear
+from baryon.kernels.quant.fp8_decode_gemm import (MAX_M, DecodeTiles, TorchFp8DecodeLinear,
+                                                  TritonFp8DecodeLinear)
 from baryon.kernels.quant.fp8_gemm import fp8_linear_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,10 +32,11 @@ def _assert_matches(out, ref):
 
 @needs_triton
 @pytest.mark.parametrize("n,k", [(150, 200), (64, 512), (70, 300)])
-@pytest.mark.parametrize("m", [2, 16, 17, MAX_M])
+@pytest.mark.parametrize("m", [2, 16, 17, 65, MAX_M])
 def test_triton_matches_reference(seed, m, n, k):
     """Odd N (wrapped row tiles), K not a multiple of BLOCK_K (masked last tile) and a multiple
-    (the unmasked loop), token counts at and between the tile sizes, with and without a bias."""
+    (the unmasked loop), token counts at and between the tile sizes (past 64: several token tiles,
+    the last one wrapped), with and without a bias."""
     gen = torch.Generator().manual_seed(seed)
     x_q, x_scale, w_q, w_scale = _case(gen, m, n, k)
     bias = torch.randn(n, generator=gen) if (m + n) % 2 else None
@@ -49,12 +51,12 @@ def test_triton_matches_reference(seed, m, n, k):
 
 @needs_triton
 @pytest.mark.parametrize("split", [2, 3])
-@pytest.mark.parametrize("m,with_bias", [(5, True), (MAX_M, False)])
+@pytest.mark.parametrize("m,with_bias", [(5, True), (64, False), (MAX_M, True)])
 def test_split_k_matches_reference(seed, split, m, with_bias):
     """K sliced over programs (float32 partial sums, added in order with the scales and the bias
     by the second kernel), a short last slice included; the same inputs give the same bits."""
     gen = torch.Generator().manual_seed(seed)
-    n, k = 70, 5 * fp8_decode_gemm.BLOCK_K + 40
+    n, k = 70, 5 * fp8_decode_gemm.tile_config(m, 70, 1).block_k + 40
     x_q, x_scale, w_q, w_scale = _case(gen, m, n, k)
     bias = torch.randn(n, generator=gen) if with_bias else None
     out_dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -77,6 +79,24 @@ def test_split_k_choice(monkeypatch):
     assert fp8_decode_gemm.split_k(64, 24576, 4096, cuda) == 1
     assert fp8_decode_gemm.split_k(64, 1024, 4096, cuda) == 4  # 16 tiles, 16 K tiles: 4 slices of 4
     assert fp8_decode_gemm.split_k(64, 1024, 512, cuda) == 1  # too little K
+    assert fp8_decode_gemm.split_k(128, 4096, 12288, cuda) == 2  # down: 2 token tiles x 32 of 128 rows
+    assert fp8_decode_gemm.split_k(128, 4096, 4096, cuda) == 1  # o: 2 token tiles x 64 of 64 rows
+    assert fp8_decode_gemm.split_k(128, 4096, 4096, cuda, DecodeTiles(128, 64, 128, 4, 4)) == 2
+
+
+@needs_triton
+@pytest.mark.parametrize("tiles", [DecodeTiles(32, 64, 64, 4, 2), DecodeTiles(64, 128, 128, 8, 3)])
+def test_given_tiles_match_reference(seed, tiles):
+    """Tiles other than the table's (the tuning sweep's): token tiles smaller than the batch, 128
+    weight rows on two warpgroups, split K on top."""
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k = 90, 200, 3 * tiles.block_k + 24
+    x_q, x_scale, w_q, w_scale = _case(gen, m, n, k)
+    out_dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    args = [t.to(DEVICE) for t in (x_q, x_scale, w_q, w_scale)]
+    ref = fp8_linear_reference(x_q, x_scale, w_q, w_scale, torch.float32, None, None)
+    for split in (1, 2):
+        _assert_matches(TritonFp8DecodeLinear.forward(*args, out_dtype, split=split, tiles=tiles), ref)
 
 
 @needs_triton

@@ -1,4 +1,4 @@
-"""FP8 GEMM for decode batches (family `fp8_decode_linear`): rowwise scales, 2 to 64 tokens.
+"""FP8 GEMM for decode batches (family `fp8_decode_linear`): rowwise scales, 2 to 128 tokens.
 
     y[m, n] = x_scale[m] * w_scale[n] * sum_k x_q[m, k] * w_q[n, k]  (+ bias[n])
     x_q [M, K], w_q [N, K] float8_e4m3fn (row-major, the layout every FP8 kernel keeps),
@@ -7,10 +7,11 @@
 A decode batch is a weight stream: a few tokens against the whole weight. The general GEMMs tile
 the tokens on the MMA's tall side (cuBLAS picks 128 x 128 tiles, `fp8_gemm`'s Triton kernel 16 x
 64 with Ampere-style MMAs) and waste most of it. This kernel computes the transposed product
-out^T[n, m] = sum_k w[n, k] x[m, k] ("swap AB"): BLOCK_N = 64 weight rows are the left operand
-(a warpgroup MMA's 64 rows), the tokens padded to BLOCK_M = 16, 32 or 64 the right one, both
-K-major as FP8 MMAs need; each program owns BLOCK_N rows over the whole of K with deep software
-pipelining (BLOCK_K = 256), or over a slice of K when the row tiles alone leave SMs idle
+out^T[n, m] = sum_k w[n, k] x[m, k] ("swap AB"): BLOCK_N = 64 (or 128) weight rows are the left
+operand (a warpgroup MMA's 64 rows), the tokens padded to BLOCK_M = 16, 32 or 64 the right one
+(past 64 tokens, several token tiles), both K-major as FP8 MMAs need; each program owns a token
+tile and BLOCK_N rows over the whole of K with deep software pipelining (BLOCK_K = 128 or 256,
+`TILE_TABLE`), or over a slice of K when the tiles alone leave SMs idle
 (`split_k`; the float32 partial sums are then added in a fixed order by a second kernel, which
 applies the scales). The FP8 partial sums are promoted to float32 every K tile; the scales, the
 bias and the cast come in the epilogue.
@@ -19,7 +20,8 @@ Measured on an H100 (`python benchmarks/fp8_decode.py`, Qwen3-8B's projections, 
 replays over L2-overflowing weight copies): qkv / o / gate-up / down at 16 tokens 11.8 / 8.9 /
 38.2 / 20.9 us (cuBLAS 17.9 / 14.5 / 47.1 / 38.7, `fp8_gemm`'s Triton 14.6 / 12.3 / 38.9 / 31.6),
 at 64 tokens 12.9 / 10.8 / 42.1 / 25.2 (cuBLAS 15.3 / 14.0 / 46.0 / 33.0; with o and down split
-in two since: 12.1 / 9.6 / 41.2 / 22.4); at 128 tokens it only ties cuBLAS. A single token takes
+in two since: 12.1 / 9.6 / 41.2 / 22.4); at 128 tokens, with two token tiles, 14.2 / 10.4 / 42.5 /
+25.6 (cuBLAS 15.2 / 13.6 / 46.0 / 31.7); at 256 cuBLAS is ahead (MAX_M). A single token takes
 the weight-only GEMV (`w8_gemv`), which needs no activation quantization.
 
 Kernels: `triton` (TritonFp8DecodeLinear) and the reference `torch` (TorchFp8DecodeLinear, the
@@ -28,19 +30,51 @@ float32 product of the dequantized operands).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.quant.fp8_gemm import fp8_linear_reference
-from baryon.kernels.selector import Kernel
 from baryon.kernels.quant.split_k import reduce_split_k
+from baryon.kernels.selector import Kernel
 from baryon.kernels.triton_utils import TritonKernel, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton
 
-MAX_M = 64  # the most tokens a call takes (larger batches have enough rows for the general GEMMs)
-BLOCK_N = 64
-BLOCK_K = 256
+MAX_M = 128  # the most tokens a call takes (cuBLAS's GEMM is as fast or faster past it)
+
+
+class DecodeTiles(NamedTuple):
+    """One launch: BLOCK_M tokens x BLOCK_N weight rows per program, BLOCK_K columns per
+    pipelined step, num_warps, num_stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (largest M, smallest N, smallest K, DecodeTiles): first match wins. Up to 64 tokens one token
+# tile of 16 / 32 / 64 (2026-11-24 figures in the module docstring). Past 64, on an H100
+# (`python benchmarks/fp8_decode.py --sweep --m 128 256`, Qwen3-8B's projections, us per call at
+# 128 tokens, the best tiles against cuBLAS): qkv 14.2 / 15.2, o 10.4 / 13.6, gate/up 42.5 / 46.0,
+# down 25.6 / 31.7 (split in two); at 256 tokens the best tiles lost on every layer but o (13.9 /
+# 13.75), hence MAX_M.
+TILE_TABLE: tuple[tuple[int, int, int, DecodeTiles], ...] = (
+    (16, 0, 0, DecodeTiles(16, 64, 256, 4, 6)),
+    (32, 0, 0, DecodeTiles(32, 64, 256, 4, 6)),
+    (64, 0, 0, DecodeTiles(64, 64, 256, 4, 4)),
+    (MAX_M, 12288, 0, DecodeTiles(128, 64, 128, 4, 3)),  # gate/up
+    (MAX_M, 0, 8192, DecodeTiles(64, 128, 256, 8, 4)),  # down
+    (MAX_M, 6144, 0, DecodeTiles(64, 128, 256, 8, 4)),  # qkv
+    (MAX_M, 0, 0, DecodeTiles(64, 64, 256, 4, 4)),  # o
+)
+
+
+def tile_config(m: int, n: int, k: int) -> DecodeTiles:
+    return next(cfg[3] for cfg in TILE_TABLE if m <= cfg[0] and n >= cfg[1] and k >= cfg[2])
+
+
 MIN_SPLIT_TILES = 4  # K tiles a slice keeps at least when K is split
 
 
@@ -76,22 +110,25 @@ if triton is not None:
     def _fp8_swap_ab_kernel(x, w, xs, ws, bias, out, partial, M, N, K, blocks_per_split, stride_xm, stride_xsm,
                             stride_om, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """out[:, n tile] for BLOCK_N weight rows over the K tiles [pid_k * blocks_per_split, ...):
-        acc [BN, BM] = w [BN, BK] @ x^T [BK, BM]. SPLIT: write the unscaled float32 sums to
+        """out[m tile, n tile] for BLOCK_M tokens and BLOCK_N weight rows over the K tiles
+        [pid_k * blocks_per_split, ...): acc [BN, BM] = w [BN, BK] @ x^T [BK, BM]. Program
+        (token tile, weight tile, K slice): the token tiles of one weight tile are neighbours in
+        launch order, so they read it from L2 together. SPLIT: write the unscaled float32 sums to
         partial[pid_k] instead (`split_k.reduce_split_k` finishes). With PDL the programs let the
         next kernel launch at once and wait for the one that wrote x before the pipelined loop."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(0)
+        pid = tl.program_id(1)
+        pid_k = tl.program_id(2)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        offs_m = tl.arange(0, BLOCK_M)  # [BM]
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
         rows_n = offs_n % N  # wrapped: the loop loads without row masks
         rows_m = offs_m % M
         offs_k = tl.arange(0, BLOCK_K)
         k_start = pid_k * blocks_per_split * BLOCK_K
         w_ptrs = w + rows_n[:, None].to(tl.int64) * K + k_start + offs_k[None, :]  # [BN, BK]
-        x_ptrs = x + rows_m[None, :] * stride_xm + k_start + offs_k[:, None]  # [BK, BM]
+        x_ptrs = x + rows_m[None, :].to(tl.int64) * stride_xm + k_start + offs_k[:, None]  # [BK, BM]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -116,22 +153,24 @@ if triton is not None:
             acc = acc * tl.load(ws + rows_n)[:, None] * tl.load(xs + rows_m * stride_xsm)[None, :]
             if HAS_BIAS:
                 acc += tl.load(bias + rows_n).to(tl.float32)[:, None]
-            tl.store(out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out.dtype.element_ty), mask=mask)
+            tl.store(out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
+                     acc.to(out.dtype.element_ty), mask=mask)
 
 
-def split_k(m: int, n: int, k: int, device: torch.device) -> int:
-    """K slices per weight tile for m tokens: doubled while the tiles times the slices still fit one
-    wave on the device's SMs and each slice keeps MIN_SPLIT_TILES tiles of K, for more than 32
-    tokens only (the smaller token tiles measured slower split). On an H100 (Qwen3-8B, 64 tokens;
-    `benchmarks/fp8_decode.py --splits`, 2026-11-24) o and down (64 tiles) take 2: 10.2 -> 9.6 and
-    24.9 -> 22.4 us; qkv (96 tiles) and gate/up lose with any split."""
+def split_k(m: int, n: int, k: int, device: torch.device, tiles: DecodeTiles | None = None) -> int:
+    """K slices per (token tile, weight tile) for m tokens: doubled while the tiles times the slices
+    still fit one wave on the device's SMs and each slice keeps MIN_SPLIT_TILES tiles of K, for more
+    than 32 tokens only (the smaller token tiles measured slower split). On an H100 (Qwen3-8B, 64
+    tokens; `benchmarks/fp8_decode.py --splits`, 2026-11-24) o and down (64 tiles) take 2: 10.2 ->
+    9.6 and 24.9 -> 22.4 us; qkv (96 tiles) and gate/up lose with any split."""
     if m <= 32:
         return 1
-    tiles = -(-n // BLOCK_N)
-    blocks = -(-k // BLOCK_K)
+    tiles = tiles or tile_config(m, n, k)
+    count = -(-n // tiles.block_n) * -(-m // tiles.block_m)
+    blocks = -(-k // tiles.block_k)
     split = 1
     sms = multiprocessor_count(device, off_gpu=4)
-    while tiles * split * 2 <= sms and blocks // (split * 2) >= MIN_SPLIT_TILES:
+    while count * split * 2 <= sms and blocks // (split * 2) >= MIN_SPLIT_TILES:
         split *= 2
     return split
 
@@ -148,9 +187,11 @@ class TritonFp8DecodeLinear(TritonKernel):
 
     @staticmethod
     def forward(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                out_dtype: torch.dtype, bias: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype, bias: torch.Tensor | None = None, split: int | None = None,
+                tiles: DecodeTiles | None = None) -> torch.Tensor:
         """x_q [M, K] fp8 (M <= MAX_M), x_scale [M, 1] or [1, 1] float32, w_q [N, K] fp8, w_scale [N]
-        float32 -> [M, N] out_dtype. split: K slices instead of `split_k`'s choice (tests, tuning)."""
+        float32 -> [M, N] out_dtype. split / tiles: K slices / tiles instead of `split_k`'s and
+        the table's choice (tests, tuning)."""
         _check(x_q, x_scale, w_q, w_scale)
         if x_q.stride(-1) != 1:
             x_q = x_q.contiguous()
@@ -161,17 +202,18 @@ class TritonFp8DecodeLinear(TritonKernel):
             return out
         x_scale = x_scale.float().reshape(-1)  # [M] or [1]; an expanded static scale may keep stride 0
         stride_xsm = x_scale.stride(0) if x_scale.numel() > 1 else 0
-        block_m = max(16, next_power_of_2(m))
-        blocks = triton.cdiv(k, BLOCK_K)
-        per_split = triton.cdiv(blocks, split or split_k(m, n, k, x_q.device))
+        cfg = tiles or tile_config(m, n, k)
+        block_m = min(cfg.block_m, max(16, next_power_of_2(m)))  # one token tile of a small batch
+        blocks = triton.cdiv(k, cfg.block_k)
+        per_split = triton.cdiv(blocks, split or split_k(m, n, k, x_q.device, cfg))
         split = triton.cdiv(blocks, per_split)  # no empty slices
         partial = torch.empty(split, m, n, dtype=torch.float32, device=x_q.device) if split > 1 else out
         bias_arg = bias if bias is not None else out
-        _fp8_swap_ab_kernel[(triton.cdiv(n, BLOCK_N), split)](
+        _fp8_swap_ab_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), split)](
             x_q, w_q, x_scale, w_scale, bias_arg, out, partial, m, n, k, per_split, x_q.stride(0), stride_xsm,
-            out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % BLOCK_K == 0, SPLIT=split > 1, BLOCK_N=BLOCK_N,
-            BLOCK_M=block_m, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4 if block_m == 64 else 6,
-            **pdl_launch(x_q.device))
+            out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, SPLIT=split > 1,
+            BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl_launch(x_q.device))
         if split > 1:
             reduce_split_k(partial, out, bias, x_scale.expand(m) if x_scale.numel() == 1 else x_scale, w_scale)
         return out
