@@ -5,7 +5,7 @@ a batch-1 decode step chained in one CUDA graph (each reads the previous one's o
 where programmatic dependent launch shows.
 
     python benchmarks/fp8_decode.py [--m 1 16 64] [--splits 1 2 4]
-    python benchmarks/fp8_decode.py --sweep --m 128 256 512     # decode GEMM tiles past 64 tokens
+    python benchmarks/fp8_decode.py --sweep --m 64 128 256      # the decode GEMM's tiles against cuBLAS
 
 Every time is a CUDA-graph replay (`triton.testing.do_bench_cudagraph`) over copies of the
 weight that overflow the L2 cache, divided by the copies. One JSON line per case, then a table.
@@ -72,12 +72,15 @@ def layer_rows(ms: list[int], splits: list[int]) -> list[dict]:
     return rows
 
 
-def _sweep_tiles():
-    """Candidate tiles of the decode GEMM past 64 tokens: token tiles of 64-256, 64 or 128 weight
-    rows, 128 or 256 columns a step; those whose pipeline stages overflow shared memory are left out."""
+def _sweep_tiles(m: int):
+    """Candidate tiles of the decode GEMM for m tokens: token tiles from a quarter of the batch (at
+    least 32) to all of it, 64 or 128 weight rows, 128 or 256 columns a step, 3 to 6 stages; those
+    whose stages overflow shared memory are left out."""
     from baryon.kernels.quant.fp8_decode_gemm import DecodeTiles
 
-    for bm, bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (128, 256), (4, 8), (3, 4)):
+    whole = max(16, 1 << (m - 1).bit_length())
+    token_tiles = [b for b in (32, 64, 128, 256) if whole // 4 <= b <= whole]
+    for bm, bn, bk, warps, stages in itertools.product(token_tiles, (64, 128), (128, 256), (4, 8), (3, 4, 6)):
         if stages * (bn * bk + bk * bm) <= 200 * 1024 and not (warps == 8 and bm * bn < 128 * 64):
             yield DecodeTiles(bm, bn, bk, warps, stages)
 
@@ -101,9 +104,9 @@ def sweep_rows(ms: list[int]) -> list[dict]:
                                              for p in cublas], copies),
                    "table": _bench(lambda: [TritonFp8DecodeLinear.forward(x_q, x_scale, w, s, torch.bfloat16)
                                             for w, s in weights], copies),
-                   "table_tiles": list(tile_config(m))}
+                   "table_tiles": list(tile_config(m, n, k))}
             best = None
-            for tiles in _sweep_tiles():
+            for tiles in _sweep_tiles(m):
                 for split in (1, 2, 4):
                     try:
                         us = _bench(lambda: [TritonFp8DecodeLinear.forward(x_q, x_scale, w, s, torch.bfloat16,
@@ -152,7 +155,7 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="*", default=[],
                         help="also time the decode GEMM with K cut into this many slices")
     parser.add_argument("--sweep", action="store_true",
-                        help="only the decode GEMM's candidate tiles against cuBLAS at each --m")
+                        help="only the decode GEMM's candidate tiles against cuBLAS at each --m (> 16)")
     args = parser.parse_args()
     if args.sweep:
         sweep_rows(args.m)

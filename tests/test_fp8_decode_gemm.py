@@ -72,13 +72,16 @@ def test_split_k_choice(monkeypatch):
     keeps 4 K tiles."""
     monkeypatch.setattr(fp8_decode_gemm, "multiprocessor_count", lambda device, off_gpu=4: 132)
     cuda = torch.device("cuda", 0)
-    assert fp8_decode_gemm.split_k(64, 4096, 4096, cuda) == 2  # o: 64 tiles
-    assert fp8_decode_gemm.split_k(33, 4096, 12288, cuda) == 2  # down
+    one_tile = DecodeTiles(64, 64, 256, 4, 4)
+    assert fp8_decode_gemm.split_k(64, 4096, 4096, cuda, one_tile) == 2  # 64 tiles
+    assert fp8_decode_gemm.split_k(64, 4096, 4096, cuda) == 1  # o: two token tiles of 32, 128 tiles
+    assert fp8_decode_gemm.split_k(33, 4096, 12288, cuda) == 1  # down: two token tiles of 32
+    assert fp8_decode_gemm.split_k(33, 4096, 12288, cuda, one_tile) == 2  # one token tile: 64 tiles
     assert fp8_decode_gemm.split_k(32, 4096, 12288, cuda) == 1  # the smaller token tiles never split
     assert fp8_decode_gemm.split_k(64, 6144, 4096, cuda) == 1  # qkv: 96 tiles
     assert fp8_decode_gemm.split_k(64, 24576, 4096, cuda) == 1
-    assert fp8_decode_gemm.split_k(64, 1024, 4096, cuda) == 4  # 16 tiles, 16 K tiles: 4 slices of 4
-    assert fp8_decode_gemm.split_k(64, 1024, 512, cuda) == 1  # too little K
+    assert fp8_decode_gemm.split_k(64, 1024, 4096, cuda, one_tile) == 4  # 16 tiles, 16 K tiles: 4 slices of 4
+    assert fp8_decode_gemm.split_k(64, 1024, 512, cuda, one_tile) == 1  # too little K
     assert fp8_decode_gemm.split_k(128, 4096, 12288, cuda) == 2  # down: 2 token tiles x 32 of 128 rows
     assert fp8_decode_gemm.split_k(128, 4096, 4096, cuda) == 1  # o: 2 token tiles x 64 of 64 rows
     assert fp8_decode_gemm.split_k(128, 4096, 4096, cuda, DecodeTiles(128, 64, 128, 4, 4)) == 2

@@ -19,9 +19,9 @@ bias and the cast come in the epilogue.
 Measured on an H100 (`python benchmarks/fp8_decode.py`, Qwen3-8B's projections, CUDA-graph
 replays over L2-overflowing weight copies): qkv / o / gate-up / down at 16 tokens 11.8 / 8.9 /
 38.2 / 20.9 us (cuBLAS 17.9 / 14.5 / 47.1 / 38.7, `fp8_gemm`'s Triton 14.6 / 12.3 / 38.9 / 31.6),
-at 64 tokens 12.9 / 10.8 / 42.1 / 25.2 (cuBLAS 15.3 / 14.0 / 46.0 / 33.0; with o and down split
-in two since: 12.1 / 9.6 / 41.2 / 22.4); at 128 tokens, with two token tiles, 14.2 / 10.4 / 42.5 /
-25.6 (cuBLAS 15.2 / 13.6 / 46.0 / 31.7); at 256 cuBLAS is ahead (MAX_M). A single token takes
+at 64 tokens 12.9 / 10.8 / 42.1 / 25.2 (cuBLAS 15.3 / 14.0 / 46.0 / 33.0), with the tiles tuned
+since 12.3 / 8.9 / 39.1 / 21.8; at 128 tokens 14.2 / 10.4 / 42.5 / 25.6 (cuBLAS 15.2 / 13.6 / 46.0 /
+31.7); at 256 cuBLAS is ahead (MAX_M). A single token takes
 the weight-only GEMV (`w8_gemv`), which needs no activation quantization.
 
 Kernels: `triton` (TritonFp8DecodeLinear) and the reference `torch` (TorchFp8DecodeLinear, the
@@ -54,16 +54,19 @@ class DecodeTiles(NamedTuple):
     num_stages: int
 
 
-# (largest M, smallest N, smallest K, DecodeTiles): first match wins. Up to 64 tokens one token
-# tile of 16 / 32 / 64 (2026-11-24 figures in the module docstring). Past 64, on an H100
-# (`python benchmarks/fp8_decode.py --sweep --m 128 256`, Qwen3-8B's projections, us per call at
-# 128 tokens, the best tiles against cuBLAS): qkv 14.2 / 15.2, o 10.4 / 13.6, gate/up 42.5 / 46.0,
-# down 25.6 / 31.7 (split in two); at 256 tokens the best tiles lost on every layer but o (13.9 /
-# 13.75), hence MAX_M.
+# (largest M, smallest N, smallest K, DecodeTiles): first match wins. Tuned on an H100 with
+# `python benchmarks/fp8_decode.py --sweep --m 32 64 128 256` (Qwen3-8B's projections, us per call,
+# the best tiles against cuBLAS): at 64 tokens qkv 12.3 / 14.8, o 8.9 / 13.3 and down 21.8 / 31.5
+# (two token tiles of 32), gate/up 39.1 / 44.5 (128-wide K steps); at 128 tokens qkv 14.2 / 15.2,
+# o 10.4 / 13.6, gate/up 42.5 / 46.0, down 25.6 / 31.7 (split in two); at 256 tokens the best tiles
+# lost on every layer but o (13.9 / 13.75), hence MAX_M.
 TILE_TABLE: tuple[tuple[int, int, int, DecodeTiles], ...] = (
     (16, 0, 0, DecodeTiles(16, 64, 256, 4, 6)),
+    (32, 12288, 0, DecodeTiles(32, 64, 256, 4, 3)),  # gate/up
     (32, 0, 0, DecodeTiles(32, 64, 256, 4, 6)),
-    (64, 0, 0, DecodeTiles(64, 64, 256, 4, 4)),
+    (64, 12288, 0, DecodeTiles(64, 64, 128, 4, 4)),  # gate/up
+    (64, 6144, 0, DecodeTiles(64, 64, 256, 4, 4)),  # qkv
+    (64, 0, 0, DecodeTiles(32, 64, 256, 4, 6)),  # o, down: two token tiles
     (MAX_M, 12288, 0, DecodeTiles(128, 64, 128, 4, 3)),  # gate/up
     (MAX_M, 0, 8192, DecodeTiles(64, 128, 256, 8, 4)),  # down
     (MAX_M, 6144, 0, DecodeTiles(64, 128, 256, 8, 4)),  # qkv
