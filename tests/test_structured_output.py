@@ -336,3 +336,118 @@ def test_grammars_advanced_together_match_one_by_one(random_stories, seed):
         assert torch.equal(masks[0], masks[1])
     finally:
         compiler.shutdown()
+
+
+def test_masks_filled_in_the_background_equal_those_filled_inline(random_stories, seed):
+    """StepMasks.begin on its worker thread (the engine's path: the step's sampling is deferred
+    meanwhile) leaves the same host rows, and masks the same logits, as filling inline; a request
+    one token behind accepts its pending token first; unconstrained requests keep their rows."""
+    import threading
+    from types import SimpleNamespace
+
+    from baryon.structured_output import step_masks
+    from baryon.structured_output.compiler import GrammarCompiler
+    from baryon.structured_output.matcher import RequestGrammar
+    from baryon.structured_output.step_masks import StepMasks
+    from baryon.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(random_stories), False)
+    byte_tokens = lambda text: tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in text.encode()])  # noqa: E731
+    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    compiler = GrammarCompiler(str(random_stories), False, 512)
+    fill_threads = []
+    real_fill = step_masks.fill_bitmask
+
+    def spying_fill(*args, **kwargs):
+        fill_threads.append(threading.current_thread().name)
+        return real_fill(*args, **kwargs)
+
+    try:
+        spec = StructuredOutputsParams(choice=["yes", "yellow", "no", "none"])
+        words = [rng.choice(["yes", "yellow", "no", "none"]) for _ in range(12)]
+        cases = []  # (output so far, pending token) per constrained request
+        for word in words:
+            tokens = byte_tokens(word) + [2]
+            end = rng.randrange(len(tokens))
+            cases.append((tokens[:end], tokens[end] if rng.random() < 0.5 else None))
+        logits = torch.randn(16, 512, generator=generator)
+        results = []
+        for in_background in (False, True):
+            requests = [SimpleNamespace(grammar=RequestGrammar(compiler.submit(spec), [2]), output_token_ids=out,
+                                        pending=pending) for out, pending in cases]
+            requests.insert(5, SimpleNamespace(grammar=None, output_token_ids=[], pending=None))  # unconstrained
+            masks = StepMasks(512, torch.device("cpu"))
+            fill_threads.clear()
+            step_masks.fill_bitmask = spying_fill
+            try:
+                mask = masks.begin(requests, list(range(len(requests))), lambda r: r.pending, in_background)
+                masked = logits[:len(requests)].clone()
+                masks.apply(mask, masked)
+            finally:
+                step_masks.fill_bitmask = real_fill
+                masks.shutdown()
+            assert fill_threads and all(name.startswith("baryon-bitmask") == in_background for name in fill_threads)
+            assert mask.logit_rows == [i for i in range(len(requests)) if i != 5]
+            assert torch.equal(masked[5], logits[5])  # the unconstrained row
+            for r, (out, pending) in zip([r for r in requests if r.grammar is not None], cases):
+                assert r.grammar.num_accepted == len(out) + (pending is not None)
+            results.append((masks.staging.host[:len(cases)].clone(), masked))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+        assert results[0][1].isinf().any()  # the grammars did mask something
+    finally:
+        compiler.shutdown()
+
+
+def test_constrained_steps_sample_once_the_engine_needs_them(llm, seed, monkeypatch):
+    """A step with constrained requests queues its sampling later (the next launch or its
+    read-back), each such step exactly once (the step still in flight when generate returns: at
+    the next call's first launch), and the outputs still follow their grammars."""
+    from baryon.runner.model_runner import LaunchedStep
+
+    deferred, completed = [], []
+    real_defer, real_complete = LaunchedStep.defer, LaunchedStep.complete
+
+    def defer(self, finish):
+        deferred.append(self)
+        real_defer(self, finish)
+
+    def complete(self):
+        if self._deferred is not None:
+            completed.append(self)
+        real_complete(self)
+
+    monkeypatch.setattr(LaunchedStep, "defer", defer)
+    monkeypatch.setattr(LaunchedStep, "complete", complete)
+    spec = StructuredOutputsParams(regex=REGEX)
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec),
+              SamplingParams(temperature=0, max_tokens=12)]
+    outputs = llm.generate(["Once upon a time", "A dog"], params, use_tqdm=False)
+    assert re.fullmatch(REGEX, outputs[0].outputs[0].text)
+    assert deferred and len(completed) >= len(deferred) - 1  # the step in flight at the end may wait
+    alone = llm.generate(["A dog"], params[1], use_tqdm=False)  # its first launch completes that one
+    assert alone[0].outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    assert len(completed) == len(deferred) and {id(s) for s in completed} == {id(s) for s in deferred}
+
+
+def test_constrained_steps_over_two_ranks_match_one(random_stories, seed):
+    """Tensor parallelism (gloo, two processes): the deferred sampling of a constrained step still
+    sends its ids to the other rank before that rank's next collectives; outputs equal one rank's."""
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = [SamplingParams(temperature=0, max_tokens=160, structured_outputs=spec),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=160, structured_outputs=StructuredOutputsParams(regex=REGEX))]
+    prompts = ["Once upon a time", "A dog", "The sun"]
+    outputs = {}
+    for tp in (1, 2):
+        with LLM(str(random_stories), device="cpu", dtype="float32", tensor_parallel_size=tp,
+                 max_num_seqs=4) as engine:
+            outputs[tp] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    assert outputs[2] == outputs[1]
+    _check("json", _text(random_stories, outputs[1][0]))
+    _check("regex", _text(random_stories, outputs[1][2]))
+
+
+def _text(path, token_ids: list[int]) -> str:
+    from baryon.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(path), False).decode(token_ids, skip_special_tokens=True)

@@ -202,6 +202,8 @@ class EngineCore:
             self.workers.shutdown()
         if self.data_parallel:
             destroy_distributed()
+        if runner is not None:
+            runner.step_masks.shutdown()
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
 

@@ -8,6 +8,7 @@ rows that are sampled (plus prompt positions whose logprobs were asked for) and 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -37,8 +38,7 @@ from baryon.runner.sampling_inputs import build_sampling_batch
 from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
-from baryon.structured_output.bitmask_staging import BitmaskStaging
-from baryon.structured_output.matcher import advance_all, fill_bitmask
+from baryon.structured_output.step_masks import PendingMask, StepMasks
 from baryon.transfer import to_device
 
 logger = get_logger(__name__)
@@ -123,8 +123,7 @@ class ModelRunner:
         self.forward = compile_forward(self.model, config.compilation.level)
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
-        self.bitmask_kernel = None  # token_bitmask, selected for the first constrained request
-        self.bitmask_staging: BitmaskStaging | None = None  # its host and device buffers, made with it
+        self.step_masks = StepMasks(self.vocab_size, self.device)  # structured outputs' logits masks
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.proposer, self.rejection_sampler = None, None
         # Drafting over several ranks (a sharded draft): rank 0 tells the others whom to draft for.
@@ -254,6 +253,7 @@ class ModelRunner:
         ranks first, which run the same forward pass. With DP attention `dp_step` says how this
         step meets the other replicas' (an empty `scheduled`: a forward pass of padding only,
         whose MoE layers serve the other replicas' tokens)."""
+        self.last_launch.complete()  # its samples may be this step's inputs
         if not scheduled and dp_step is not None:
             return self._launch_padding(dp_step)
         plan, sampling = self._plan(scheduled)
@@ -291,6 +291,7 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> None:
         """A rank > 0 runs rank 0's plan: the forward pass, its share of the LM head, and it
         receives the ids rank 0 samples."""
+        self.last_launch.complete()
         self._launch(plan, None, None)
 
     def _launch(self, plan: StepPlan, scheduled: list[tuple[Request, int]] | None,
@@ -318,22 +319,42 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._index(rows)]) if len(rows) else None  # [rows, vocab]
             if observe is not None:
                 observe(scheduled, batch.query_start, self.proposer.target_features(hidden))
+        previous, self.last_launch = self.last_launch, step
         num_sampled = plan.num_sampled_rows
         if not self.is_first_rank:
             if plan.num_sampling:  # what rank 0 samples: the next step's pending inputs
                 step.sampled_device = broadcast_from_first(
                     torch.empty(plan.num_sampling, dtype=torch.int64, device=self.device))
-        elif len(rows):
-            if num_sampled and self.rejection_sampler is not None:
-                self._verify(logits[:num_sampled], sampling, step)
-            elif num_sampled:
-                self._sample(logits[:num_sampled], sampling, step)
-            if num_sampled and tp_world_size() > 1:
-                broadcast_from_first(step.sampled_device)
+            step.finish_launch(self.device)
+            return step
+        if len(rows) > num_sampled:
             self._prompt_logprobs(logits[num_sampled:], sampling.prompt_logprob_spans, step)
-        step.finish_launch(self.device)
-        self.last_launch = step
+        if not num_sampled:
+            step.finish_launch(self.device)
+        elif self.rejection_sampler is not None:
+            self._verify(logits[:num_sampled], sampling, step, previous)
+            self._share_and_finish(step)
+        else:
+            requests = sampling.sampling_requests
+            sampling_batch = self._sampling_batch(requests, previous)  # as the requests stand at launch
+            # Structured outputs: the masks fill in the background, and the sampling waits until
+            # the engine needs this step (`LaunchedStep.complete`), having processed the previous
+            # step's outputs and scheduled the next step meanwhile.
+            mask = self.step_masks.begin(requests, range(len(requests)), _pending_reader(previous),
+                                         in_background=True)
+            finish = functools.partial(self._sample, logits[:num_sampled], requests, sampling_batch, step, mask)
+            if mask is None:
+                finish()
+            else:
+                step.defer(finish)
         return step
+
+    def _share_and_finish(self, step: LaunchedStep) -> None:
+        """The sampled ids to the other ranks (they are their next step's inputs too), then the
+        event that says the step is done."""
+        if tp_world_size() > 1:
+            broadcast_from_first(step.sampled_device)
+        step.finish_launch(self.device)
 
     def _index(self, rows) -> torch.Tensor:
         return to_device(torch.from_numpy(np.asarray(rows, dtype=np.int64)), self.device)
@@ -401,32 +422,15 @@ class ModelRunner:
         return _Batch(input_ids=input_ids, positions=to_device(torch.from_numpy(layout.positions), self.device),
                       metadata=metadata, query_start=layout.query_start)
 
-    def _constrain(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-        """Structured outputs: -inf on the logits of the tokens a request's grammar does not allow
-        next (logits row rows[i] is requests[i]'s). The grammars catch up on the tokens sampled
-        since, a pending one read from the previous step (finished by now: this step's forward
-        pass is queued behind it), and fill a host bitmask while the device runs the forward pass."""
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if not constrained:
-            return
-        grammars = [requests[i].grammar for i in constrained]
-        pending = [self.last_launch.sampled_token(requests[i].request_id) if requests[i].num_pending_tokens else None
-                   for i in constrained]
-        advance_all(grammars, [requests[i].output_token_ids for i in constrained], pending)
-        if self.bitmask_kernel is None:
-            self.bitmask_kernel = select("token_bitmask", self.device)
-            self.bitmask_staging = BitmaskStaging(self.vocab_size, self.device)
-        fill_bitmask(grammars, self.bitmask_staging.host_rows(len(constrained)), threaded=self.device.type != "cpu")
-        self.bitmask_kernel.apply(logits, self.bitmask_staging.upload(len(constrained)),
-                                  self.bitmask_staging.logits_rows([rows[i] for i in constrained]))
-
-    def _sample(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep) -> None:
-        requests = batch.sampling_requests
-        self._constrain(logits, requests, list(range(len(requests))))
-        result = self.sampler(logits, self._sampling_batch(requests))
+    def _sample(self, logits: torch.Tensor, requests: list[Request], batch: SamplingBatch, step: LaunchedStep,
+                mask: PendingMask | None) -> None:
+        if mask is not None:
+            self.step_masks.apply(mask, logits)
+        result = self.sampler(logits, batch)
         step.sampled_device = result.sampled
         step.copy_to_host("sampled", result.sampled)
         step.keep_logprobs(requests, result)
+        self._share_and_finish(step)
 
     def propose(self, requests: list[Request]) -> None:
         """requests: the running ones. Draft the tokens each decoding request's next step verifies
@@ -495,14 +499,14 @@ class ModelRunner:
         if self.propose_sender is not None:
             self.propose_sender.forget(request_id)
 
-    def _sampling_batch(self, requests: list[Request]):
-        """The requests' sampling inputs; penalties count a token still pending on the device."""
-        pending = [(i, self.last_launch.row_of[r.request_id]) for i, r in enumerate(requests)
-                   if r.num_pending_tokens]
-        previous = self.last_launch.sampled_device if pending else None
-        return build_sampling_batch(requests, self.vocab_size, self.device, pending, previous)
+    def _sampling_batch(self, requests: list[Request], previous: LaunchedStep):
+        """The requests' sampling inputs; penalties count a token still pending on the device
+        (sampled by `previous`, the launch before this step)."""
+        pending = [(i, previous.row_of[r.request_id]) for i, r in enumerate(requests) if r.num_pending_tokens]
+        return build_sampling_batch(requests, self.vocab_size, self.device, pending,
+                                    previous.sampled_device if pending else None)
 
-    def _verify(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep) -> None:
+    def _verify(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep, previous: LaunchedStep) -> None:
         """Speculative sampling: accept each request's drafts against its rows' logits
         ([sum(num_drafts + 1), vocab]) and sample the token after the last accepted one."""
         requests = batch.sampling_requests
@@ -512,8 +516,11 @@ class ModelRunner:
         draft_ids = to_device(torch.tensor(drafts, dtype=torch.int64), self.device)
         draft_probs = self.proposer.draft_probs(requests, batch.num_drafts, self.vocab_size) if drafts else None
         # A constrained request verifies no drafts (see _position_dependent): its one row.
-        self._constrain(logits, requests, (cu_num_drafts[:-1] + np.arange(len(requests))).tolist())
-        sampling = self._sampling_batch(requests)
+        mask = self.step_masks.begin(requests, (cu_num_drafts[:-1] + np.arange(len(requests))).tolist(),
+                                     _pending_reader(previous), in_background=False)
+        if mask is not None:
+            self.step_masks.apply(mask, logits)
+        sampling = self._sampling_batch(requests, previous)
         result = self.rejection_sampler(logits, draft_ids, to_device(torch.from_numpy(cu_num_drafts), self.device),
                                         cu_num_drafts, draft_probs, sampling)
         step.cu_num_drafts = cu_num_drafts
@@ -543,6 +550,12 @@ class ModelRunner:
             step.prompt_logprob_requests.append((request.request_id, request.num_computed_tokens))
 
 
+def _pending_reader(previous: LaunchedStep) -> Callable[[Request], int | None]:
+    """The token `previous` sampled for a request whose output does not hold it yet (waits for
+    that step), else None."""
+    return lambda request: previous.sampled_token(request.request_id) if request.num_pending_tokens else None
+
+
 def _position_dependent(request: Request) -> bool:
     """Whether each position's distribution depends on the tokens before it in a way drafts
     cannot follow (penalties, min_tokens, a grammar): such a request drafts nothing."""
@@ -559,6 +572,9 @@ class LaunchedStep:
 
     With worker processes, waiting polls the event and `health_check` (which raises once a
     worker has died), so a step whose collectives wait for a dead rank fails instead of hanging.
+
+    A step with structured outputs queues its sampling only when first needed (`complete`: the
+    next launch, or reading this step's results), so that its masks fill meanwhile.
     """
 
     def __init__(self, sampling_request_ids: list[str], health_check: Callable[[], None] | None = None) -> None:
@@ -572,6 +588,18 @@ class LaunchedStep:
         self._host: dict[str, torch.Tensor] = {}
         self._event: torch.cuda.Event | None = None
         self._sampled: list[int] | None = None  # the host copy of "sampled", once waited for
+        self._deferred: Callable[[], None] | None = None  # the rest of the launch, not queued yet
+
+    def defer(self, finish: Callable[[], None]) -> None:
+        """Queue the rest of the launch (sampling and the copies of its results) at `complete`."""
+        self._deferred = finish
+
+    def complete(self) -> None:
+        """Queue what the launch deferred, if anything (once)."""
+        if self._deferred is not None:
+            finish, self._deferred = self._deferred, None
+            with torch.inference_mode():  # as the launch was (its tensors are inference tensors)
+                finish()
 
     def copy_to_host(self, name: str, tensor: torch.Tensor) -> None:
         if tensor.device.type == "cuda":
@@ -609,6 +637,7 @@ class LaunchedStep:
     def sampled_token(self, request_id: str) -> int:
         """The last token this step sampled for the request (the one a next step reads while
         it is pending); waits for the step."""
+        self.complete()
         if self._sampled is None:
             if self._event is not None:
                 self._wait()
@@ -621,6 +650,7 @@ class LaunchedStep:
 
     def result(self) -> ModelRunnerOutput:
         """Wait for this step (only) and return its sampled tokens and logprobs as Python values."""
+        self.complete()
         if self._event is not None:
             self._wait()
         output = ModelRunnerOutput()
