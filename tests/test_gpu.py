@@ -254,6 +254,11 @@ def test_quantized_greedy_tokens_follow_bf16(tmp_path, seed, arch, variant, over
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+# The two-GPU engines capture decode graphs of 1-8 sequences (1-32 tokens with drafts) and piecewise
+# graphs up to 512 tokens, enough for these tests' batches: with the defaults (up to 256 sequences,
+# 2048 tokens) their captures and the float32 kernels compiled for them took over 320 s for the
+# first two tests on two H200s.
+SMALL_GRAPHS = dict(max_num_seqs=8, max_num_batched_tokens=512)
 
 
 @two_gpus
@@ -280,7 +285,7 @@ def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
     for tp in (1, 2):
         kwargs = dict(extra) if tp == 2 else {}
         with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
-                 tensor_parallel_size=tp, **kwargs) as llm:
+                 tensor_parallel_size=tp, **SMALL_GRAPHS, **kwargs) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             if tp == 2:
                 assert llm.engine.core.runner.graph_runner is not None  # decode steps replayed graphs
@@ -301,7 +306,7 @@ def test_data_parallel_on_two_gpus_matches_one(tmp_path, seed):
     tokens = {}
     for dp in (1, 2):
         with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
-                 data_parallel_size=dp) as llm:
+                 data_parallel_size=dp, **SMALL_GRAPHS) as llm:
             tokens[dp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[2] == tokens[1]
 
@@ -319,7 +324,7 @@ def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed):
     results = {}
     for dp in (1, 2):
         with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
-                 data_parallel_size=dp, enable_expert_parallel=True) as llm:
+                 data_parallel_size=dp, enable_expert_parallel=True, **SMALL_GRAPHS) as llm:
             results[dp] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                                      o.outputs[0].token_ids)])
                            for o in llm.generate(prompts, params, use_tqdm=False)]
