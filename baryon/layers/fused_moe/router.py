@@ -38,11 +38,10 @@ class Router(ReplicatedLinear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] float32, expert ids int32)."""
-        gemv = self.method.gemv_for(self, x)  # a decode batch of one row (DenseLinearMethod's kernel)
-        if self.float32_logits and gemv is not None:
-            logits = gemv.forward(x, self.weight, self.bias, out_dtype=torch.float32)
-        elif self.float32_logits:
-            logits = F.linear(x.float(), self.weight, None if self.bias is None else self.bias.float())
-        else:
+        if not self.float32_logits:  # the layer's own method (its decode GEMV included)
             logits = self.method.apply(self, x, self.bias)  # [num_tokens, num_experts]
+        elif (gemv := self.method.gemv_for(self, x)) is not None:  # a decode batch of one row
+            logits = gemv.forward(x, self.weight, self.bias, out_dtype=torch.float32)
+        else:
+            logits = F.linear(x.float(), self.weight, None if self.bias is None else self.bias.float())
         return self.kernel.forward(logits, self.routing, self.e_score_correction_bias)
