@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="only the decode GEMM's candidate tiles against cuBLAS at each --m (> 16)")
     args = parser.parse_args()
+    if args.sweep and args.splits:
+        parser.error("--splits is for the per-layer table; --sweep tries 1, 2 and 4 slices itself")
     if args.sweep:
         sweep_rows(args.m)
         return
