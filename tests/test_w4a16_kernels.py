@@ -37,16 +37,20 @@ DEQUANT_CASES = [  # (bits, n, k, group_size, symmetric)
 ]
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", ["torch", "triton", "triton-default"])
 @pytest.mark.parametrize("bits,n,k,group_size,symmetric", DEQUANT_CASES)
 def test_dequantize_is_exact(seed, kernel, bits, n, k, group_size, symmetric):
     """dequantize(prepare(...)) gives the reference's float32 weight bit for bit (including the
-    bfloat16 scales a checkpoint may carry)."""
+    bfloat16 scales a checkpoint may carry). triton: the interleaved layout; triton-default: the
+    layout prepare picks (triton-mma for 4-bit codes in aligned groups)."""
     cls = TorchW4A16Linear if kernel == "torch" else TritonW4A16Linear
+    layout = {"triton": dict(layout="triton"), "triton-default": {}}.get(kernel, {})
     gen = torch.Generator().manual_seed(seed)
     for scale_dtype in (torch.float32, torch.bfloat16):
         codes, scales, zeros = _canonical(gen, n, k, bits, group_size, symmetric, scale_dtype)
-        weights = cls.prepare(codes, scales, zeros, bits, group_size)
+        weights = cls.prepare(codes, scales, zeros, bits, group_size, **layout)
+        if kernel == "triton-default":
+            assert weights.layout == ("triton-mma" if w4a16.w4_mma.supports(bits, group_size, k) else "triton")
         ref = dequantize_reference(codes, scales, zeros, group_size)
         assert ref.dtype == torch.float32 and ref.shape == (n, k)
         assert torch.equal(cls.dequantize(weights), ref)
@@ -71,9 +75,12 @@ def test_torch_kernel_keeps_codes_packed(seed, bits, k):
     weights = TorchW4A16Linear.prepare(codes, scales, zeros, bits, 32)
     q = weights.qweight
     assert q.numel() * q.element_size() == n * -(-k * bits // 8)
-    triton_weights = TritonW4A16Linear.prepare(codes, scales, zeros, bits, 32)
-    kp = -(-k // 128) * 128  # the Triton layout pads K to its block
+    kp = -(-k // 128) * 128  # the Triton layouts pad K to their block
+    triton_weights = TritonW4A16Linear.prepare(codes, scales, zeros, bits, 32, layout="triton")
     assert triton_weights.qweight.numel() * triton_weights.qweight.element_size() == n * kp * bits // 8
+    if bits == 4:  # the triton-mma layout also pads N to 64 rows
+        mma = TritonW4A16Linear.prepare(codes, scales, zeros, bits, 32)
+        assert mma.layout == "triton-mma" and mma.qweight.numel() * mma.qweight.element_size() == 64 * kp * bits // 8
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -134,12 +141,13 @@ TRITON_CASES = [  # (bits, n, k, group_size, symmetric, m)
 ]
 
 
-def _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype):
+def _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype, layout=None):
     codes, scales, zeros = _canonical(gen, n, k, bits, group_size, symmetric,
                                       torch.float16 if dtype == torch.float16 else torch.float32)
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype)
-    weights = TritonW4A16Linear.prepare(codes.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), bits, group_size)
+    weights = TritonW4A16Linear.prepare(codes.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), bits, group_size,
+                                        layout)
     return codes, scales, zeros, x, bias, weights
 
 
@@ -153,10 +161,12 @@ def _check(out, x, codes, scales, zeros, group_size, bias):
 
 @needs_triton
 @pytest.mark.parametrize("bits,n,k,group_size,symmetric,m", TRITON_CASES)
-def test_triton_matches_reference(seed, bits, n, k, group_size, symmetric, m):
+@pytest.mark.parametrize("layout", ["triton", None])
+def test_triton_matches_reference(seed, bits, n, k, group_size, symmetric, m, layout):
+    """Both layouts (None: the one prepare picks) through forward's own choice of kernel."""
     gen = torch.Generator().manual_seed(seed)
     dtype = TRITON_DTYPES[TRITON_CASES.index((bits, n, k, group_size, symmetric, m)) % len(TRITON_DTYPES)]
-    codes, scales, zeros, x, bias, weights = _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype)
+    codes, scales, zeros, x, bias, weights = _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype, layout)
     with_bias = (n + m) % 2 == 0
     b = bias.to(DEVICE) if with_bias else None
     out = TritonW4A16Linear.forward(x.to(DEVICE), weights, b)
@@ -184,7 +194,8 @@ def test_triton_gemv_matches_reference(seed, bits, n, k, group_size, symmetric, 
     gen = torch.Generator().manual_seed(seed)
     dtype = TRITON_DTYPES[GEMV_CASES.index((bits, n, k, group_size, symmetric)) % len(TRITON_DTYPES)]
     for m in (1, 4):  # the table runs up to four rows
-        codes, scales, zeros, x, bias, weights = _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype)
+        codes, scales, zeros, x, bias, weights = _triton_case(gen, bits, n, k, group_size, symmetric, m, dtype,
+                                                              "triton")
         with_bias = m == 1
         b = bias.to(DEVICE) if with_bias else None
         out = TritonW4A16Linear.forward(x.to(DEVICE), weights, b, tiles=tiles or gemv_tiles(n, k, bits))
@@ -221,7 +232,7 @@ def test_triton_split_k(seed, split_k, with_bias):
     """The decode path with K split over programs: partial sums added by the second pass."""
     gen = torch.Generator().manual_seed(seed)
     dtype = TRITON_DTYPES[0]
-    codes, scales, zeros, x, bias, weights = _triton_case(gen, 4, 40, 520, 32, False, 2, dtype)
+    codes, scales, zeros, x, bias, weights = _triton_case(gen, 4, 40, 520, 32, False, 2, dtype, "triton")
     b = bias.to(DEVICE) if with_bias else None
     out = TritonW4A16Linear.forward(x.to(DEVICE), weights, b, tiles=TileConfig(16, 32, split_k=split_k))
     _check(out, x, codes, scales, zeros, 32, bias if with_bias else None)

@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
+from baryon.kernels.quant import w4_mma
 from baryon.kernels.quant.split_k import reduce_split_k
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, multiprocessor_count, pdl_launch, tl, triton
 
@@ -150,16 +151,16 @@ class WNA16Weights:
     in_features: int  # K
     out_features: int  # N
     zero_point: int = 0  # the shared zero point when zeros is None
-    layout: str = "torch"  # the kernel that prepared it: "torch" or "triton"
+    layout: str = "torch"  # the kernel that prepared it: "torch", "triton" or "triton-mma" (w4_mma)
 
     @property
     def num_groups(self) -> int:
         return -(-self.in_features // self.group_size)
 
 
-def _check_layout(weights: WNA16Weights, layout: str) -> None:
-    if weights.layout != layout:
-        raise ValueError(f"weights prepared for the {weights.layout} kernel, not {layout}")
+def _check_layout(weights: WNA16Weights, *layouts: str) -> None:
+    if weights.layout not in layouts:
+        raise ValueError(f"weights prepared for the {weights.layout} kernel, not {' or '.join(layouts)}")
 
 
 class TorchW4A16Linear(Kernel):
@@ -178,7 +179,10 @@ class TorchW4A16Linear(Kernel):
 
     @staticmethod
     def prepare(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                group_size: int) -> WNA16Weights:
+                group_size: int, layout: str | None = None) -> WNA16Weights:
+        """layout: "triton-mma" (`w4_mma`: 4-bit codes in groups of 32, 64, a multiple of 128 or
+        one per row) or "triton" (the interleaved layout, any weight); None: triton-mma where it
+        takes the weight."""
         gs = _check_canonical(codes, scales, zeros, bits, group_size)
         n, k = codes.shape
         if bits == 4:
@@ -582,9 +586,20 @@ class TritonW4A16Linear(TritonKernel):
 
     @staticmethod
     def prepare(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                group_size: int) -> WNA16Weights:
+                group_size: int, layout: str | None = None) -> WNA16Weights:
+        """layout: "triton-mma" (`w4_mma`: 4-bit codes in groups of 32, 64, a multiple of 128 or
+        one per row) or "triton" (the interleaved layout, any weight); None: triton-mma where it
+        takes the weight."""
         gs = _check_canonical(codes, scales, zeros, bits, group_size)
         n, k = codes.shape
+        mma = w4_mma.supports(bits, gs, k)
+        if layout == "triton-mma" and not mma:
+            raise ValueError(f"the triton-mma layout takes 4-bit codes in groups of 32, 64 or a multiple of "
+                             f"{KBLOCK} columns (or one group per row), not {bits}-bit groups of {group_size}")
+        if layout not in (None, "triton", "triton-mma"):
+            raise ValueError(f"layout={layout!r} (the Triton kernel's: 'triton-mma', 'triton')")
+        if mma and layout != "triton":
+            return TritonW4A16Linear._prepare_mma(codes, scales, zeros, gs)
         pack = 32 // bits
         ck = KBLOCK // pack
         kp = -(-k // KBLOCK) * KBLOCK
@@ -603,17 +618,33 @@ class TritonW4A16Linear(TritonKernel):
                             zero_point=zp or 0, layout="triton")
 
     @staticmethod
+    def _prepare_mma(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gs: int) -> WNA16Weights:
+        """The layout of `w4_mma` (4-bit codes, groups aligned with its 32-column dots)."""
+        n, k = codes.shape
+        qweight = w4_mma.pack(codes)  # int16 [Kp / 128, Np, 32]
+        blocks, np_, _ = qweight.shape
+        zp = _uniform_zero(zeros)
+        groups = 1 if gs >= k else -(-blocks * KBLOCK // gs)  # empty groups (scale 0) pad K to Kp
+        scales_t = F.pad(scales, (0, groups - scales.shape[1], 0, np_ - n)).t().contiguous()  # [Gp, Np]
+        zeros_t = None if zp is not None else F.pad(zeros, (0, groups - zeros.shape[1], 0, np_ - n)).t().contiguous()
+        return WNA16Weights(qweight, scales_t, zeros_t, 4, gs, k, n, zero_point=zp or 0, layout="triton-mma")
+
+    @staticmethod
     def dequantize(weights: WNA16Weights) -> torch.Tensor:
         """float32 [N, K], equal to dequantize_reference of the canonical inputs."""
-        _check_layout(weights, "triton")
+        _check_layout(weights, "triton", "triton-mma")
         bits, n, k = weights.bits, weights.out_features, weights.in_features
+        groups = weights.num_groups
+        if weights.layout == "triton-mma":
+            codes = w4_mma.unpack(weights.qweight, n, k)
+            zeros = weights.zero_point if weights.zeros is None else weights.zeros.t()[:n, :groups]
+            return _dequantize(codes, weights.scales.t()[:n, :groups], zeros, weights.group_size)
         pack = 32 // bits
         rows = weights.qweight.transpose(1, 2).reshape(-1, weights.qweight.shape[1])[:n]  # [N, Kp / PACK]
         words = rows.view(n, -1, KBLOCK // pack, 1)  # [N, blocks, j, 1]
         shifts = torch.arange(pack, device=words.device, dtype=torch.int32) * bits  # [i]
         codes = (words >> shifts) & ((1 << bits) - 1)  # [N, blocks, j, i]
         codes = codes.transpose(2, 3).reshape(n, -1)[:, :k]  # [N, K] in column order
-        groups = weights.num_groups
         scales = weights.scales.t()[:n, :groups]  # [N, G]
         zeros = weights.zero_point if weights.zeros is None else weights.zeros.t()[:n, :groups]
         return _dequantize(codes, scales, zeros, weights.group_size)
@@ -622,8 +653,11 @@ class TritonW4A16Linear(TritonKernel):
     def dequantize_to(weights: WNA16Weights, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in dtype: the weight as the GEMM multiplies it (float32 (code - zero) * scale,
         rounded once to dtype), written by one kernel."""
-        _check_layout(weights, "triton")
+        _check_layout(weights, "triton", "triton-mma")
         n, k, bits = weights.out_features, weights.in_features, weights.bits
+        if weights.layout == "triton-mma":
+            return w4_mma.dequantize_to(weights.qweight, weights.scales, weights.zeros, weights.zero_point,
+                                        weights.group_size, n, k, dtype)
         out = torch.empty(n, k, dtype=dtype, device=weights.qweight.device)
         np_, words_per_row = weights.scales.shape[1], weights.qweight.shape[1]
         block_n = 64
@@ -637,18 +671,29 @@ class TritonW4A16Linear(TritonKernel):
 
     @staticmethod
     def forward(x: torch.Tensor, weights: WNA16Weights, bias: torch.Tensor | None = None,
-                tiles: TileConfig | GemvTiles | None = None) -> torch.Tensor:
+                tiles: TileConfig | GemvTiles | w4_mma.MmaTiles | None = None) -> torch.Tensor:
         """x [..., K] (float16 / bfloat16; float32 in the interpreter) -> [..., N] in x's dtype:
         the GEMV for at most GEMV_MAX_M rows, the tiled GEMM up to DEQUANTIZE_MIN_M rows, and from
         there the weight dequantized to x's dtype once (`dequantize_to`) and cuBLAS. tiles: a
-        TileConfig (the GEMM) or GemvTiles (the GEMV) instead of these choices (tests, tuning)."""
-        _check_layout(weights, "triton")
+        TileConfig (the GEMM) or GemvTiles (the GEMV) instead of these choices (tests, tuning).
+        Weights in the triton-mma layout: `w4_mma.matmul` up to its MAX_M rows (MmaTiles), then
+        the weight dequantized and cuBLAS."""
+        _check_layout(weights, "triton", "triton-mma")
         k, n = weights.in_features, weights.out_features
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         m = x2.shape[0]
+        if tiles is not None and isinstance(tiles, w4_mma.MmaTiles) != (weights.layout == "triton-mma"):
+            raise ValueError(f"{type(tiles).__name__} are not tiles of the {weights.layout} layout's kernel")
+        if weights.layout == "triton-mma":
+            if m > w4_mma.MAX_M and tiles is None:
+                return F.linear(x2, w4_mma.dequantize_to(weights.qweight, weights.scales, weights.zeros,
+                                                         weights.zero_point, weights.group_size, n, k, x.dtype),
+                                bias).view(*lead, n)
+            return w4_mma.matmul(x2, weights.qweight, weights.scales, weights.zeros, weights.zero_point,
+                                 weights.group_size, n, bias, tiles).view(*lead, n)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if m == 0:
             return out.view(*lead, n)
