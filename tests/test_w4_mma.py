@@ -110,7 +110,9 @@ def test_tiles_for_an_h100():
         return w4_mma.tiles_for(m, n, k, cpu, num_sms=132)
 
     assert cfg(1, 4096, 4096) == w4_mma.MmaTiles(16, 64, split_k=8, num_warps=4, num_stages=3)
-    assert cfg(1, 24576, 4096).split_k == 1 and cfg(1, 6144, 4096).split_k == 4
+    assert cfg(1, 24576, 4096) == w4_mma.MmaTiles(16, 128, split_k=2, num_warps=8, num_stages=3)
+    assert cfg(2, 24576, 4096) == w4_mma.MmaTiles(16, 64, split_k=1, num_warps=4, num_stages=3)
+    assert cfg(1, 6144, 4096).split_k == 4
     assert cfg(64, 4096, 12288) == w4_mma.MmaTiles(64, 128, split_k=8, num_warps=8, num_stages=3)
     assert cfg(1, 64, 256).split_k == 1  # too little K to split
     assert cfg(64, 4160, 4096).block_n == 64  # 128-row tiles do not divide 4,160 rows

@@ -89,14 +89,16 @@ class MmaTiles:
 MAX_M = 128  # larger batches: the weight dequantized once, then cuBLAS
 SPLIT_K_MAX = 16
 SPLIT_K_MIN_BLOCKS = 4  # K blocks per split at least
-# (largest M, block_n, num_warps, num_stages, programs resident per SM): first match wins. On an
-# H100 (Qwen3-8B's projections, `benchmarks/tune_quant_gemv.py --kernels w4-mma`, 2026-11-26) one
-# token tile of 16 streams best with 64-row tiles and four warps, larger batches with 128-row tiles
-# and eight warps (one token tile of 32 or 64 each); the split heuristic's residency below gave
-# the sweep's best split on 14 of the 16 (layer, batch) pairs.
-TILE_TABLE: tuple[tuple[int | None, int, int, int, int], ...] = (
-    (16, 64, 4, 3, 4),
-    (None, 128, 8, 3, 2),
+# (largest M, smallest N, block_n, num_warps, num_stages, programs resident per SM): first match
+# wins. On an H100 (Qwen3-8B's projections, `python benchmarks/tune_quant_gemv.py --kernels w4-mma
+# --m 1 16 64`, 2026-11-26) a token tile of 16 streams best with 64-row tiles and four warps, except
+# the widest layer at one token (gate/up: 128-row tiles, eight warps, K in two: 21.9 against 23.7
+# us); larger batches take 128-row tiles and eight warps (one token tile of 32 or 64 each). The
+# residency gives the split that the sweep found best on 14 of the 16 (layer, batch) pairs.
+TILE_TABLE: tuple[tuple[int | None, int, int, int, int, int], ...] = (
+    (1, 16384, 128, 8, 3, 4),
+    (16, 0, 64, 4, 3, 4),
+    (None, 0, 128, 8, 3, 2),
 )
 
 
@@ -105,8 +107,8 @@ def tiles_for(m: int, n: int, k: int, device: torch.device, num_sms: int | None 
     rounded up to 16, 32 or 64; K split in two while twice the programs fit the row's residency
     and each split keeps SPLIT_K_MIN_BLOCKS blocks."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    for max_m, block_n, num_warps, num_stages, resident in TILE_TABLE:
-        if max_m is None or m <= max_m:
+    for max_m, min_n, block_n, num_warps, num_stages, resident in TILE_TABLE:
+        if (max_m is None or m <= max_m) and n >= min_n:
             break
     if -(-n // ROW_PAD) * ROW_PAD % block_n:
         block_n, num_warps, resident = ROW_PAD, 4, 4
