@@ -12,7 +12,10 @@ computed in float32 (the product of two exact values, rounded once, so every imp
 gives the same bits). group_size >= K (or <= 0) is the channel strategy: one group per row. GPTQ
 act-order is the caller's business: it permutes the columns of codes and x so that groups are
 contiguous. `prepare` returns a `WNA16Weights` whose tensors are laid out for the kernel that made
-it; both layouts keep the codes packed, `bits` bits per weight.
+it; every layout keeps the codes packed, `bits` bits per weight. The Triton kernel has two: 4-bit
+codes in groups of 32, 64, a multiple of 128 or one per row take "triton-mma" (`w4_mma.py`: a
+tensor-core GEMM for 1-128 rows, its module docstring describes the layout), every other weight
+the interleaved "triton" layout below.
 
 Torch layout (`TorchW4A16Linear`, the reference; family `w4a16_linear`, name "torch"):
 
@@ -21,7 +24,7 @@ Torch layout (`TorchW4A16Linear`, the reference; family `w4a16_linear`, name "to
     scales   [N, G]  the given dtype
     zeros    uint8 [N, G], or None when every zero point is the same (`zero_point` holds it)
 
-Triton layout (`TritonW4A16Linear`, name "triton"): K is padded with zero codes to Kp, a multiple of
+Interleaved Triton layout (`TritonW4A16Linear`, layout "triton"): K is padded with zero codes to Kp, a multiple of
 KBLOCK = 128, and each row is cut into blocks of 128 codes. A block is PACK = 32 / bits chunks of
 CK = 128 / PACK consecutive codes (bits 4: 8 chunks of 16; bits 8: 4 chunks of 32), stored as CK
 int32 words: word j of a block holds code (chunk i, position j) in bits [i * bits, (i + 1) * bits).
@@ -179,10 +182,7 @@ class TorchW4A16Linear(Kernel):
 
     @staticmethod
     def prepare(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                group_size: int, layout: str | None = None) -> WNA16Weights:
-        """layout: "triton-mma" (`w4_mma`: 4-bit codes in groups of 32, 64, a multiple of 128 or
-        one per row) or "triton" (the interleaved layout, any weight); None: triton-mma where it
-        takes the weight."""
+                group_size: int) -> WNA16Weights:
         gs = _check_canonical(codes, scales, zeros, bits, group_size)
         n, k = codes.shape
         if bits == 4:
