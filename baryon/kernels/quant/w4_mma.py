@@ -1,7 +1,7 @@
 """4-bit weight-only GEMM for decode batches on tensor cores: the codes become 16-bit floats with
 two integer instructions per pair and enter `tl.dot` from registers.
 
-Layout ("mma"): K is padded to Kp, a multiple of 128 (zero codes, never read against a nonzero x),
+Layout ("triton-mma" in `w4a16.WNA16Weights`): K is padded to Kp, a multiple of 128 (zero codes, never read against a nonzero x),
 N to Np, a multiple of ROW_PAD, and every 128-code block of a row is 32 16-bit elements; element e
 holds the codes of columns 32 j + e (j = 0..3) of the block in its nibble j:
 
