@@ -1,9 +1,10 @@
 """4-bit weight-only GEMM for decode batches on tensor cores: the codes become 16-bit floats with
 two integer instructions per pair and enter `tl.dot` from registers.
 
-Layout ("triton-mma" in `w4a16.WNA16Weights`): K is padded to Kp, a multiple of 128 (zero codes, never read against a nonzero x),
-N to Np, a multiple of ROW_PAD, and every 128-code block of a row is 32 16-bit elements; element e
-holds the codes of columns 32 j + e (j = 0..3) of the block in its nibble j:
+Layout ("triton-mma" in `w4a16.WNA16Weights`): K is padded to Kp, a multiple of 128 (zero codes,
+never read against a nonzero x), N to Np, a multiple of ROW_PAD, and every 128-code block of a row
+is 32 16-bit elements; element e holds the codes of columns 32 j + e (j = 0..3) of the block in its
+nibble j:
 
     qweight  int16 [Kp / 128, Np, 32]   qweight[b, n, e] = sum_j codes[n, 128 b + 32 j + e] << 4 j
     scales   [Gp, Np] (the checkpoint's float dtype; channel strategy: [1, Np]; padded rows 0)
