@@ -45,6 +45,10 @@ using baryon_cpu::read_pair;
 using baryon_cpu::row_code_bytes;
 
 constexpr int64_t kBlock = 32;
+// How far ahead of the tile being computed the weight rows are prefetched (about; whole rows).
+// On the 2-core EPYC (AVX2), the LM head (49,152 x 576 8-bit rows) alone: 2.5-2.8 ms without,
+// 1.44-1.59 ms at 2 or 4 KB, 1.65-1.78 ms at 8 KB (2 threads).
+constexpr int64_t kPrefetchBytes = 4096;
 
 // The width of one load of weight codes: 64 bytes with AVX-512 VNNI, else 32 (AVX2, or the
 // portable loop).
@@ -382,7 +386,14 @@ constexpr int kDecodeRows = 1;
 template <int Bits, bool Half, int NR>
 int64_t row_tiles(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t* w, int64_t row_bytes, int64_t K,
                   int64_t groups, float* y, int64_t N, int64_t n, int64_t n_end) {
+  // Rows about kPrefetchBytes ahead are asked into the cache while a tile computes: with the
+  // hardware prefetchers alone one core read the LM head at about half its DRAM bandwidth.
+  const int64_t ahead = std::max<int64_t>(NR, kPrefetchBytes / row_bytes) * row_bytes;
+  const uint8_t* end = w + n_end * row_bytes;
   for (; n + NR <= n_end; n += NR) {
+    for (const uint8_t* line = w + n * row_bytes + ahead; line < std::min(end, w + (n + NR) * row_bytes + ahead);
+         line += 64)
+      __builtin_prefetch(line, 0, 3);
     int64_t m = 0;
 #if defined(BARYON_INT8_DOT_AVX512)
     for (; m + 8 <= M; m += 8)  // 16 accumulators, 8 weight vectors: 32 registers
