@@ -2,7 +2,8 @@
 partial [S, M, N] added in order of s (deterministic: the same bits for the same inputs), then
 optionally times a per-row scale [M] and a per-column scale [N] (rowwise FP8), plus the bias,
 cast to the output's dtype. One kernel launch; with PDL it waits for the GEMM at its first
-statement. Used by the W4A16 GEMM and the FP8 decode GEMM."""
+statement. Used by the W4A16 GEMMs and the FP8 decode GEMM; `store_transposed_tile` is the
+W4A16 GEMMs' first-pass store."""
 
 from __future__ import annotations
 
@@ -35,6 +36,24 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(bias + n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + m * stride_om + n, acc.to(out.dtype.element_ty), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def store_transposed_tile(acc, out, partial, bias, offs_n, offs_m, N, M, stride_om, pid_k,
+                              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The first pass's store of a float32 tile acc [BN, BM] of out^T (weight rows offs_n,
+        tokens offs_m): with SPLIT, K slice pid_k's partial sums at partial[pid_k, m, n] for the
+        second pass; else out[m, n] (+ bias[n]) in out's dtype."""
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        if SPLIT:
+            tl.store(partial + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
+                     acc.to(out.dtype.element_ty), mask=mask)
 
 
 def reduce_split_k(partial: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None,

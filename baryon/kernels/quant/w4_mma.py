@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from baryon.kernels.quant.split_k import reduce_split_k
+from baryon.kernels.quant.split_k import reduce_split_k, store_transposed_tile
 from baryon.kernels.triton_utils import INTERPRETED, multiprocessor_count, pdl_launch, tl, triton, wait_and_release
 
 KBLOCK = 128  # codes per block of a row
@@ -241,14 +241,7 @@ if triton is not None:
             else:
                 zs = tl.load(zeros + offs_n).to(tl.float32)[:, None] - 8.0
                 acc = (acc - zs * xtotal[None, :]) * s
-        mask = (offs_n < N)[:, None] & m_ok
-        if SPLIT:  # float32 slices, added in order by the second pass
-            tl.store(partial + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-            tl.store(out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
-                     acc.to(out.dtype.element_ty), mask=mask)
+        store_transposed_tile(acc, out, partial, bias, offs_n, offs_m, N, M, stride_om, pid_k, SPLIT, HAS_BIAS)
 
     @triton.jit
     def _w4_dequantize_kernel(qweight, scales, zeros, out, N, Np, K, zero_point, GROUP_SIZE: tl.constexpr,

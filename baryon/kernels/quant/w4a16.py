@@ -74,7 +74,7 @@ import torch.nn.functional as F
 
 from baryon.kernels.selector import Kernel
 from baryon.kernels.quant import w4_mma
-from baryon.kernels.quant.split_k import reduce_split_k
+from baryon.kernels.quant.split_k import reduce_split_k, store_transposed_tile
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, multiprocessor_count, pdl_launch, tl, triton
 
 BITS = (4, 8)
@@ -446,15 +446,7 @@ if triton is not None:
             w_ptrs += CK * R
             x_ptrs += KB
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        if SPLIT:
-            base = partial + pid_k.to(tl.int64) * M * N
-            tl.store(base + offs_m[None, :].to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-            tl.store(out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
-                     acc.to(out.dtype.element_ty), mask=mask)
+        store_transposed_tile(acc, out, partial, bias, offs_n, offs_m, N, M, stride_om, pid_k, SPLIT, HAS_BIAS)
 
     @triton.jit
     def _gemv_step(acc, xsum, words, x_row, scales, zeros, rows, k0, cols0, offs_b, K, Np, zf_const,
