@@ -36,7 +36,7 @@ import torch
 
 from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.quant.fp8_gemm import fp8_linear_reference
-from baryon.kernels.quant.split_k import reduce_split_k
+from baryon.kernels.quant.split_k import reduce_split_k, store_transposed_tile
 from baryon.kernels.selector import Kernel
 from baryon.kernels.triton_utils import TritonKernel, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton
 
@@ -149,15 +149,9 @@ if triton is not None:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
-        if SPLIT:
-            tl.store(partial + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc, mask=mask)
-        else:
+        if not SPLIT:  # the scales here; a split's second pass applies them to the sum
             acc = acc * tl.load(ws + rows_n)[:, None] * tl.load(xs + rows_m * stride_xsm)[None, :]
-            if HAS_BIAS:
-                acc += tl.load(bias + rows_n).to(tl.float32)[:, None]
-            tl.store(out + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None],
-                     acc.to(out.dtype.element_ty), mask=mask)
+        store_transposed_tile(acc, out, partial, bias, offs_n, offs_m, N, M, stride_om, pid_k, SPLIT, HAS_BIAS)
 
 
 def split_k(m: int, n: int, k: int, device: torch.device, tiles: DecodeTiles | None = None) -> int:

@@ -2,8 +2,8 @@
 partial [S, M, N] added in order of s (deterministic: the same bits for the same inputs), then
 optionally times a per-row scale [M] and a per-column scale [N] (rowwise FP8), plus the bias,
 cast to the output's dtype. One kernel launch; with PDL it waits for the GEMM at its first
-statement. Used by the W4A16 GEMMs and the FP8 decode GEMM; `store_transposed_tile` is the
-W4A16 GEMMs' first-pass store."""
+statement. Used by the W4A16 GEMMs and the FP8 decode GEMM, whose first passes store their
+tiles with `store_transposed_tile`."""
 
 from __future__ import annotations
 
