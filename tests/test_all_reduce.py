@@ -10,6 +10,7 @@ import torch
 
 from baryon.kernels import selector
 from baryon.kernels.triton_utils import triton
+from tests.conftest import run_in_ranks
 
 HIDDEN = 48  # not a power of two: masked columns
 
@@ -22,6 +23,43 @@ def test_cpu_reduces_with_torch_distributed():
     for cls in (SymmMemFusedAllReduce, SymmMemOneShotAllReduce):
         assert cls.unsupported_reason(torch.device("cpu")) is not None
         assert "one rank" in cls.cannot_implement_reason(world_size=1)
+
+
+def _create_rank(rank: int, world: int, init_method: str, rendezvoused_before: list[bool]) -> tuple[str, int]:
+    """A spawned gloo rank: SymmMemOneShotAllReduce.create where this rank's process has (or has
+    not) set up symmetric memory before; the buffer set-up is replaced by a recorder that fails
+    as it would on a CPU. Returns (the reducer's name, set-ups attempted)."""
+    import torch.distributed as dist
+
+    from baryon.kernels import all_reduce
+
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        all_reduce._rendezvoused_in_this_process = rendezvoused_before[rank]
+        attempts = []
+
+        class Recorded(all_reduce.SymmMemOneShotAllReduce):
+            def __init__(self, *args, **kwargs) -> None:
+                attempts.append(args)
+                raise RuntimeError("no symmetric memory on a CPU")
+
+        reducer = Recorded.create(dist.group.WORLD, torch.device("cpu"), torch.float32)
+        summed = reducer(torch.full((3,), float(rank + 1)))
+        assert summed.tolist() == [sum(range(1, world + 1))] * 3
+        return reducer.name, len(attempts)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rendezvoused_before", [[False, False], [True, False], [False, True]])
+def test_one_shot_set_up_only_where_no_rank_did_before(rendezvoused_before):
+    """torch counts symmetric-memory rendezvous per process, so a process that set one up for an
+    earlier engine cannot meet fresh workers: then no rank of the group tries (each would wait
+    for the others) and all take NCCL's all-reduce (gloo's here); otherwise every rank tries and
+    falls back together when the set-up fails."""
+    results = run_in_ranks(_create_rank, 2, rendezvoused_before)
+    tried = not any(rendezvoused_before)
+    assert results == {0: ("torch", int(tried)), 1: ("torch", int(tried))}
 
 
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")

@@ -35,6 +35,23 @@ logger = get_logger(__name__)
 ONE_SHOT_MAX_BYTES = 4 << 20
 
 
+# Whether this process has rendezvoused a symmetric buffer before. torch numbers the store keys of
+# every rendezvous with one counter per process (`store_comm_seq_id` in CUDASymmetricMemory), so
+# a second multi-GPU engine in the same process (rank 0 lives in the engine's process; its workers
+# are fresh) would wait for keys its new workers never write: seen as a hang of the second TP=2
+# engine of a pytest run on two H200s. Such an engine all-reduces through NCCL instead.
+_rendezvoused_in_this_process = False
+
+
+def rendezvous(tensor: torch.Tensor, group_name: str):
+    """torch's symmetric-memory rendezvous of `tensor` over the group, noted for this process."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    global _rendezvoused_in_this_process
+    _rendezvoused_in_this_process = True
+    return symm_mem.rendezvous(tensor, group_name)
+
+
 def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:
     """What every rank's result must equal: the sum of the ranks' inputs, accumulated in float32."""
     total = torch.zeros_like(parts[0], dtype=torch.float32)
@@ -114,15 +131,23 @@ class SymmMemOneShotAllReduce(Reducer):
                 enable(self.group_name)
         self.capacity = max_bytes // dtype.itemsize
         self.buffer = symm_mem.empty(self.capacity, dtype=dtype, device=device)  # [capacity]
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        rendezvous(self.buffer, self.group_name)
         self._copy_in_kernel = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                max_bytes: int = ONE_SHOT_MAX_BYTES) -> Reducer:
         """The one-shot reducer for messages up to max_bytes, or NCCL's where symmetric memory
-        cannot be set up on this host (the ranks agree, so that every rank runs the same
-        collectives)."""
+        cannot be set up on this host or a rank of this group has set it up for an earlier engine
+        (see `_rendezvoused_in_this_process`). The ranks agree before any rendezvous and after
+        it, so that every rank runs the same collectives."""
+        fresh = torch.tensor([int(not _rendezvoused_in_this_process)], dtype=torch.int32, device=device)
+        dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
+        if int(fresh.item()) == 0:
+            logger.warning("one-shot all-reduce unavailable: a rank's process has set up symmetric memory for an "
+                           "earlier multi-GPU engine, and torch cannot do so twice in one process; using NCCL's "
+                           "(start each multi-GPU engine in a process of its own for the faster small all-reduces)")
+            return TorchDistributedAllReduce(group)
         try:
             reducer, ok = cls(group, device, dtype, max_bytes), 1
         except RuntimeError as e:  # e.g. no peer access between these GPUs

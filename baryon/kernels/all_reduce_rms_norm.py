@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from baryon.kernels.all_reduce import ONE_SHOT_MAX_BYTES, SymmMemOneShotAllReduce, all_reduce_reference
+from baryon.kernels.all_reduce import (ONE_SHOT_MAX_BYTES, SymmMemOneShotAllReduce, all_reduce_reference,
+                                      rendezvous)
 from baryon.kernels.norm import rms_norm_reference
 from baryon.kernels.triton_utils import multiprocessor_count, next_power_of_2, tl, triton
 
@@ -144,14 +145,14 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
 
         super().__init__(group, device, dtype, max_bytes)
         rows = symm_mem.empty(2 * FUSED_MAX_ROWS * FUSED_MAX_HIDDEN, dtype=dtype, device=device)  # [2 slots, rows, hidden]
-        handle = symm_mem.rendezvous(rows, self.group_name)
+        handle = rendezvous(rows, self.group_name)
         self.world, self.rank = handle.world_size, handle.rank
         self.rows = rows
         self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)  # [world]
         flags = symm_mem.empty(FUSED_MAX_ROWS * self.world, dtype=torch.int32, device=device)  # [rows, world]
         flags.zero_()
         self.flag_storage = flags
-        self.flags = torch.tensor(symm_mem.rendezvous(flags, self.group_name).buffer_ptrs, dtype=torch.int64,
+        self.flags = torch.tensor(rendezvous(flags, self.group_name).buffer_ptrs, dtype=torch.int64,
                                   device=device)
         self.counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)  # calls per row, this rank
         self.fence_scratch = torch.zeros(FENCE_THREADS, dtype=torch.int32, device=device)
