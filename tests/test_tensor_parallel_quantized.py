@@ -1,11 +1,12 @@
 """Tensor parallelism over quantized checkpoints (CPU, gloo, two processes): each rank takes its
 part of the packed weights and of their block / group / channel scales, so TP=2 gives the same
 greedy tokens and logprobs as TP=1 on the same checkpoint; online W4A16 too (online FP8 scales
-each rank's shard: close, not identical). GPTQ act order on a row-parallel layer is refused with a clear error."""
+each rank's shard: close, not identical). GPTQ act order: row-parallel layers dequantize their columns."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import quant_checkpoints as qc
 from baryon import LLM, SamplingParams
@@ -82,7 +83,26 @@ def test_online_fp8_tp2_follows_tp1(float_llama, seed):
     assert mean_two < 3 * mean_one + 0.1, (errors_one, errors_two)
 
 
-def test_gptq_act_order_with_tp_is_a_clear_error(float_llama, tmp_path):
-    path = qc.gptq(float_llama, tmp_path / "gptq-act", bits=4, group_size=32, desc_act=True).path
-    with pytest.raises(ValueError, match="desc_act=True .* not supported with tensor_parallel_size > 1"):
-        LLM(str(path), tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu")
+@pytest.mark.parametrize("bits, sym", [(4, False), (8, True)])
+def test_gptq_act_order_tp2_matches_tp1(float_llama, tmp_path, seed, bits, sym):
+    """GPTQ act order (desc_act=True): a row-parallel layer's ranks each hold a share of every
+    group's columns, so each loads every group's scales and zero points and dequantizes its columns
+    at load; column-parallel layers keep the packed kernel. TP=2 gives TP=1's greedy tokens and
+    logprobs, and its rank-0 row-parallel weights are exactly the checkpoint's dequantized columns."""
+    checkpoint = qc.gptq(float_llama, tmp_path / "gptq-act", bits=bits, group_size=32, desc_act=True, sym=sym,
+                         seed=seed)
+    prompts = random_prompts(3, 128, 3, 12, seed)
+    one = greedy(checkpoint.path, prompts, 1)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
+    with LLM(str(checkpoint.path), tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        layer = llm.engine.core.runner.model.model.layers[0]
+        for module, name in ((layer.self_attn.o_proj, "self_attn.o_proj"), (layer.mlp.down_proj, "mlp.down_proj")):
+            assert module.method.dense_columns
+            whole = checkpoint.reference[f"model.layers.0.{name}.weight"]  # [N, K] float32
+            half = whole.shape[1] // 2
+            assert torch.equal(module.weight.float(), whole[:, :half].to(module.weight.dtype).float())
+        assert not layer.self_attn.qkv_proj.method.dense_columns  # the input whole: the packed kernel
+    two = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+           for o in outs]
+    assert_same(one, two)

@@ -18,7 +18,12 @@ which the `w4a16_linear` kernel repacks into its own layout. The published layou
                         j's nibble i holding column 8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]; scales [G, N]
 
 With act-order (a g_idx that is not k // group_size) the columns are sorted by group at load and
-the activations gathered in the same order at run time, so the kernel sees contiguous groups.
+the activations gathered in the same order at run time, so the kernel sees contiguous groups. A
+layer that splits its input over tensor-parallel ranks (o_proj, down_proj) holds a share of each
+group's columns on every rank, not whole groups: there each rank loads every group's scales and
+zero points, and its columns are dequantized at load ((code - zero) * scale of the column's group,
+in float32, rounded once to the model's dtype) to a dense weight of 16 bits a value: exact, at 4x
+(2x for 8-bit codes) the bytes those layers would take packed.
 """
 
 from __future__ import annotations
@@ -74,12 +79,11 @@ class WNA16LinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         n, k, bits = layer.output_size, layer.input_size, self.bits
-        if self.act_order and getattr(layer, "input_split_over_ranks", False):
-            # A rank's input columns would fall unevenly into the permuted groups.
-            raise ValueError(f"GPTQ checkpoints with desc_act=True (act order) are not supported with "
-                             f"tensor_parallel_size > 1 yet ({layer_name(layer)} splits its input over the "
-                             f"ranks); use tensor_parallel_size=1 or a desc_act=False checkpoint")
-        groups, dtype = self._groups(k), torch.get_default_dtype()
+        # Act order over a split input: every group's scales on every rank (see the module docstring).
+        self.dense_columns = self.act_order and getattr(layer, "input_split_over_ranks", False)
+        groups_dim = None if self.dense_columns else 0
+        groups = self._groups(k * layer.tp_size if self.dense_columns else k)
+        dtype = torch.get_default_dtype()
         per_word = 32 // bits
         if self.layout == "online":
             DENSE.create_weights(layer)
@@ -93,9 +97,9 @@ class WNA16LinearMethod(LinearMethod):
             shape.weight_loader = lambda param, loaded, shard_id=None: None
         elif self.layout in ("gptq", "gptq_v2"):
             layer.add_param("qweight", (-(-k // per_word), n), torch.int32, output_dim=1, input_dim=0)
-            layer.add_param("qzeros", (groups, -(-n // per_word)), torch.int32, output_dim=1, input_dim=0,
-                            output_block=per_word)
-            layer.add_param("scales", (groups, n), dtype, output_dim=1, input_dim=0)
+            layer.add_param("qzeros", (groups, -(-n // per_word)), torch.int32, output_dim=1,
+                            input_dim=groups_dim, output_block=per_word)
+            layer.add_param("scales", (groups, n), dtype, output_dim=1, input_dim=groups_dim)
             g_idx = layer.add_param("g_idx", (k,), torch.int32, output_dim=None, input_dim=0)
             g_idx.weight_loader = self._g_idx_loader(layer)
             if not self.act_order:
@@ -104,8 +108,9 @@ class WNA16LinearMethod(LinearMethod):
             layer.add_param("qweight", (k, n // 8), torch.int32, output_dim=1, input_dim=0, output_block=8)
             layer.add_param("qzeros", (groups, n // 8), torch.int32, output_dim=1, input_dim=0, output_block=8)
             layer.add_param("scales", (groups, n), dtype, output_dim=1, input_dim=0)
-        self.kernel = select("w4a16_linear", torch.get_default_device(), in_features=k, out_features=n, bits=bits,
-                             group_size=self.group_size or k, dtype=dtype)
+        if not self.dense_columns:
+            self.kernel = select("w4a16_linear", torch.get_default_device(), in_features=k, out_features=n,
+                                 bits=bits, group_size=self.group_size or k, dtype=dtype)
 
     @staticmethod
     def _g_idx_loader(layer: nn.Module):
@@ -154,6 +159,9 @@ class WNA16LinearMethod(LinearMethod):
         k = layer.input_size
         group = self.group_size or k
         self.perm = None
+        if self.dense_columns:
+            self._dequantize_columns(layer, codes, scales, zeros, g_idx)
+            return
         if self.act_order:
             order = torch.argsort(g_idx.long(), stable=True)  # columns sorted by group
             expected = torch.arange(k, device=order.device) // group
@@ -168,7 +176,24 @@ class WNA16LinearMethod(LinearMethod):
             if name in layer._parameters:
                 delattr(layer, name)
 
+    def _dequantize_columns(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                            g_idx: torch.Tensor) -> None:
+        """This rank's columns as a dense weight [N, k]: column j in group g_idx[j] of the whole
+        layer's G groups (scales and zeros [N, G])."""
+        groups = scales.shape[1]
+        g = g_idx.long()
+        if g.numel() and (int(g.min()) < 0 or int(g.max()) >= groups):
+            raise ValueError(f"g_idx of {layer_name(layer)} names groups outside 0..{groups - 1}")
+        weight = (codes.float() - zeros[:, g].float()) * scales[:, g].float()  # [N, k]
+        dtype = scales.dtype
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            delattr(layer, name)
+        layer.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+        DENSE.process_weights_after_loading(layer)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dense_columns:
+            return DENSE.apply(layer, x, bias)
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         x2 = x.reshape(-1, x.shape[-1])
@@ -176,6 +201,8 @@ class WNA16LinearMethod(LinearMethod):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        if self.dense_columns:
+            return DENSE.dequantize(layer)
         weight = self.kernel.dequantize(self.weights)
         if self.perm is None:
             return weight
