@@ -464,12 +464,14 @@ def gptq_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, perm: 
 
 
 def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False, sym: bool = True,
-         seed: int = 0, shared_order: bool = True) -> QuantizedCheckpoint:
+         seed: int = 0, shared_order: bool = True, static_groups: bool = False) -> QuantizedCheckpoint:
     """AutoGPTQ / GPTQModel checkpoint_format "gptq" (v1): qweight, qzeros (zero - 1), scales fp16,
     g_idx; desc_act: columns grouped in a random order (g_idx[k] = position(k) // group_size), one
     order per input (GPTQ's order sorts the diagonal of the input's Hessian, so q/k/v share one,
     gate/up another; an expert's gate/up share theirs). shared_order=False gives every module its
-    own order (not what GPTQ writes: for testing that an engine refuses or handles it)."""
+    own order (not what GPTQ writes: for testing that an engine refuses or handles it).
+    static_groups (with desc_act): the groups are fixed before the columns are reordered, so g_idx
+    stays k // group_size (GPTQModel's static_groups=True)."""
     assert bits in (4, 8)
     state = load_float(src)
     gen = torch.Generator().manual_seed(seed)
@@ -481,7 +483,7 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
             out[name] = t
             continue
         perm = None
-        if desc_act:  # modules reading the same input share its Hessian, so its column order
+        if desc_act and not static_groups:  # modules reading one input share its Hessian, so its column order
             key = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", module))
             key = key if shared_order else module
             if key not in perms:
@@ -495,8 +497,8 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
         tensors[module] = [f"{module}.{p}" for p in ("qweight", "qzeros", "scales", "g_idx")]
         deq[module] = gptq_dequantize(out[f"{module}.qweight"], out[f"{module}.qzeros"], scales, g_idx, bits)
     config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-              "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
-              "lm_head": False, "model_name_or_path": None, "model_file_base_name": "model"}
+              "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True,
+              "static_groups": static_groups, "lm_head": False, "model_name_or_path": None, "model_file_base_name": "model"}
     path = write_checkpoint(src, dst, out, config)
     (path / "quantize_config.json").write_text(json.dumps(config, indent=2))
     float_linears = float_linear_names(state)

@@ -83,14 +83,15 @@ def test_online_fp8_tp2_follows_tp1(float_llama, seed):
     assert mean_two < 3 * mean_one + 0.1, (errors_one, errors_two)
 
 
-@pytest.mark.parametrize("bits, sym", [(4, False), (8, True)])
-def test_gptq_act_order_tp2_matches_tp1(float_llama, tmp_path, seed, bits, sym):
+@pytest.mark.parametrize("bits, sym, static_groups", [(4, False, False), (8, True, False), (4, True, True)])
+def test_gptq_act_order_tp2_matches_tp1(float_llama, tmp_path, seed, bits, sym, static_groups):
     """GPTQ act order (desc_act=True): a row-parallel layer's ranks each hold a share of every
     group's columns, so each loads every group's scales and zero points and dequantizes its columns
-    at load; column-parallel layers keep the packed kernel. TP=2 gives TP=1's greedy tokens and
-    logprobs, and its rank-0 row-parallel weights are exactly the checkpoint's dequantized columns."""
+    at load (its weights exactly the checkpoint's dequantized columns); with static groups (g_idx in
+    column order) each rank keeps its own groups packed. Column-parallel layers keep the packed
+    kernel. TP=2 gives TP=1's greedy tokens and logprobs."""
     checkpoint = qc.gptq(float_llama, tmp_path / "gptq-act", bits=bits, group_size=32, desc_act=True, sym=sym,
-                         seed=seed)
+                         seed=seed, static_groups=static_groups)
     prompts = random_prompts(3, 128, 3, 12, seed)
     one = greedy(checkpoint.path, prompts, 1)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)
@@ -98,10 +99,11 @@ def test_gptq_act_order_tp2_matches_tp1(float_llama, tmp_path, seed, bits, sym):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         layer = llm.engine.core.runner.model.model.layers[0]
         for module, name in ((layer.self_attn.o_proj, "self_attn.o_proj"), (layer.mlp.down_proj, "mlp.down_proj")):
-            assert module.method.dense_columns
+            assert module.method.dense_columns != static_groups
             whole = checkpoint.reference[f"model.layers.0.{name}.weight"]  # [N, K] float32
             half = whole.shape[1] // 2
-            assert torch.equal(module.weight.float(), whole[:, :half].to(module.weight.dtype).float())
+            held = module.weight.float() if module.method.dense_columns else module.method.dequantize(module)
+            assert torch.equal(held, whole[:, :half])
         assert not layer.self_attn.qkv_proj.method.dense_columns  # the input whole: the packed kernel
     two = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
            for o in outs]

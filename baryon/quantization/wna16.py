@@ -23,7 +23,9 @@ layer that splits its input over tensor-parallel ranks (o_proj, down_proj) holds
 group's columns on every rank, not whole groups: there each rank loads every group's scales and
 zero points, and its columns are dequantized at load ((code - zero) * scale of the column's group,
 in float32, rounded once to the model's dtype) to a dense weight of 16 bits a value: exact, at 4x
-(2x for 8-bit codes) the bytes those layers would take packed.
+(2x for 8-bit codes) the bytes those layers would take packed. Where a rank's g_idx is whole
+groups in column order (GPTQ's static_groups), it keeps its own groups' scales and the packed
+kernel.
 """
 
 from __future__ import annotations
@@ -159,10 +161,19 @@ class WNA16LinearMethod(LinearMethod):
         k = layer.input_size
         group = self.group_size or k
         self.perm = None
+        act_order = self.act_order
         if self.dense_columns:
-            self._dequantize_columns(layer, codes, scales, zeros, g_idx)
-            return
-        if self.act_order:
+            first = layer.tp_rank * k  # this rank's first column of the whole layer
+            if k % group or not torch.equal(g_idx.long(), torch.arange(first, first + k, device=g_idx.device) // group):
+                self._dequantize_columns(layer, codes, scales, zeros, g_idx)
+                return
+            # Whole groups in column order (GPTQ's static_groups): this rank's own groups, packed.
+            own = slice(first // group, (first + k) // group)
+            scales, zeros = scales[:, own].contiguous(), zeros[:, own].contiguous()
+            self.dense_columns = act_order = False
+            self.kernel = select("w4a16_linear", codes.device, in_features=k, out_features=layer.output_size,
+                                 bits=self.bits, group_size=group, dtype=scales.dtype)
+        if act_order:
             order = torch.argsort(g_idx.long(), stable=True)  # columns sorted by group
             expected = torch.arange(k, device=order.device) // group
             if not torch.equal(g_idx.long()[order], expected):
