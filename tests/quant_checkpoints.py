@@ -498,7 +498,8 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
         deq[module] = gptq_dequantize(out[f"{module}.qweight"], out[f"{module}.qzeros"], scales, g_idx, bits)
     config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
               "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True,
-              "static_groups": static_groups, "lm_head": False, "model_name_or_path": None, "model_file_base_name": "model"}
+              "static_groups": static_groups, "lm_head": False, "model_name_or_path": None,
+              "model_file_base_name": "model"}
     path = write_checkpoint(src, dst, out, config)
     (path / "quantize_config.json").write_text(json.dumps(config, indent=2))
     float_linears = float_linear_names(state)
