@@ -108,3 +108,17 @@ def test_gptq_act_order_tp2_matches_tp1(float_llama, tmp_path, seed, bits, sym, 
     two = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
            for o in outs]
     assert_same(one, two)
+
+
+def test_gptq_act_order_experts_over_two_ranks(tmp_path, seed):
+    """MoE experts with act order: with expert parallelism each rank holds whole experts and
+    gives TP=1's tokens and logprobs; splitting every expert's intermediate size over the ranks
+    would leave each rank a share of every group's columns, and is refused by name."""
+    src = make_checkpoint(tmp_path / "float", "qwen3_moe", seed=seed, hidden_size=128, intermediate_size=256,
+                          moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32)
+    path = qc.gptq(src, tmp_path / "gptq-act", bits=4, group_size=16, desc_act=True, seed=seed).path
+    prompts = random_prompts(2, 128, 3, 8, seed)
+    assert_same(greedy(path, prompts, 1), greedy(path, prompts, 2, enable_expert_parallel=True))
+    with pytest.raises(ValueError, match="act order .* cannot split their intermediate size .* enable_expert_parallel"):
+        LLM(str(path), tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu")
