@@ -182,10 +182,7 @@ class WNA16LinearMethod(LinearMethod):
                 self.perm = order
                 codes = codes[:, order].contiguous()
         self.weights = self.kernel.prepare(codes, scales, zeros, self.bits, group)
-        for name in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
-                     "qweight", "qzeros", "scales", "g_idx"):
-            if name in layer._parameters:
-                delattr(layer, name)
+        _drop_checkpoint_params(layer)
 
     def _dequantize_columns(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                             g_idx: torch.Tensor) -> None:
@@ -197,8 +194,7 @@ class WNA16LinearMethod(LinearMethod):
             raise ValueError(f"g_idx of {layer_name(layer)} names groups outside 0..{groups - 1}")
         weight = (codes.float() - zeros[:, g].float()) * scales[:, g].float()  # [N, k]
         dtype = scales.dtype
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            delattr(layer, name)
+        _drop_checkpoint_params(layer)
         layer.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
         DENSE.process_weights_after_loading(layer)
 
@@ -220,6 +216,14 @@ class WNA16LinearMethod(LinearMethod):
         restored = torch.empty_like(weight)
         restored[:, self.perm] = weight
         return restored
+
+
+def _drop_checkpoint_params(layer: nn.Module) -> None:
+    """Delete the parameters the checkpoint loaded into, once their contents are repacked."""
+    for name in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+                 "qweight", "qzeros", "scales", "g_idx"):
+        if name in layer._parameters:
+            delattr(layer, name)
 
 
 def layer_name(layer: nn.Module) -> str:
