@@ -25,9 +25,9 @@ def test_cpu_reduces_with_torch_distributed():
         assert "one rank" in cls.cannot_implement_reason(world_size=1)
 
 
-def _create_rank(rank: int, world: int, init_method: str, rendezvoused_before: list[bool]) -> tuple[str, int]:
-    """A spawned gloo rank: SymmMemOneShotAllReduce.create where this rank's process has (or has
-    not) set up symmetric memory before; the buffer set-up is replaced by a recorder that fails
+def _create_rank(rank: int, world: int, init_method: str, rendezvous_before: list[int]) -> tuple[str, int]:
+    """A spawned gloo rank: SymmMemOneShotAllReduce.create where this rank's process has set up
+    symmetric memory `rendezvous_before[rank]` times before; the buffer set-up is replaced by a recorder that fails
     as it would on a CPU. Returns (the reducer's name, set-ups attempted)."""
     import torch.distributed as dist
 
@@ -35,7 +35,7 @@ def _create_rank(rank: int, world: int, init_method: str, rendezvoused_before: l
 
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
-        all_reduce._rendezvoused_in_this_process = rendezvoused_before[rank]
+        all_reduce._rendezvous_count = rendezvous_before[rank]
         attempts = []
 
         class Recorded(all_reduce.SymmMemOneShotAllReduce):
@@ -51,14 +51,15 @@ def _create_rank(rank: int, world: int, init_method: str, rendezvoused_before: l
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("rendezvoused_before", [[False, False], [True, False], [False, True]])
-def test_one_shot_set_up_only_where_no_rank_did_before(rendezvoused_before):
-    """torch counts symmetric-memory rendezvous per process, so a process that set one up for an
-    earlier engine cannot meet fresh workers: then no rank of the group tries (each would wait
-    for the others) and all take NCCL's all-reduce (gloo's here); otherwise every rank tries and
+@pytest.mark.parametrize("rendezvous_before", [[0, 0], [2, 0], [0, 3], [2, 2], [3, 2]])
+def test_one_shot_set_up_only_where_ranks_rendezvoused_alike(rendezvous_before):
+    """torch counts symmetric-memory rendezvous per process, so a process that set up more of them
+    (for an earlier engine) cannot meet fresh workers: then no rank of the group tries (each would
+    wait for the others) and all take NCCL's all-reduce (gloo's here); where the counts agree
+    (fresh processes, or the same processes building a second reducer) every rank tries and
     falls back together when the set-up fails."""
-    results = run_in_ranks(_create_rank, 2, rendezvoused_before)
-    tried = not any(rendezvoused_before)
+    results = run_in_ranks(_create_rank, 2, rendezvous_before)
+    tried = rendezvous_before[0] == rendezvous_before[1]
     assert results == {0: ("torch", int(tried)), 1: ("torch", int(tried))}
 
 

@@ -35,20 +35,20 @@ logger = get_logger(__name__)
 ONE_SHOT_MAX_BYTES = 4 << 20
 
 
-# Whether this process has rendezvoused a symmetric buffer before. torch numbers the store keys of
-# every rendezvous with one counter per process (`store_comm_seq_id` in CUDASymmetricMemory), so
-# a second multi-GPU engine in the same process (rank 0 lives in the engine's process; its workers
-# are fresh) would wait for keys its new workers never write: seen as a hang of the second TP=2
-# engine of a pytest run on two H200s. Such an engine all-reduces through NCCL instead.
-_rendezvoused_in_this_process = False
+# Symmetric-memory rendezvous this process has made. torch numbers the store keys of every
+# rendezvous with one counter per process (`store_comm_seq_id` in CUDASymmetricMemory), so ranks
+# whose processes made different numbers of them wait for each other's keys forever: seen as a
+# hang of the second TP=2 engine of a pytest run on two H200s (rank 0 lives in the engine's
+# process, its workers are fresh). Such an engine all-reduces through NCCL instead.
+_rendezvous_count = 0
 
 
 def rendezvous(tensor: torch.Tensor, group_name: str):
-    """torch's symmetric-memory rendezvous of `tensor` over the group, noted for this process."""
+    """torch's symmetric-memory rendezvous of `tensor` over the group, counted for this process."""
     import torch.distributed._symmetric_memory as symm_mem
 
-    global _rendezvoused_in_this_process
-    _rendezvoused_in_this_process = True
+    global _rendezvous_count
+    _rendezvous_count += 1
     return symm_mem.rendezvous(tensor, group_name)
 
 
@@ -138,15 +138,17 @@ class SymmMemOneShotAllReduce(Reducer):
     def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                max_bytes: int = ONE_SHOT_MAX_BYTES) -> Reducer:
         """The one-shot reducer for messages up to max_bytes, or NCCL's where symmetric memory
-        cannot be set up on this host or a rank of this group has set it up for an earlier engine
-        (see `_rendezvoused_in_this_process`). The ranks agree before any rendezvous and after
-        it, so that every rank runs the same collectives."""
-        fresh = torch.tensor([int(not _rendezvoused_in_this_process)], dtype=torch.int32, device=device)
-        dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
-        if int(fresh.item()) == 0:
-            logger.warning("one-shot all-reduce unavailable: a rank's process has set up symmetric memory for an "
-                           "earlier multi-GPU engine, and torch cannot do so twice in one process; using NCCL's "
-                           "(start each multi-GPU engine in a process of its own for the faster small all-reduces)")
+        cannot be set up on this host or the ranks' processes have made different numbers of
+        rendezvous before (see `_rendezvous_count`). The ranks agree before any rendezvous and
+        after it, so that every rank runs the same collectives."""
+        counts = torch.tensor([_rendezvous_count, -_rendezvous_count], dtype=torch.int64, device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)  # [fewest, -most]
+        fewest, most = int(counts[0]), -int(counts[1])
+        if fewest != most:
+            logger.warning("one-shot all-reduce unavailable: the ranks' processes set up symmetric memory %d to %d "
+                           "times before (an earlier multi-GPU engine in one of them), and torch cannot pair such "
+                           "ranks; using NCCL's (start each multi-GPU engine in a process of its own for the faster "
+                           "small all-reduces)", fewest, most)
             return TorchDistributedAllReduce(group)
         try:
             reducer, ok = cls(group, device, dtype, max_bytes), 1
