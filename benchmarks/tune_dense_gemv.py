@@ -3,7 +3,7 @@
 projections (layers x qkv, o, gate/up, down, each reading the previous one's output) chained in
 one CUDA graph, cuBLAS against the GEMV, which is where programmatic dependent launch shows.
 
-    python benchmarks/tune_dense_gemv.py [--models qwen3-8b qwen3-0.6b] [--m 1 2 4 8] [--quick]
+    python benchmarks/tune_dense_gemv.py [--models qwen3-8b qwen3-0.6b qwen3-8b-tp2] [--m 1 2 4 8] [--quick]
 
 Each time is a CUDA-graph replay (`triton.testing.do_bench_cudagraph`) over copies of the weight
 that overflow the L2 cache, divided by the copies. One JSON line per case, then a table.
@@ -22,6 +22,8 @@ import torch.nn.functional as F
 MODELS = {
     "qwen3-8b": ([(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)], 36),
     "qwen3-0.6b": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28),
+    # one rank's share at tensor parallelism 2: column-parallel N and row-parallel K halved
+    "qwen3-8b-tp2": ([(3072, 4096), (4096, 2048), (12288, 4096), (4096, 6144)], 36),
 }
 
 
@@ -90,7 +92,7 @@ def chain_row(model: str, m: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["qwen3-8b", "qwen3-0.6b"], choices=list(MODELS))
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--quick", action="store_true", help="a small grid")
     parser.add_argument("--no-shapes", action="store_true", help="only the chained step")

@@ -64,14 +64,17 @@ class TorchDenseGemv(Kernel):
 # (largest M, smallest N, smallest K, BLOCK_N, BLOCK_K, num_warps): first match wins. Tuned on an
 # H100 with benchmarks/tune_dense_gemv.py (one row; us per layer, the GEMV against cuBLAS): Qwen3-8B
 # qkv 17.5 / 20.6, o 11.6 / 16.6, gate/up 64.5 / 71.7, down 34.4 / 39.6 (2.9-3.1 TB/s); Qwen3-0.6B
-# qkv 3.5 / 5.6, o 2.8 / 5.7, gate/up 4.5 / 7.0, down 3.7 / 7.9. Narrow layers take few rows per
-# program so that enough programs stream at once.
+# qkv 3.5 / 5.6, o 2.8 / 5.7, gate/up 4.5 / 7.0, down 3.7 / 7.9; one rank of Qwen3-8B at TP=2
+# (`--models qwen3-8b-tp2`, 2026-11-26) qkv 9.6 / 13.6, o 6.4 / 8.6, gate/up 34.1 / 36.3, down
+# 18.0 / 22.5 (four warps, not eight, on the o / down rows: 8.6 -> 6.4 and 21.5 -> 18.0). Narrow
+# layers take few rows per program so that enough programs stream at once.
 TILE_TABLE: tuple[tuple[int, int, int, int, int, int], ...] = (
     (1, 12288, 0, 8, 1024, 4),    # gate/up of an 8B
     (1, 6144, 2048, 8, 1024, 8),  # qkv of an 8B
     (1, 6144, 0, 16, 512, 8),     # gate/up of a 0.6B
     (1, 4096, 8192, 8, 1024, 4),  # down of an 8B
-    (1, 4096, 2048, 16, 1024, 8),  # o of an 8B
+    (1, 4096, 4096, 16, 1024, 4),  # o of an 8B; down of an 8B at TP=2 (K 6144)
+    (1, 4096, 2048, 8, 1024, 4),  # o of an 8B at TP=2 (K 2048)
     (1, 2048, 0, 4, 1024, 4),     # qkv of a 0.6B
     (1, 0, 0, 2, 1024, 8),        # o and down of a 0.6B
     (MAX_M, 0, 0, 8, 128, 4),

@@ -37,9 +37,6 @@ if triton is not None:
             acc += tl.load(bias + n, mask=mask, other=0.0).to(tl.float32)
         tl.store(out + m * stride_om + n, acc.to(out.dtype.element_ty), mask=mask)
 
-
-if triton is not None:
-
     @triton.jit
     def store_transposed_tile(acc, out, partial, bias, offs_n, offs_m, N, M, stride_om, pid_k,
                               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
