@@ -60,6 +60,7 @@ def _time_graph(fn, replays: int = 20) -> float:
 
 def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     from baryon.kernels.all_reduce import SymmMemOneShotAllReduce, all_reduce_reference
+    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_ROWS, all_reduce_add_rms_norm_reference
     from baryon.kernels.selector import candidates
 
     torch.cuda.set_device(rank)
@@ -76,6 +77,8 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
         sized = {"max_bytes": max(args.tokens) * args.hidden * dtype.itemsize} \
             if issubclass(cls, SymmMemOneShotAllReduce) else {}
         reducer = cls.create(group, device, dtype, **sized)
+        if hasattr(reducer, "fused_max_rows"):  # the fused kernel at every size its buffers hold
+            reducer.fused_max_rows = FUSED_MAX_ROWS
         for tokens in args.tokens:
             generator = torch.Generator(device="cpu").manual_seed(1000 * tokens + rank)
             x = torch.randn(tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)
@@ -88,6 +91,9 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
             graphed = _time_graph(lambda: reducer(work))
             # The all-reduce with the residual add and RMSNorm after it (fused by symm_mem_fused).
             residual, weight = torch.ones_like(x), torch.ones(args.hidden, dtype=dtype, device=device)
+            normed, _ = reducer.add_rms_norm(x.clone(), residual, weight, 1e-6)
+            expected, _ = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
+            error = max(error, (normed.float() - expected.float()).abs().max().item())
             with_norm = _time_graph(lambda: reducer.add_rms_norm(work, residual, weight, 1e-6))
             rows.append({"impl": reducer.name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
                          "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2),

@@ -66,35 +66,37 @@ def test_one_shot_set_up_only_where_ranks_rendezvoused_alike(rendezvous_before):
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated peer lives in host memory")
 def test_fused_kernel_with_a_simulated_peer(seed):
-    from baryon.kernels.all_reduce_rms_norm import (FENCE_THREADS, FUSED_MAX_HIDDEN, FUSED_MAX_ROWS,
-                                                    all_reduce_add_rms_norm, all_reduce_add_rms_norm_reference)
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
+                                                    all_reduce_add_rms_norm_reference, sentinel_bits)
 
     generator = torch.Generator().manual_seed(seed)
     world, rank, peer = 2, 1, 0  # this rank is 1: its own part is added second
-    buffers = [torch.zeros(2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(world)]
-    flags = [torch.zeros(FUSED_MAX_ROWS, world, dtype=torch.int32) for _ in range(world)]
+    empty = sentinel_bits(torch.float32)
+    buffers = [torch.empty(2, world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(world)]
+    for b in buffers:
+        b.view(torch.int32).fill_(empty)
     counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32)
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
     weight = torch.randn(HIDDEN, generator=generator)
-    for rows in (3, 5, 2, 5, 300):  # rows 2-4 sit out some calls: their counts lag; 300 rows: programs loop
-        epochs = counters[:rows] + 1  # each row's call count, as both ranks keep it
+    for rows in (3, 5, 2, 5, 200):  # rows 2-4 sit out some calls: their counts lag; 200 rows: programs loop
+        epochs = counters[:rows].clone()  # each row's call count, as both ranks keep it
         mine = torch.randn(rows, HIDDEN, generator=generator)
+        mine[0, 1] = -0.0  # sent as +0.0: the sentinel's bits never travel
         theirs = torch.randn(rows, HIDDEN, generator=generator)
         residual = torch.randn(rows, HIDDEN, generator=generator)
-        # The peer's half of this call: each row in its buffer's slot for that row's epoch, its
-        # signal in our flags.
+        # The peer's half of this call: each row pushed into our buffer's slot for that row's epoch.
         for row, epoch in enumerate(epochs.tolist()):
-            buffers[peer][epoch & 1, row, :HIDDEN] = theirs[row]
-        flags[rank][:rows, peer] = epochs
-        out, residual_out = all_reduce_add_rms_norm(mine, residual, weight, 1e-6, buffer_ptrs, flag_ptrs, counters,
-                                                    torch.zeros(FENCE_THREADS, dtype=torch.int32), rank, world)
+            buffers[rank][epoch & 1, peer, row, :HIDDEN] = theirs[row]
+        out, residual_out = all_reduce_add_rms_norm(mine, residual, weight, 1e-6, buffer_ptrs, counters, rank, world)
         expected_out, expected_residual = all_reduce_add_rms_norm_reference([theirs, mine], residual, weight, 1e-6)
         torch.testing.assert_close(residual_out, expected_residual, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
-        # This rank's half: each row in its own buffer's slot, its signal in the peer's flags.
         for row, epoch in enumerate(epochs.tolist()):
-            torch.testing.assert_close(buffers[rank][epoch & 1, row, :HIDDEN], mine[row], rtol=0, atol=0)
-        assert flags[peer][:rows, rank].tolist() == epochs.tolist()
-        assert counters[:rows].tolist() == epochs.tolist()
+            # This rank's half, pushed into the peer's buffer; what it read, cleared behind it.
+            sent = buffers[peer][epoch & 1, rank, row]
+            torch.testing.assert_close(sent[:HIDDEN], mine[row], rtol=0, atol=0)
+            assert (sent[HIDDEN:].view(torch.int32) == empty).all()  # past the row: untouched
+            assert (buffers[rank][epoch & 1, peer, row].view(torch.int32) == empty).all()
+        assert buffers[peer][epochs[0] & 1, rank, 0, 1].view(torch.int32).item() == 0  # +0.0
+        assert counters[:rows].tolist() == (epochs + 1).tolist()
     assert counters[:6].tolist() == [5, 5, 4, 3, 3, 1]

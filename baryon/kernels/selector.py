@@ -79,12 +79,12 @@ _REGISTRY: dict[str, list[str]] = {
                   "baryon.kernels.moe.experts_torch:TorchFusedExperts"],
     "fused_moe_mxfp4": ["baryon.kernels.moe.experts_triton:TritonMxfp4FusedExperts",
                         "baryon.kernels.moe.experts_torch:TorchMxfp4FusedExperts"],
-    # symm_mem_fused (the one-shot all-reduce with the residual add + RMSNorm of decode rows in the
-    # same kernel) is, with every thread releasing and acquiring for itself as correctness needs,
-    # no faster than symm_mem_one_shot + the norm kernel on two H200s (8.2 vs 8.6 us at 1 row, 10.3
-    # vs 9.9 at 16; Qwen3-8B TP=2 batch 1 3.63 vs 3.66 ms): forced only (BARYON_KERNEL_ALL_REDUCE).
-    "all_reduce": ["baryon.kernels.all_reduce:SymmMemOneShotAllReduce",
-                   "baryon.kernels.all_reduce_rms_norm:SymmMemFusedAllReduce",
+    # symm_mem_fused: the one-shot all-reduce, and the all-reduce + residual add + RMSNorm of decode
+    # rows as one kernel that pushes each rank's rows to its peers and polls for theirs (no barrier):
+    # two H100s, `benchmarks/all_reduce.py`, 4.1 / 6.1 / 9.1 us at 1 / 64 / 128 rows against 10.9 /
+    # 15.4 / 19.6 for the one-shot all-reduce and the norm kernel.
+    "all_reduce": ["baryon.kernels.all_reduce_rms_norm:SymmMemFusedAllReduce",
+                   "baryon.kernels.all_reduce:SymmMemOneShotAllReduce",
                    "baryon.kernels.all_reduce:TorchDistributedAllReduce"],
     "fused_moe_fp8": ["baryon.kernels.moe.experts_triton:TritonFp8FusedExperts",
                       "baryon.kernels.moe.experts_torch:TorchFp8FusedExperts"],
