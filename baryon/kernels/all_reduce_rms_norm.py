@@ -130,10 +130,11 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
     Triton kernel over its own double-buffered symmetric buffer (see the module docstring)."""
 
     name = "symm_mem_fused"
-    # Rows up to which add_rms_norm takes the fused kernel. Two H100s, `benchmarks/all_reduce.py`
-    # (hidden 4096 bf16, graph-replayed, all-reduce + add + norm), fused / one-shot then the norm
-    # kernel: 4.09 / 10.85 us at 1 row, 4.81 / 11.95 at 16, 6.06 / 15.39 at 64, 9.12 / 19.64 at 128.
-    fused_max_rows = 128
+    # Rows up to which add_rms_norm takes the fused kernel (all its buffers hold). Two H100s,
+    # `benchmarks/all_reduce.py` (hidden 4096 bf16, graph-replayed, all-reduce + add + norm), fused /
+    # one-shot then the norm kernel: 4.09 / 10.85 us at 1 row, 4.81 / 11.95 at 16, 6.06 / 15.39 at
+    # 64, 9.12 / 19.64 at 128, 14.16 / 25.94 at 256.
+    fused_max_rows = FUSED_MAX_ROWS
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:

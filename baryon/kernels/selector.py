@@ -81,8 +81,8 @@ _REGISTRY: dict[str, list[str]] = {
                         "baryon.kernels.moe.experts_torch:TorchMxfp4FusedExperts"],
     # symm_mem_fused: the one-shot all-reduce, and the all-reduce + residual add + RMSNorm of decode
     # rows as one kernel that pushes each rank's rows to its peers and polls for theirs (no barrier):
-    # two H100s, `benchmarks/all_reduce.py`, 4.1 / 6.1 / 9.1 us at 1 / 64 / 128 rows against 10.9 /
-    # 15.4 / 19.6 for the one-shot all-reduce and the norm kernel.
+    # two H100s, `benchmarks/all_reduce.py`, 4.1 / 6.1 / 9.1 / 14.2 us at 1 / 64 / 128 / 256 rows
+    # against 10.9 / 15.4 / 19.6 / 25.9 for the one-shot all-reduce and the norm kernel.
     "all_reduce": ["baryon.kernels.all_reduce_rms_norm:SymmMemFusedAllReduce",
                    "baryon.kernels.all_reduce:SymmMemOneShotAllReduce",
                    "baryon.kernels.all_reduce:TorchDistributedAllReduce"],
