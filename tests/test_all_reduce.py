@@ -1,7 +1,7 @@
-"""The tensor-parallel all-reduce family on CPU: the selector's choice, and the fused all-reduce
-+ residual add + RMSNorm kernel in Triton's interpreter, its peer simulated in the same process
-(the peer's row and its signal written by hand before this rank's launch). Two GPUs run the real
-thing in tests/test_gpu.py."""
+"""The tensor-parallel all-reduce family on one device: the selector's choice, and the fused
+all-reduce + residual add + RMSNorm kernel with its peer simulated in the same process (the peer's
+rows written by hand into this rank's buffer before the launch), in Triton's interpreter on CPU
+and compiled on a GPU. Two GPUs run the real thing in tests/test_gpu.py."""
 
 from __future__ import annotations
 
@@ -64,39 +64,69 @@ def test_one_shot_set_up_only_where_ranks_rendezvoused_alike(rendezvous_before):
 
 
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the simulated peer lives in host memory")
 def test_fused_kernel_with_a_simulated_peer(seed):
     from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
                                                     all_reduce_add_rms_norm_reference, sentinel_bits)
 
     generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the peer's buffer is in its memory too
     world, rank, peer = 2, 1, 0  # this rank is 1: its own part is added second
     empty = sentinel_bits(torch.float32)
-    buffers = [torch.empty(2, world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(world)]
+    buffers = [torch.empty(2, world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN, device=device) for _ in range(world)]
     for b in buffers:
         b.view(torch.int32).fill_(empty)
-    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32)
-    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-    weight = torch.randn(HIDDEN, generator=generator)
+    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+    weight = torch.randn(HIDDEN, generator=generator).to(device)
     for rows in (3, 5, 2, 5, 200):  # rows 2-4 sit out some calls: their counts lag; 200 rows: programs loop
-        epochs = counters[:rows].clone()  # each row's call count, as both ranks keep it
+        epochs = counters[:rows].cpu().clone()  # each row's call count, as both ranks keep it
         mine = torch.randn(rows, HIDDEN, generator=generator)
         mine[0, 1] = -0.0  # sent as +0.0: the sentinel's bits never travel
         theirs = torch.randn(rows, HIDDEN, generator=generator)
         residual = torch.randn(rows, HIDDEN, generator=generator)
         # The peer's half of this call: each row pushed into our buffer's slot for that row's epoch.
         for row, epoch in enumerate(epochs.tolist()):
-            buffers[rank][epoch & 1, peer, row, :HIDDEN] = theirs[row]
-        out, residual_out = all_reduce_add_rms_norm(mine, residual, weight, 1e-6, buffer_ptrs, counters, rank, world)
-        expected_out, expected_residual = all_reduce_add_rms_norm_reference([theirs, mine], residual, weight, 1e-6)
+            buffers[rank][epoch & 1, peer, row, :HIDDEN] = theirs[row].to(device)
+        out, residual_out = all_reduce_add_rms_norm(mine.to(device), residual.to(device), weight, 1e-6, buffer_ptrs,
+                                                    counters, rank, world)
+        out, residual_out = out.cpu(), residual_out.cpu()
+        expected_out, expected_residual = all_reduce_add_rms_norm_reference([theirs, mine], residual, weight.cpu(),
+                                                                            1e-6)
         torch.testing.assert_close(residual_out, expected_residual, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
         for row, epoch in enumerate(epochs.tolist()):
             # This rank's half, pushed into the peer's buffer; what it read, cleared behind it.
-            sent = buffers[peer][epoch & 1, rank, row]
+            sent = buffers[peer][epoch & 1, rank, row].cpu()
             torch.testing.assert_close(sent[:HIDDEN], mine[row], rtol=0, atol=0)
             assert (sent[HIDDEN:].view(torch.int32) == empty).all()  # past the row: untouched
-            assert (buffers[rank][epoch & 1, peer, row].view(torch.int32) == empty).all()
-        assert buffers[peer][epochs[0] & 1, rank, 0, 1].view(torch.int32).item() == 0  # +0.0
+            assert (buffers[rank][epoch & 1, peer, row].view(torch.int32) == empty).all().item()
+        assert buffers[peer][int(epochs[0]) & 1, rank, 0, 1].view(torch.int32).item() == 0  # +0.0
         assert counters[:rows].tolist() == (epochs + 1).tolist()
     assert counters[:6].tolist() == [5, 5, 4, 3, 3, 1]
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU giving up traps, which ends the process's CUDA context")
+def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
+    """A peer that died (or hangs) never writes its row: after max_polls reads the kernel gives up
+    on it instead of spinning forever (on a GPU it traps, failing the launch; the interpreter has
+    no trap, so the row comes out NaN) and the rows that came are summed as usual."""
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
+                                                    all_reduce_add_rms_norm_reference, sentinel_bits)
+
+    generator = torch.Generator().manual_seed(seed)
+    buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
+    for b in buffers:
+        b.view(torch.int32).fill_(sentinel_bits(torch.float32))
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    x, residual = torch.randn(2, HIDDEN, generator=generator), torch.randn(2, HIDDEN, generator=generator)
+    weight = torch.randn(HIDDEN, generator=generator)
+    theirs = torch.randn(HIDDEN, generator=generator)
+    buffers[0][0, 1, 0, :HIDDEN] = theirs  # row 0 arrived from rank 1, row 1 never does
+    out, residual_out = all_reduce_add_rms_norm(x, residual, weight, 1e-6, buffer_ptrs,
+                                                torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2, max_polls=3)
+    expected_out, expected_residual = all_reduce_add_rms_norm_reference([x[:1], theirs[None]], residual[:1], weight,
+                                                                        1e-6)
+    torch.testing.assert_close(out[:1], expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual_out[:1], expected_residual, rtol=1e-6, atol=1e-6)
+    assert out[1].isnan().all() and residual_out[1].isnan().all()

@@ -19,7 +19,9 @@ itself whether it is ready ("Lamport" all-reduce, as TensorRT-LLM's low-latency 
 Two slots suffice: a peer writes a row's slot again two calls later, and it can only start that
 call after it has read this rank's values of the call in between, which this rank sends after it
 has finished (and cleared) this one. No fence is needed either: a value is never read before it
-is there, whatever order a peer's stores arrive in. Rows past `fused_max_rows`, hidden sizes past
+is there, whatever order a peer's stores arrive in. A row that never arrives (a peer that died or
+hangs) fails the launch after MAX_POLLS reads, so the engine stops with an error instead of
+waiting forever. Rows past `fused_max_rows`, hidden sizes past
 FUSED_MAX_HIDDEN or another dtype take the one-shot all-reduce and then the norm kernel, with the
 same numerics.
 
@@ -34,10 +36,15 @@ import torch.distributed as dist
 from baryon.kernels.all_reduce import (ONE_SHOT_MAX_BYTES, SymmMemOneShotAllReduce, all_reduce_reference,
                                       rendezvous)
 from baryon.kernels.norm import rms_norm_reference
-from baryon.kernels.triton_utils import multiprocessor_count, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, multiprocessor_count, next_power_of_2, tl, triton
 
 FUSED_MAX_ROWS = 256  # decode batches
 FUSED_MAX_HIDDEN = 8192
+# Reads of a peer's row before the kernel stops waiting for it and fails the launch (a read and
+# the program's reduction take ~1-2 us on an H100: about a minute). A peer that died never
+# writes, and torch cannot interrupt a running kernel; a slow one (compiling a kernel) is on
+# its way well within this.
+MAX_POLLS = 1 << 25
 
 
 def sentinel_bits(dtype: torch.dtype) -> int:
@@ -61,11 +68,20 @@ def all_reduce_add_rms_norm_reference(parts: list[torch.Tensor], residual: torch
 if triton is not None:
 
     @triton.jit
+    def _give_up(total, ASM: tl.constexpr):
+        """Abandon a row that never came: on the GPU a trap (the launch fails, so the engine stops
+        with an error instead of waiting forever or using a made-up sum); in the interpreter,
+        which has no trap, the row's sum becomes NaN."""
+        if ASM:
+            tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        return total + tl.full(total.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, counters, rows,
                                         stride_x, stride_r, stride_o, stride_ro, eps,
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
                                         ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                        SENTINEL: tl.constexpr, BITS: tl.constexpr):
+                                        SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, ASM: tl.constexpr):
         # A persistent grid (at most one program per multiprocessor, all resident at once), and
         # each program sends its row before it waits for the peers': no program waits on one that
         # cannot start.
@@ -95,8 +111,12 @@ if triton is not None:
                 else:
                     at = mine + ((slot * WORLD + rank) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
                     got = tl.load(at, mask=mask, other=0, volatile=True)
-                    while tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0:
+                    polls = 0
+                    while (tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0) & (polls < max_polls):
                         got = tl.load(at, mask=mask, other=0, volatile=True)
+                        polls += 1
+                    if polls >= max_polls:  # the peer never wrote its row: gone or hung
+                        total = _give_up(total, ASM)
                     tl.store(at, empty, mask=mask)  # free for the call after next
                     total += got.to(dtype, bitcast=True).to(tl.float32)
             h = total.to(dtype) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
@@ -108,12 +128,13 @@ if triton is not None:
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            buffers: torch.Tensor, counters: torch.Tensor, rank: int,
-                            world: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            buffers: torch.Tensor, counters: torch.Tensor, rank: int, world: int,
+                            max_polls: int = MAX_POLLS) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused kernel for this rank. x, residual: [rows, hidden] (rows <= FUSED_MAX_ROWS,
     hidden <= FUSED_MAX_HIDDEN); buffers: [world] int64 addresses of every rank's buffer ([2 slots,
     world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN] of x's dtype, the sentinel wherever nothing waits to
-    be read); counters: [FUSED_MAX_ROWS] int32, this rank's calls per row."""
+    be read); counters: [FUSED_MAX_ROWS] int32, this rank's calls per row; max_polls: reads of a
+    peer's row before the kernel gives up on it (see MAX_POLLS)."""
     rows, hidden = x.shape
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     num_warps = 8 if hidden >= 4096 else 4
@@ -121,7 +142,8 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
         x, residual, weight, out, residual_out, buffers, counters, rows,
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), eps,
         HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
-        RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, num_warps=num_warps)
+        RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
+        ASM=not INTERPRETED, num_warps=num_warps)
     return out, residual_out
 
 
