@@ -21,9 +21,8 @@ call after it has read this rank's values of the call in between, which this ran
 has finished (and cleared) this one. No fence is needed either: a value is never read before it
 is there, whatever order a peer's stores arrive in. A row that never arrives (a peer that died or
 hangs) fails the launch after MAX_POLLS reads, so the engine stops with an error instead of
-waiting forever. Rows past `fused_max_rows`, hidden sizes past
-FUSED_MAX_HIDDEN or another dtype take the one-shot all-reduce and then the norm kernel, with the
-same numerics.
+waiting forever. Rows past `fused_max_rows`, hidden sizes past FUSED_MAX_HIDDEN or another dtype
+take the one-shot all-reduce and then the norm kernel, with the same numerics.
 
     reducer.add_rms_norm(partial, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual)
 """
