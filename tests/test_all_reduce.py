@@ -65,6 +65,7 @@ def test_one_shot_set_up_only_where_ranks_rendezvoused_alike(rendezvous_before):
 
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
 def test_fused_kernel_with_a_simulated_peer(seed):
+    from baryon.kernels.all_reduce import all_reduce_reference
     from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
                                                     all_reduce_add_rms_norm_reference, sentinel_bits)
 
@@ -78,7 +79,11 @@ def test_fused_kernel_with_a_simulated_peer(seed):
     counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
     weight = torch.randn(HIDDEN, generator=generator).to(device)
-    for rows in (3, 5, 2, 5, 200):  # rows 2-4 sit out some calls: their counts lag; 200 rows: programs loop
+    abort = torch.zeros(1, dtype=torch.int32, device=device)
+    # rows 2-4 sit out some calls: their counts lag; 200 rows: programs loop; the 5-row calls are
+    # plain all-reduces (no residual, no norm), which count on the same rows
+    for rows in (3, 5, 2, 5, 200):
+        norm = rows != 5
         epochs = counters[:rows].cpu().clone()  # each row's call count, as both ranks keep it
         mine = torch.randn(rows, HIDDEN, generator=generator)
         mine[0, 1] = -0.0  # sent as +0.0: the sentinel's bits never travel
@@ -87,13 +92,18 @@ def test_fused_kernel_with_a_simulated_peer(seed):
         # The peer's half of this call: each row pushed into our buffer's slot for that row's epoch.
         for row, epoch in enumerate(epochs.tolist()):
             buffers[rank][epoch & 1, peer, row, :HIDDEN] = theirs[row].to(device)
-        out, residual_out = all_reduce_add_rms_norm(mine.to(device), residual.to(device), weight, 1e-6, buffer_ptrs,
-                                                    counters, rank, world)
-        out, residual_out = out.cpu(), residual_out.cpu()
-        expected_out, expected_residual = all_reduce_add_rms_norm_reference([theirs, mine], residual, weight.cpu(),
-                                                                            1e-6)
-        torch.testing.assert_close(residual_out, expected_residual, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        if norm:
+            out, residual_out = all_reduce_add_rms_norm(mine.to(device), residual.to(device), weight, 1e-6,
+                                                        buffer_ptrs, counters, rank, world, abort)
+            expected_out, expected_residual = all_reduce_add_rms_norm_reference([theirs, mine], residual,
+                                                                                weight.cpu(), 1e-6)
+            torch.testing.assert_close(residual_out.cpu(), expected_residual, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-5, atol=1e-5)
+        else:
+            out, residual_out = all_reduce_add_rms_norm(mine.to(device), None, None, 0.0, buffer_ptrs, counters,
+                                                        rank, world, abort)
+            assert residual_out is None
+            torch.testing.assert_close(out.cpu(), all_reduce_reference([theirs, mine]), rtol=0, atol=0)
         for row, epoch in enumerate(epochs.tolist()):
             # This rank's half, pushed into the peer's buffer; what it read, cleared behind it.
             sent = buffers[peer][epoch & 1, rank, row].cpu()
@@ -124,9 +134,30 @@ def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
     theirs = torch.randn(HIDDEN, generator=generator)
     buffers[0][0, 1, 0, :HIDDEN] = theirs  # row 0 arrived from rank 1, row 1 never does
     out, residual_out = all_reduce_add_rms_norm(x, residual, weight, 1e-6, buffer_ptrs,
-                                                torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2, max_polls=3)
+                                                torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
+                                                torch.zeros(1, dtype=torch.int32), max_polls=3)
     expected_out, expected_residual = all_reduce_add_rms_norm_reference([x[:1], theirs[None]], residual[:1], weight,
                                                                         1e-6)
     torch.testing.assert_close(out[:1], expected_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(residual_out[:1], expected_residual, rtol=1e-6, atol=1e-6)
     assert out[1].isnan().all() and residual_out[1].isnan().all()
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU giving up traps, which ends the process's CUDA context")
+def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
+    """The worker monitor's release_waits: a wait that would last MAX_POLLS reads gives up at its
+    next look at the abort word instead (the plain all-reduce's path here)."""
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
+                                                    sentinel_bits)
+
+    generator = torch.Generator().manual_seed(seed)
+    buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
+    for b in buffers:
+        b.view(torch.int32).fill_(sentinel_bits(torch.float32))
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    x = torch.randn(1, HIDDEN, generator=generator)
+    abort = torch.ones(1, dtype=torch.int32)  # set by release_waits
+    out, _ = all_reduce_add_rms_norm(x, None, None, 0.0, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32),
+                                     1, 2, abort, max_polls=1 << 30)
+    assert out.isnan().all()

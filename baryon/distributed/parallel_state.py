@@ -111,6 +111,13 @@ def abort_distributed() -> None:
             dist.destroy_process_group()
 
 
+def release_tp_waits() -> None:
+    """A tensor-parallel rank died: the all-reduce kernels polling for its rows give up (aborting
+    the process group releases NCCL's collectives, not those)."""
+    if _TP_ALL_REDUCE is not None:
+        _TP_ALL_REDUCE.release_waits()
+
+
 def init_tensor_parallel(group: dist.ProcessGroup | None, dtype: torch.dtype | None) -> None:
     """Install the tensor-parallel process group (None: single rank) and its all-reduce for
     activations of `dtype` (a collective: every rank of the group calls it)."""

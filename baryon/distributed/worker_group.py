@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from baryon.config import free_port
-from baryon.distributed.parallel_state import abort_distributed, destroy_distributed, init_distributed
+from baryon.distributed.parallel_state import abort_distributed, destroy_distributed, init_distributed, release_tp_waits
 from baryon.logger import get_logger
 
 logger = get_logger(__name__)
@@ -109,6 +109,7 @@ class WorkerGroup:
                     self.failure = (f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}; the engine "
                                     f"cannot continue without it (its log above says why, if it failed itself)")
                     logger.error(self.failure)
+                    release_tp_waits()
                     abort_distributed()
                     return
             time.sleep(_MONITOR_INTERVAL_S)

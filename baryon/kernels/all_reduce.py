@@ -70,6 +70,10 @@ class Reducer(Kernel):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def release_waits(self) -> None:
+        """A rank died: make waits for it give up where the implementation can (NCCL's are
+        released by aborting the process group)."""
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's partial sum [rows, hidden] -> (rms_norm(sum + residual) * weight,

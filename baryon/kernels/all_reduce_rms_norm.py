@@ -21,8 +21,12 @@ call after it has read this rank's values of the call in between, which this ran
 has finished (and cleared) this one. No fence is needed either: a value is never read before it
 is there, whatever order a peer's stores arrive in. A row that never arrives (a peer that died or
 hangs) fails the launch after MAX_POLLS reads, so the engine stops with an error instead of
-waiting forever. Rows past `fused_max_rows`, hidden sizes past FUSED_MAX_HIDDEN or another dtype
-take the one-shot all-reduce and then the norm kernel, with the same numerics.
+waiting forever; the worker monitor also makes every wait give up at once when it sees a rank
+die (`release_waits`: an abort word in pinned host memory the kernel looks at every 256 reads).
+The same kernel without the residual add and norm serves the plain all-reduces of those sizes
+(the vocabulary-parallel embedding's). Rows past `fused_max_rows`, hidden sizes past
+FUSED_MAX_HIDDEN or another dtype take the one-shot all-reduce (and then the norm kernel), with
+the same numerics.
 
     reducer.add_rms_norm(partial, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual)
 """
@@ -65,6 +69,7 @@ def all_reduce_add_rms_norm_reference(parts: list[torch.Tensor], residual: torch
 
 
 if triton is not None:
+    _ABORT_CHECK_POLLS = tl.constexpr(256)  # reads of a row between two looks at the abort word (over PCIe)
 
     @triton.jit
     def _give_up(total, ASM: tl.constexpr):
@@ -76,11 +81,15 @@ if triton is not None:
         return total + tl.full(total.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, counters, rows,
+    def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, counters, abort_addr, rows,
                                         stride_x, stride_r, stride_o, stride_ro, eps,
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
                                         ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-                                        SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, ASM: tl.constexpr):
+                                        SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, NORM: tl.constexpr,
+                                        ASM: tl.constexpr):
+        """NORM: the sum, plus the residual, normalised (out) and the new residual (residual_out);
+        else out = the sum alone. abort_addr: an int32 word in host memory the device can read
+        (pinned); once it is nonzero a wait for a peer gives up at its next check."""
         # A persistent grid (at most one program per multiprocessor, all resident at once), and
         # each program sends its row before it waits for the peers': no program waits on one that
         # cannot start.
@@ -89,7 +98,9 @@ if triton is not None:
         dtype = x.dtype.element_ty
         itype = tl.int16 if BITS == 16 else tl.int32
         mine = tl.load(buffers + RANK).to(tl.pointer_type(itype))
-        w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+        abort = abort_addr.to(tl.pointer_type(tl.int32))
+        if NORM:
+            w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
         empty = tl.full([BLOCK], SENTINEL, itype)
         for row in range(tl.program_id(0), rows, tl.num_programs(0)):
             epoch = tl.load(counters + row)
@@ -114,41 +125,52 @@ if triton is not None:
                     while (tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0) & (polls < max_polls):
                         got = tl.load(at, mask=mask, other=0, volatile=True)
                         polls += 1
+                        if polls % _ABORT_CHECK_POLLS == 0:
+                            if tl.load(abort, volatile=True) != 0:  # the engine saw a rank die
+                                polls = max_polls
                     if polls >= max_polls:  # the peer never wrote its row: gone or hung
                         total = _give_up(total, ASM)
                     tl.store(at, empty, mask=mask)  # free for the call after next
                     total += got.to(dtype, bitcast=True).to(tl.float32)
-            h = total.to(dtype) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
-            tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
-            h32 = h.to(tl.float32)
-            variance = tl.sum(h32 * h32, axis=0) / HIDDEN
-            normed = (h32 * tl.rsqrt(variance + eps)).to(h.dtype)
-            tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w).to(h.dtype), mask=mask)
+            if NORM:
+                h = total.to(dtype) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+                tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
+                h32 = h.to(tl.float32)
+                variance = tl.sum(h32 * h32, axis=0) / HIDDEN
+                normed = (h32 * tl.rsqrt(variance + eps)).to(h.dtype)
+                tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w).to(h.dtype), mask=mask)
+            else:
+                tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
 
 
-def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                            buffers: torch.Tensor, counters: torch.Tensor, rank: int, world: int,
-                            max_polls: int = MAX_POLLS) -> tuple[torch.Tensor, torch.Tensor]:
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                            buffers: torch.Tensor, counters: torch.Tensor, rank: int, world: int, abort: torch.Tensor,
+                            max_polls: int = MAX_POLLS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel for this rank. x, residual: [rows, hidden] (rows <= FUSED_MAX_ROWS,
-    hidden <= FUSED_MAX_HIDDEN); buffers: [world] int64 addresses of every rank's buffer ([2 slots,
-    world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN] of x's dtype, the sentinel wherever nothing waits to
-    be read); counters: [FUSED_MAX_ROWS] int32, this rank's calls per row; max_polls: reads of a
+    hidden <= FUSED_MAX_HIDDEN); residual and weight None: the all-reduce alone, (sum, None).
+    buffers: [world] int64 addresses of every rank's buffer ([2 slots, world, FUSED_MAX_ROWS,
+    FUSED_MAX_HIDDEN] of x's dtype, the sentinel wherever nothing waits to be read); counters:
+    [FUSED_MAX_ROWS] int32, this rank's calls per row; abort: int32 [1] the device can read
+    (pinned host memory, or the device's own), nonzero to give up waiting; max_polls: reads of a
     peer's row before the kernel gives up on it (see MAX_POLLS)."""
     rows, hidden = x.shape
-    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    norm = residual is not None
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if norm else None
     num_warps = 8 if hidden >= 4096 else 4
     _all_reduce_add_rms_norm_kernel[(min(rows, multiprocessor_count(x.device)),)](
-        x, residual, weight, out, residual_out, buffers, counters, rows,
-        x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0), eps,
+        x, residual if norm else x, weight if norm else x, out, residual_out if norm else out, buffers, counters,
+        abort.data_ptr(), rows, x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
+        residual_out.stride(0) if norm else 0, eps,
         HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
         RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
-        ASM=not INTERPRETED, num_warps=num_warps)
+        NORM=norm, ASM=not INTERPRETED, num_warps=num_warps)
     return out, residual_out
 
 
 class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
-    """The one-shot all-reduce, and the all-reduce + residual add + RMSNorm of decode rows in one
-    Triton kernel over its own double-buffered symmetric buffer (see the module docstring)."""
+    """The all-reduce (+ residual add + RMSNorm) of decode rows in one Triton kernel over its own
+    double-buffered symmetric buffer (see the module docstring); the one-shot all-reduce past them."""
 
     name = "symm_mem_fused"
     # Rows up to which add_rms_norm takes the fused kernel (all its buffers hold). Two H100s,
@@ -177,16 +199,32 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         self.rows = rows
         self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)  # [world]
         self.counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)  # calls per row, this rank
+        self.abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the device (unified addresses)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's buffer holds the sentinel before any rank writes to it
 
-    def fused(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+        if x.dim() != 2:
+            return False
         rows, hidden = x.shape
-        return (x.dtype == self.dtype == residual.dtype and 0 < rows <= min(self.fused_max_rows, FUSED_MAX_ROWS)
-                and hidden <= FUSED_MAX_HIDDEN and x.stride(1) == 1 and residual.stride(1) == 1)
+        return (x.dtype == self.dtype and 0 < rows <= min(self.fused_max_rows, FUSED_MAX_ROWS)
+                and hidden <= FUSED_MAX_HIDDEN and x.stride(1) == 1
+                and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)))
+
+    def release_waits(self) -> None:
+        """Make every wait of the kernel, running or to come, give up (a rank died: its rows will
+        never come; called from the engine's worker monitor)."""
+        self.abort.fill_(1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused(x):
+            return super().__call__(x)
+        return all_reduce_add_rms_norm(x, None, None, 0.0, self.buffers, self.counters, self.rank, self.world,
+                                       self.abort)[0]
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fused(x, residual):
             return super().add_rms_norm(x, residual, weight, eps)
-        return all_reduce_add_rms_norm(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world)
+        return all_reduce_add_rms_norm(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
+                                       self.abort)
