@@ -60,7 +60,7 @@ def _time_graph(fn, replays: int = 20) -> float:
 
 def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     from baryon.kernels.all_reduce import SymmMemOneShotAllReduce, all_reduce_reference
-    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_ROWS, all_reduce_add_rms_norm_reference
+    from baryon.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm_reference
     from baryon.kernels.selector import candidates
 
     torch.cuda.set_device(rank)
@@ -77,8 +77,6 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
         sized = {"max_bytes": max(args.tokens) * args.hidden * dtype.itemsize} \
             if issubclass(cls, SymmMemOneShotAllReduce) else {}
         reducer = cls.create(group, device, dtype, **sized)
-        if hasattr(reducer, "fused_max_rows"):  # the fused kernel at every size its buffers hold
-            reducer.fused_max_rows = FUSED_MAX_ROWS
         for tokens in args.tokens:
             generator = torch.Generator(device="cpu").manual_seed(1000 * tokens + rank)
             x = torch.randn(tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)

@@ -67,7 +67,7 @@ def test_one_shot_set_up_only_where_ranks_rendezvoused_alike(rendezvous_before):
 @pytest.mark.parametrize("world, rank", [(2, 1), (4, 2)])  # this rank's part is added in the middle of four
 def test_fused_kernel_with_simulated_peers(seed, world, rank):
     from baryon.kernels.all_reduce import all_reduce_reference
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce,
                                                     all_reduce_add_rms_norm_reference, sentinel_bits)
 
     generator = torch.Generator().manual_seed(seed)
@@ -96,13 +96,13 @@ def test_fused_kernel_with_simulated_peers(seed, world, rank):
             for p in peers:
                 buffers[rank][epoch & 1, p, row, :HIDDEN] = parts[p][row].to(device)
         if norm:
-            out, residual_out = all_reduce_add_rms_norm(mine.to(device), residual.to(device), weight, 1e-6,
+            out, residual_out = fused_all_reduce(mine.to(device), residual.to(device), weight, 1e-6,
                                                         buffer_ptrs, counters, rank, world, abort, max_polls=1000)
             expected_out, expected_residual = all_reduce_add_rms_norm_reference(parts, residual, weight.cpu(), 1e-6)
             torch.testing.assert_close(residual_out.cpu(), expected_residual, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-5, atol=1e-5)
         else:
-            out, residual_out = all_reduce_add_rms_norm(mine.to(device), None, None, 0.0, buffer_ptrs, counters,
+            out, residual_out = fused_all_reduce(mine.to(device), None, None, 0.0, buffer_ptrs, counters,
                                                         rank, world, abort, max_polls=1000)
             assert residual_out is None
             torch.testing.assert_close(out.cpu(), all_reduce_reference(parts), rtol=0, atol=0)
@@ -124,7 +124,7 @@ def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
     """A peer that died (or hangs) never writes its row: after max_polls reads the kernel gives up
     on it instead of spinning forever (on a GPU it traps, failing the launch; the interpreter has
     no trap, so the row comes out NaN) and the rows that came are summed as usual."""
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce,
                                                     all_reduce_add_rms_norm_reference, sentinel_bits)
 
     generator = torch.Generator().manual_seed(seed)
@@ -136,7 +136,7 @@ def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
     weight = torch.randn(HIDDEN, generator=generator)
     theirs = torch.randn(HIDDEN, generator=generator)
     buffers[0][0, 1, 0, :HIDDEN] = theirs  # row 0 arrived from rank 1, row 1 never does
-    out, residual_out = all_reduce_add_rms_norm(x, residual, weight, 1e-6, buffer_ptrs,
+    out, residual_out = fused_all_reduce(x, residual, weight, 1e-6, buffer_ptrs,
                                                 torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
                                                 torch.zeros(1, dtype=torch.int32), max_polls=3)
     expected_out, expected_residual = all_reduce_add_rms_norm_reference([x[:1], theirs[None]], residual[:1], weight,
@@ -151,7 +151,7 @@ def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
 def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
     """The worker monitor's release_waits: a wait that would last MAX_POLLS reads gives up at its
     next look at the abort word instead (the plain all-reduce's path here)."""
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, all_reduce_add_rms_norm,
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce,
                                                     sentinel_bits)
 
     generator = torch.Generator().manual_seed(seed)
@@ -161,6 +161,6 @@ def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     x = torch.randn(1, HIDDEN, generator=generator)
     abort = torch.ones(1, dtype=torch.int32)  # set by release_waits
-    out, _ = all_reduce_add_rms_norm(x, None, None, 0.0, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32),
+    out, _ = fused_all_reduce(x, None, None, 0.0, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32),
                                      1, 2, abort, max_polls=1 << 30)
     assert out.isnan().all()

@@ -383,7 +383,6 @@ def _all_reduce_rank(rank: int, world: int, init_method: str, seed: int) -> None
         # twice in a row in a graph replayed twice (the rows' call counts and slots move on).
         hidden, eps = 4096, 1e-6
         weight = torch.randn(hidden, generator=shared).to(device, torch.bfloat16)
-        reducer.fused_max_rows = FUSED_MAX_ROWS  # the kernel up to its buffers' capacity
         for rows in (1, 7, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1):
             x = torch.randn(rows, hidden, generator=generator).to(device, torch.bfloat16)
             residual = torch.randn(rows, hidden, generator=shared).to(device, torch.bfloat16)

@@ -24,7 +24,7 @@ hangs) fails the launch after MAX_POLLS reads, so the engine stops with an error
 waiting forever; the worker monitor also makes every wait give up at once when it sees a rank
 die (`release_waits`: an abort word in pinned host memory the kernel looks at every 256 reads).
 The same kernel without the residual add and norm serves the plain all-reduces of those sizes
-(the vocabulary-parallel embedding's). Rows past `fused_max_rows`, hidden sizes past
+(the vocabulary-parallel embedding's). Rows past FUSED_MAX_ROWS, hidden sizes past
 FUSED_MAX_HIDDEN or another dtype take the one-shot all-reduce (and then the norm kernel), with
 the same numerics.
 
@@ -32,6 +32,8 @@ the same numerics.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -41,7 +43,11 @@ from baryon.kernels.all_reduce import (ONE_SHOT_MAX_BYTES, SymmMemOneShotAllRedu
 from baryon.kernels.norm import rms_norm_reference
 from baryon.kernels.triton_utils import INTERPRETED, multiprocessor_count, next_power_of_2, tl, triton
 
-FUSED_MAX_ROWS = 256  # decode batches
+# Rows (decode batches) the fused kernel's buffers hold, and so the most it takes. Two H100s,
+# `benchmarks/all_reduce.py` (hidden 4096 bf16, graph-replayed, all-reduce + add + norm), fused /
+# one-shot then the norm kernel: 4.09 / 10.85 us at 1 row, 4.81 / 11.95 at 16, 6.06 / 15.39 at 64,
+# 9.12 / 19.64 at 128, 14.16 / 25.94 at 256.
+FUSED_MAX_ROWS = 256
 FUSED_MAX_HIDDEN = 8192
 # Reads of a peer's row before the kernel stops waiting for it and fails the launch (a read and
 # the program's reduction take ~1-2 us on an H100: about a minute). A peer that died never
@@ -50,6 +56,7 @@ FUSED_MAX_HIDDEN = 8192
 MAX_POLLS = 1 << 25
 
 
+@functools.cache
 def sentinel_bits(dtype: torch.dtype) -> int:
     """The bits of -0.0 in dtype, as a signed integer of its width: what marks an element of a
     buffer that no peer has written."""
@@ -143,9 +150,9 @@ if triton is not None:
                 tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
 
 
-def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-                            buffers: torch.Tensor, counters: torch.Tensor, rank: int, world: int, abort: torch.Tensor,
-                            max_polls: int = MAX_POLLS) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                     buffers: torch.Tensor, counters: torch.Tensor, rank: int, world: int, abort: torch.Tensor,
+                     max_polls: int = MAX_POLLS) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel for this rank. x, residual: [rows, hidden] (rows <= FUSED_MAX_ROWS,
     hidden <= FUSED_MAX_HIDDEN); residual and weight None: the all-reduce alone, (sum, None).
     buffers: [world] int64 addresses of every rank's buffer ([2 slots, world, FUSED_MAX_ROWS,
@@ -173,11 +180,6 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
     double-buffered symmetric buffer (see the module docstring); the one-shot all-reduce past them."""
 
     name = "symm_mem_fused"
-    # Rows up to which add_rms_norm takes the fused kernel (all its buffers hold). Two H100s,
-    # `benchmarks/all_reduce.py` (hidden 4096 bf16, graph-replayed, all-reduce + add + norm), fused /
-    # one-shot then the norm kernel: 4.09 / 10.85 us at 1 row, 4.81 / 11.95 at 16, 6.06 / 15.39 at
-    # 64, 9.12 / 19.64 at 128, 14.16 / 25.94 at 256.
-    fused_max_rows = FUSED_MAX_ROWS
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -207,7 +209,7 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         if x.dim() != 2:
             return False
         rows, hidden = x.shape
-        return (x.dtype == self.dtype and 0 < rows <= min(self.fused_max_rows, FUSED_MAX_ROWS)
+        return (x.dtype == self.dtype and 0 < rows <= FUSED_MAX_ROWS
                 and hidden <= FUSED_MAX_HIDDEN and x.stride(1) == 1
                 and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)))
 
@@ -219,12 +221,12 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused(x):
             return super().__call__(x)
-        return all_reduce_add_rms_norm(x, None, None, 0.0, self.buffers, self.counters, self.rank, self.world,
+        return fused_all_reduce(x, None, None, 0.0, self.buffers, self.counters, self.rank, self.world,
                                        self.abort)[0]
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fused(x, residual):
             return super().add_rms_norm(x, residual, weight, eps)
-        return all_reduce_add_rms_norm(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
+        return fused_all_reduce(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
                                        self.abort)
