@@ -23,10 +23,18 @@ import torch.multiprocessing as mp
 GRAPH_CALLS = 64  # reductions captured back to back in one graph (as a step's layers)
 
 
+def _ranks_in_step() -> None:
+    """Start a timed loop on every rank together: a rank that is still compiling or capturing
+    would otherwise make its peers' first calls wait (for the fused kernel, inside the timing)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
+
+
 def _time_eager(fn, repeats: int = 200) -> float:
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
+    _ranks_in_step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
@@ -48,7 +56,7 @@ def _time_graph(fn, replays: int = 20) -> float:
         for _ in range(GRAPH_CALLS):
             fn()
     graph.replay()
-    torch.cuda.synchronize()
+    _ranks_in_step()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):

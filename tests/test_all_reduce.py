@@ -164,3 +164,42 @@ def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
     out, _ = fused_all_reduce(x, None, None, 0.0, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32),
                                      1, 2, abort, max_polls=1 << 30)
     assert out.isnan().all()
+
+
+_GIVE_UP_CHILD = r"""
+import sys, time, torch
+from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce, sentinel_bits
+how = sys.argv[1]
+buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN, device="cuda") for _ in range(2)]
+for b in buffers:
+    b.view(torch.int32).fill_(sentinel_bits(torch.float32))
+ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
+abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+x = torch.randn(1, 48, device="cuda")
+polls = 1 << 20 if how == "polls" else (1 << 31) - 1  # 2**31 reads: over an hour, unless the abort word is set
+start = time.monotonic()
+fused_all_reduce(x, None, None, 0.0, ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device="cuda"),
+                 0, 2, abort, max_polls=polls)
+if how == "abort":
+    time.sleep(0.5)
+    abort.fill_(1)  # what the worker monitor's release_waits does
+try:
+    torch.cuda.synchronize()
+except Exception as error:  # the trap fails the launch
+    print("GAVE UP after %.1f s: %s" % (time.monotonic() - start, str(error).splitlines()[0]), flush=True)
+    sys.exit(0)
+print("FINISHED", flush=True)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel's trap needs a GPU")
+@pytest.mark.parametrize("how", ["polls", "abort"])
+def test_compiled_wait_for_a_missing_peer_ends_in_an_error(how):
+    """On a GPU the kernel waiting for a peer that never writes (a dead rank) ends the launch with
+    an error: after max_polls reads, or as soon as the host sets the abort word in pinned memory
+    while the kernel spins (release_waits). Run in a child process: a trap ends its CUDA context."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _GIVE_UP_CHILD, how], capture_output=True, text=True, timeout=120)
+    assert "GAVE UP" in child.stdout, child.stdout + child.stderr

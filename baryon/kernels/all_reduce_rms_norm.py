@@ -160,6 +160,9 @@ def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     [FUSED_MAX_ROWS] int32, this rank's calls per row; abort: int32 [1] the device can read
     (pinned host memory, or the device's own), nonzero to give up waiting; max_polls: reads of a
     peer's row before the kernel gives up on it (see MAX_POLLS)."""
+    if not 0 < max_polls < 1 << 31:
+        raise ValueError(f"max_polls must be between 1 and 2**31 - 1 (the kernel counts reads in int32), "
+                         f"got {max_polls}")
     rows, hidden = x.shape
     norm = residual is not None
     out = torch.empty_like(x)
