@@ -127,7 +127,8 @@ INT8_REASON = CpuInt8BlockQuantLinear.unsupported_reason(CPU)
 @pytest.mark.skipif(INT8_REASON is not None, reason=f"no integer-dot kernel: {INT8_REASON}")
 @pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("in_features", [32, 96, 160, 576, 800])  # 1, 3, 5, 18, 25 blocks: every partial group
-@pytest.mark.parametrize("rows_of_x", [1, 2, 3, 5, 17, 64])
+# 5+ rows: sixteen weight rows across the lanes on AVX-512 VNNI (passes of up to 16 rows of x)
+@pytest.mark.parametrize("rows_of_x", [1, 2, 3, 4, 5, 17, 31, 64])
 @pytest.mark.parametrize("pair_bytes", [8, 4])
 def test_block_quant_int8_kernel_matches_its_reference(seed, bits, in_features, rows_of_x, pair_bytes):
     """The C++ integer-dot kernel computes exactly the reference's numerics (integer dot products per

@@ -236,6 +236,182 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
 constexpr const char* kIsa = "avx512_vnni";
 constexpr int kDecodeRows = 4;  // weight rows per tile when x has fewer than 4 rows
 
+// ---- Many rows of x (bits 4 and 8): sixteen weight rows across the lanes ----
+//
+// The tiles above give each int32 lane four bytes of one row's block, so every block's scale is
+// applied on four lanes per row and token (and the lanes are summed at the end). With kWideMinRows
+// or more rows of x the same products are arranged the other way round: lane r of a vector is
+// weight row n0 + r, the four bytes a vpdpbusd step takes from each row are gathered from the
+// sixteen rows, and the activations' four bytes are broadcast, so after 8 steps each lane holds
+// its row's whole integer block dot product. A block then costs one conversion, one scale and
+// two FMAs for sixteen rows of one token (and y's sixteen values are stored as one vector); the
+// gathered codes serve up to 16 tokens. Bits 6 (two scales per block) keeps the tiles above.
+// The float rounding differs from the tiles above (a block's scale on its whole dot product, not
+// on four partial ones), so a row of x can come out an ulp or so apart in a batch of five or more
+// rows than in a smaller one, as in llama.cpp; both are the reference's numerics to float32
+// summation order.
+//
+// Measured on the 2-core Zen 4 (a decode step's 121 linears of the default model, each matrix
+// streamed from memory): 1 / 2 / 3 / 4 / 5 / 6 / 8 / 16 rows of x, tiles above 3.4-3.6 / 4.5 /
+// 6.8 / 6.3 / 8.4 / 10.8 / 11.5 / 23.2 ms, this path 5.7 / 6.0 / 6.4 / 6.9 / 7.5 / 8.1 / 9.0 /
+// 12.9 ms: from five rows on it is the faster.
+//
+// Activations for this path: per row of x, its blocks' int8 codes in element order
+// (32 bytes a block), then per block d, sum(x) and (bits 8) -128 * sum(q) (float, float, int32).
+constexpr int64_t kWideMinRows = 5;
+constexpr int kWideRows = 16;  // weight rows per tile: the lanes of a vector
+constexpr int kWideTokens = 16;  // rows of x per tile: 16 accumulators, 8 code vectors, 2 scale vectors
+constexpr int64_t kWideAhead = 2;  // tiles between the one computed and the one prefetched
+
+struct WideActivations {
+  const uint8_t* base;
+  int64_t stride, blocks;  // bytes per row of x; 32-blocks per row
+  const int32_t* codes(int64_t m, int64_t b) const {
+    return reinterpret_cast<const int32_t*>(base + m * stride + b * kBlock);
+  }
+  float d(int64_t m, int64_t b) const { return reinterpret_cast<const float*>(base + m * stride + blocks * kBlock)[b]; }
+  float sum(int64_t m, int64_t b) const {
+    return reinterpret_cast<const float*>(base + m * stride + blocks * (kBlock + 4))[b];
+  }
+  int32_t corr(int64_t m, int64_t b) const {
+    return reinterpret_cast<const int32_t*>(base + m * stride + blocks * (kBlock + 8))[b];
+  }
+};
+
+inline int64_t wide_stride(int64_t blocks) { return (blocks * (kBlock + 12) + 63) / 64 * 64; }
+
+inline void quantize_row_wide(const float* x, int64_t blocks, uint8_t* out) {
+  float* d = reinterpret_cast<float*>(out + blocks * kBlock);
+  float* sum = d + blocks;
+  int32_t* corr = reinterpret_cast<int32_t*>(sum + blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    int8_t* q = reinterpret_cast<int8_t*>(out + b * kBlock);
+    quantize_block(x + b * kBlock, q, d[b], sum[b]);
+    int32_t total = 0;
+    for (int i = 0; i < kBlock; ++i) total += q[i];
+    corr[b] = -128 * total;
+  }
+}
+
+// Block b of the tile's rows: the code vectors (bits 4: 4 low-nibble vectors, elements 4j..4j+3
+// of each row, then 4 high-nibble ones, elements 16 + 4j..; bits 8: 8 vectors of code + 128) and
+// each row's scale and min.
+template <int Bits, bool Half>
+inline void gather_block(const uint8_t* rows, const uint8_t* pairs, __m512i index, __mmask16 live, int64_t b,
+                         __m512i w[8], __m512& scale, __m512& min) {
+  const __m512i none = _mm512_setzero_si512();
+  if constexpr (Bits == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i codes = _mm512_mask_i32gather_epi32(none, live, index, rows + b * 16 + 4 * j, 1);
+      w[j] = _mm512_and_si512(codes, nibble);
+      w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j)
+      w[j] = _mm512_xor_si512(_mm512_mask_i32gather_epi32(none, live, index, rows + b * 32 + 4 * j, 1),
+                              _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  if constexpr (Half) {
+    const __m512i both = _mm512_mask_i32gather_epi32(none, live, index, pairs + 4 * b, 1);
+    scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(both));
+    min = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+  } else {
+    scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, index, pairs + 8 * b, 1);
+    min = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, index, pairs + 8 * b + 4, 1);
+  }
+}
+
+// MR rows of x (from m0) times the tile's weight rows (lanes `live`), every block: y[m, n0 + r].
+// ahead / ahead_lines: weight bytes to ask into the cache meanwhile, a share per block (the
+// gathers take each row's block from sixteen places at once, which the hardware prefetchers do
+// not follow).
+template <int Bits, bool Half, int MR>
+inline void wide_tile(const WideActivations& xq, int64_t m0, const uint8_t* rows, const uint8_t* pairs,
+                      __m512i index, __mmask16 live, float* y, int64_t ldy, const uint8_t* ahead,
+                      int64_t ahead_lines) {
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t lines_per_block = (ahead_lines + xq.blocks - 1) / xq.blocks;
+  for (int64_t b = 0; b < xq.blocks; ++b) {
+    for (int64_t l = b * lines_per_block; l < std::min(ahead_lines, (b + 1) * lines_per_block); ++l)
+      __builtin_prefetch(ahead + 64 * l, 0, 3);
+    __m512i w[8];
+    __m512 scale, min;
+    gather_block<Bits, Half>(rows, pairs, index, live, b, w, scale, min);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const int32_t* q = xq.codes(m0 + m, b);
+      __m512i dot = Bits == 8 ? _mm512_set1_epi32(xq.corr(m0 + m, b)) : _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(q[j]));
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale), _mm512_set1_ps(xq.d(m0 + m, b)), acc[m]);
+      acc[m] = _mm512_fmadd_ps(min, _mm512_set1_ps(xq.sum(m0 + m, b)), acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy, live, acc[m]);
+}
+
+// wide_tile for `tokens` (1..MR) rows of x: the instance of that size.
+template <int Bits, bool Half, int MR>
+inline void wide_pass(int64_t tokens, const WideActivations& xq, int64_t m0, const uint8_t* rows,
+                      const uint8_t* pairs, __m512i index, __mmask16 live, float* y, int64_t ldy,
+                      const uint8_t* ahead, int64_t ahead_lines) {
+  if (tokens == MR) {
+    wide_tile<Bits, Half, MR>(xq, m0, rows, pairs, index, live, y, ldy, ahead, ahead_lines);
+  } else if constexpr (MR > 1) {
+    wide_pass<Bits, Half, MR - 1>(tokens, xq, m0, rows, pairs, index, live, y, ldy, ahead, ahead_lines);
+  }
+}
+
+// Weight rows [n_begin, n_end) against every row of x, sixteen rows at a time.
+template <int Bits, bool Half>
+void wide_rows(const WideActivations& xq, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+               int64_t N, int64_t n_begin, int64_t n_end) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  const int64_t codes = row_code_bytes(K, Bits);
+  const uint8_t* end = w + n_end * row_bytes;
+  for (int64_t n = n_begin; n < n_end; n += kWideRows) {
+    const int64_t here = std::min<int64_t>(kWideRows, n_end - n);
+    const __mmask16 live = static_cast<__mmask16>((1u << here) - 1);
+    const uint8_t* rows = w + n * row_bytes;
+    // While the first rows of x pass over this tile, the tile kWideAhead tiles on is asked in.
+    const uint8_t* ahead = rows + kWideAhead * kWideRows * row_bytes;
+    int64_t ahead_lines = ahead < end ? (std::min(end, ahead + kWideRows * row_bytes) - ahead + 63) / 64 : 0;
+    // Up to kWideTokens rows of x per pass over the tile: one pass per 16 rows, the last one
+    // sized to what is left (each pass gathers the tile's codes again).
+    for (int64_t m = 0; m < M; m += kWideTokens) {
+      const int64_t tokens = std::min<int64_t>(kWideTokens, M - m);
+      wide_pass<Bits, Half, kWideTokens>(tokens, xq, m, rows, rows + codes, index, live, y + n, N, ahead,
+                                         ahead_lines);
+      ahead_lines = 0;
+    }
+  }
+}
+
+template <int Bits>
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool half) {
+  const int64_t M = x.size(0), N = packed.size(0), row_bytes = packed.size(1), blocks = K / kBlock;
+  const int64_t stride = wide_stride(blocks);
+  const std::unique_ptr<uint8_t[]> storage(new uint8_t[M * stride + 64]);
+  uint8_t* base = storage.get() + (64 - reinterpret_cast<uintptr_t>(storage.get()) % 64) % 64;
+  const float* x_ptr = x.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row_wide(x_ptr + m * K, blocks, base + m * stride);
+  });
+  const WideActivations xq{base, stride, blocks};
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  float* y_ptr = y.data_ptr<float>();
+  // Tasks of whole 16-row tiles (at::parallel_for's grain is a minimum, its chunks may be any size).
+  const int64_t tiles = (N + kWideRows - 1) / kWideRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    (half ? wide_rows<Bits, true> : wide_rows<Bits, false>)(xq, M, w_ptr, row_bytes, K, y_ptr, N, begin * kWideRows,
+                                                            std::min(N, end * kWideRows));
+  });
+  return y;
+}
+
 #elif defined(BARYON_INT8_DOT_AVX2)
 
 inline float hsum(__m256 v) {
@@ -420,6 +596,10 @@ void linear_rows(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t* 
 
 template <int Bits>
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool half) {
+#if defined(BARYON_INT8_DOT_AVX512)
+  if constexpr (Bits != 6)
+    if (x.size(0) >= kWideMinRows) return wide_linear<Bits>(x, packed, K, half);
+#endif
   using L = Layout<Bits>;
   const int64_t M = x.size(0), N = packed.size(0), row_bytes = packed.size(1);
   const int64_t groups = (K / kBlock + L::blocks_per_group - 1) / L::blocks_per_group;
