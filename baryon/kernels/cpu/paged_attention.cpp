@@ -42,6 +42,7 @@ using namespace baryon_cpu;
 
 using fp8 = c10::Float8_e4m3fn;
 constexpr float kFp8Max = 448.f;
+constexpr int64_t kRowsAhead = 16;  // how far ahead of the scores the key rows are prefetched
 
 // Validates an fp8 cache's scale and returns its value (a host read: these are CPU tensors).
 float scale_value(const std::optional<at::Tensor>& scale, const char* op, const char* name) {
@@ -159,22 +160,52 @@ void dot4(const float* q, const float* const* keys, int64_t D, float scale, floa
   }
 }
 
-// out[0..D) = scale * sum_j p[j] * rows[j], the output kept in registers a few vectors at a time.
-void weighted_rows(const float* p, const float* const* rows, int64_t n, int64_t D, float scale, float* out) {
+// Asks the cache for a row of D floats (every line of it).
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(float)); byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, 3);
+}
+
+// For the HG heads h: out[h * D + d] = scales[h] * sum_j p[h * ldp + j] * rows[j][d], each value row
+// read once for all HG heads (a few vectors of it at a time, the sums kept in registers).
+template <int HG>
+void weighted_rows(const float* p, int64_t ldp, const float* const* rows, int64_t n, int64_t D, const float* scales,
+                   float* out) {
   constexpr int64_t kChunk = 4 * kNativeLanes;
   int64_t d = 0;
   for (; d + kChunk <= D; d += kChunk) {
-    f32xn acc[4] = {};
+    f32xn acc[HG][4] = {};
     for (int64_t j = 0; j < n; ++j) {
-      const f32xn w = f32xn{} + p[j];
-      for (int c = 0; c < 4; ++c) acc[c] += w * loadn(rows[j] + d + c * kNativeLanes);
+      f32xn v[4];
+      for (int c = 0; c < 4; ++c) v[c] = loadn(rows[j] + d + c * kNativeLanes);
+      for (int h = 0; h < HG; ++h) {
+        const f32xn w = f32xn{} + p[h * ldp + j];
+        for (int c = 0; c < 4; ++c) acc[h][c] += w * v[c];
+      }
     }
-    for (int c = 0; c < 4; ++c) storen(out + d + c * kNativeLanes, acc[c] * scale);
+    for (int h = 0; h < HG; ++h)
+      for (int c = 0; c < 4; ++c) storen(out + h * D + d + c * kNativeLanes, acc[h][c] * scales[h]);
   }
-  for (; d < D; ++d) {
-    float acc = 0.f;
-    for (int64_t j = 0; j < n; ++j) acc += p[j] * rows[j][d];
-    out[d] = acc * scale;
+  for (; d < D; ++d)
+    for (int h = 0; h < HG; ++h) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc += p[h * ldp + j] * rows[j][d];
+      out[h * D + d] = acc * scales[h];
+    }
+}
+
+// weighted_rows for a group of G heads, up to four at a time.
+void weighted_rows_of_group(const float* p, int64_t ldp, int64_t G, const float* const* rows, int64_t n, int64_t D,
+                            const float* scales, float* out) {
+  for (int64_t g = 0; g < G; g += 4) {
+    const float* pg = p + g * ldp;
+    float* og = out + g * D;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: weighted_rows<4>(pg, ldp, rows, n, D, scales + g, og); break;
+      case 3: weighted_rows<3>(pg, ldp, rows, n, D, scales + g, og); break;
+      case 2: weighted_rows<2>(pg, ldp, rows, n, D, scales + g, og); break;
+      default: weighted_rows<1>(pg, ldp, rows, n, D, scales + g, og); break;
+    }
   }
 }
 
@@ -253,7 +284,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   const uint8_t* keys8 = is_fp8 ? static_cast<const uint8_t*>(kv_cache.data_ptr()) : nullptr;
   const uint8_t* values8 = is_fp8 ? keys8 + cache_half : nullptr;
   at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs, key_rows, value_rows;  // fp8: this job's rows as float32
+    std::vector<float> probs, scales, key_rows, value_rows;  // fp8: this job's rows as float32
     std::vector<const float*> key_ptrs, value_ptrs;  // row j of this job's keys / values
     for (int64_t job = begin; job < end; ++job) {
       const int64_t t = job / Hkv, kvh = job % Hkv, s = seq_of_token[t];
@@ -283,19 +314,29 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
         }
       }
       // Scores of every query head of the group, four keys at a time (each key row is read once
-      // for all of the group's heads; the four dot products overlap).
+      // for all of the group's heads; the four dot products overlap). The rows are scattered over
+      // the cache's blocks, which the hardware prefetchers do not follow: the keys kRowsAhead on
+      // and the values of the keys at hand (read next, by the weighted sums) are asked for.
       const float* q0 = query.data_ptr<float>() + t * query.stride(0) + kvh * group * D;
       probs.resize(group * n);
+      for (int64_t r = 0; r < std::min<int64_t>(kRowsAhead, n); ++r) prefetch_row(key_ptrs[r], D);
       int64_t j = 0;
-      for (; j + 4 <= n; j += 4)
+      for (; j + 4 <= n; j += 4) {
+        for (int64_t r = j + kRowsAhead; r < std::min<int64_t>(j + kRowsAhead + 4, n); ++r) prefetch_row(key_ptrs[r], D);
+        for (int64_t r = j; r < j + 4; ++r) prefetch_row(value_ptrs[r], D);
         for (int64_t g = 0; g < group; ++g) dot4(q0 + g * D, key_ptrs.data() + j, D, qk_scale, probs.data() + g * n + j);
-      for (; j < n; ++j)
+      }
+      for (; j < n; ++j) {
+        prefetch_row(value_ptrs[j], D);
         for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot(q0 + g * D, key_ptrs[j], D) * qk_scale;
+      }
+      scales.resize(group);
       for (int64_t g = 0; g < group; ++g) {
         float* p = probs.data() + g * n;
-        const float total = exp_shifted(p, n, *std::max_element(p, p + n));
-        weighted_rows(p, value_ptrs.data(), n, D, v_mult / total, out.data_ptr<float>() + (t * H + kvh * group + g) * D);
+        scales[g] = v_mult / exp_shifted(p, n, *std::max_element(p, p + n));
       }
+      weighted_rows_of_group(probs.data(), n, group, value_ptrs.data(), n, D, scales.data(),
+                             out.data_ptr<float>() + (t * H + kvh * group) * D);
     }
   });
   return out;
