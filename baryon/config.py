@@ -69,8 +69,9 @@ class EngineArgs:
         None, "Weight format: none for what the checkpoint's quantization_config says; fp8, w8a8 or w4a16 to "
               "quantize a float checkpoint at load (online; with load_format=dummy: random weights in that "
               "layout); fp8, compressed-tensors, gptq or awq to insist on the checkpoint's own format")
-    kv_cache_dtype: str = _arg("auto", "auto|fp8 (auto: the model dtype; fp8: e4m3 with per-layer k/v scales "
-                                       "from the checkpoint, else 1.0)")
+    kv_cache_dtype: str = _arg("auto", "auto|fp8|float16 (auto: the model dtype; fp8: e4m3 with per-layer k/v "
+                                       "scales from the checkpoint, else 1.0; float16: half-width keys and "
+                                       "values for a float32 model on CPU)")
     skip_tokenizer_init: bool = _arg(False, "No tokenizer: prompts must be token ids; outputs carry ids only")
     max_logprobs: int = _arg(20, "Largest logprobs / prompt_logprobs a request may ask for")
     enforce_eager: bool = _arg(False, "GPU: run every step eagerly (no CUDA graphs)")
@@ -244,7 +245,7 @@ class EngineConfig:
             block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
-            kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype),
+            kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype, device),
         )
         scheduler = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -323,12 +324,18 @@ def _check_user_values(args: EngineArgs) -> None:
         raise ValueError(f"dtype={args.dtype!r} is invalid: accepted ['auto', {', '.join(map(repr, _DTYPES))}].")
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "float16")
 
 
-def _resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+def _resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={name!r} is invalid: accepted {list(KV_CACHE_DTYPES)}.")
+    if name == "float16":  # half the bytes of a float32 cache on CPU (llama.cpp's default cache type)
+        if model_dtype != torch.float16 and not (device.type == "cpu" and model_dtype == torch.float32):
+            raise ValueError(f"kv_cache_dtype='float16' is for float32 models on CPU (the C++ attention reads it) "
+                             f"or float16 models (where it is the model dtype); this engine runs {model_dtype} "
+                             f"on {device.type}: use kv_cache_dtype='auto' or 'fp8'.")
+        return torch.float16
     return model_dtype if name == "auto" else torch.float8_e4m3fn
 
 

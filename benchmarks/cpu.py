@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-transformers", action="store_true", help="leave transformers out")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="baryon's KV cache")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "float16"], help="baryon's KV cache")
     return parser.parse_args(argv)
 
 

@@ -504,6 +504,10 @@ def main() -> None:
         impl = attention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
         record(f"attention.{attention.name}", f"{name} seqs={num_seqs} q={q_len} kv={seq_len}",
                lambda: impl.forward(q, kv, kv, cache, md))
+        if device.type == "cpu":  # kv_cache_dtype="float16": half the bytes, converted as read
+            cache16 = cache.to(torch.float16)
+            record(f"attention.{attention.name}", f"{name} seqs={num_seqs} q={q_len} kv={seq_len} float16 cache",
+                   lambda: impl.forward(q, kv, kv, cache16, md))
 
     # Long context at batch 1: flash decoding (KV splits) against one program per KV head.
     q, kv, cache, md = _attention_case(device, dtype, 1, 1, 32768 // scale, heads, kv_heads, head_dim)

@@ -145,6 +145,28 @@ def test_block_quant_int8_kernel_matches_its_reference(seed, bits, in_features, 
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(INT8_REASON is not None, reason=f"no integer-dot kernel: {INT8_REASON}")
+@pytest.mark.parametrize("bits", [4, 6, 8])
+@pytest.mark.parametrize("in_features", [96, 576, 800])  # 3, 18, 25 blocks: partial groups
+@pytest.mark.parametrize("pair_bytes", [8, 4])
+def test_block_quant_int8_kernel_is_batch_invariant(seed, bits, in_features, pair_bytes):
+    """A row of x gives the same bits alone as among 1-20 other rows (AVX-512 VNNI computes 1-4 rows
+    and 5+ rows of x with different loops: prefix caching, chunked prefill and batching change how
+    many rows a call has, and must not change a token)."""
+    rng = np.random.default_rng(seed)
+    out_features = int(rng.integers(17, 70))  # a whole 16-row tile and a partial one
+    packed = random_packed(rng, out_features, in_features, bits, pair_bytes)
+    x = torch.from_numpy(rng.standard_normal((21, in_features)).astype(np.float32))
+    together = CpuInt8BlockQuantLinear.forward(x, packed, bits, in_features)
+    start = 0
+    for size in (1, 2, 3, 4, 5, 6):  # 21 rows in calls of every size around the switch
+        part = CpuInt8BlockQuantLinear.forward(x[start:start + size], packed, bits, in_features)
+        assert torch.equal(part, together[start:start + size]), size
+        start += size
+    for row in (0, 20):
+        assert torch.equal(CpuInt8BlockQuantLinear.forward(x[row:row + 1], packed, bits, in_features), together[row:row + 1])
+
+
 @pytest.mark.parametrize("bits", [4, 6, 8])
 def test_int8_reference_error_is_the_activation_rounding(seed, bits):
     """Against exact float64: each block's error is at most sum|scale * code| * d / 2 (q rounds to

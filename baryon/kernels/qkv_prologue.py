@@ -63,7 +63,7 @@ class TorchQKVPrologue(Kernel):
 
 class CpuQKVPrologue(Kernel):
     """The C++ kernel (kernels/cpu/paged_attention.cpp): one pass per token, float32 only (the
-    cache: float32 or fp8)."""
+    cache: float32, float16 or fp8)."""
 
     name = "cpu"
 

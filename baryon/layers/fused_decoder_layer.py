@@ -114,7 +114,7 @@ class FusedDecoderLayer:
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states (and residual): [num_tokens, hidden] -> (MLP output, residual stream)."""
         attn, metadata = self.attn, current_attn_metadata()
-        if attn.kv_cache.dtype != torch.float32:  # an fp8 cache: the modules handle its scales
+        if attn.kv_cache.dtype not in (torch.float32, torch.float16):  # fp8: the modules handle its scales
             return self.layer.forward_modules(positions, hidden_states, residual)
         if self.weights is None:
             self.weights = self._weights()

@@ -1,7 +1,7 @@
 """Paged attention on CPU in the C++ kernel (kernels/cpu/paged_attention.cpp): decodes and prefill
 chunks in one call, each query token reading its sequence's blocks in place (no gathered copy of
-the cache, no mask tensor). The cache may be float32 or fp8 (converted row by row as it is read,
-the layer's scales folded in). Attention sinks and non-float32 queries take the torch path."""
+the cache, no mask tensor). The cache may be float32, float16 (kv_cache_dtype="float16": converted
+in registers) or fp8 (converted row by row as it is read, the layer's scales folded in). Attention sinks and non-float32 queries take the torch path."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query: [num_tokens, H, D] -> [num_tokens, H, D]."""
         if (self.sinks is not None or query.dtype != torch.float32
-                or kv_cache.dtype not in (torch.float32, FP8_KV_DTYPE)):
+                or kv_cache.dtype not in (torch.float32, torch.float16, FP8_KV_DTYPE)):
             return super().forward(query, key, value, kv_cache, metadata, output, k_scale, v_scale)
         if kv_cache.dtype == FP8_KV_DTYPE:
             check_fp8_scales(k_scale, v_scale)

@@ -67,7 +67,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
       c10::Dispatcher::singleton().findSchemaOrThrow("baryon_cpu::paged_attention", "").typed<Attention>();
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2,
               "decoder_layer: hidden must be float32 [T, hidden], got ", hidden.scalar_type(), " ", hidden.sizes());
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat, "decoder_layer: the KV cache must be float32");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf,
+              "decoder_layer: the KV cache must be float32 or float16 (an fp8 cache takes the module path)");
   const int64_t T = hidden.size(0);
 
   at::Tensor h, res;

@@ -14,7 +14,8 @@
 //   int32 (sequence s owns query rows starting at query_start_loc[s]) -> out [T, H, D].
 //   Matches TorchPagedAttention.
 //
-// Both take a float32 or a float8_e4m3fn cache. An fp8 cache needs k_scale / v_scale (float32,
+// Both take a float32, float16 or float8_e4m3fn cache (float16: rounded to nearest-even when stored,
+// converted in registers when read). An fp8 cache needs k_scale / v_scale (float32,
 // one element each): the prologue stores clamp(x / scale, +-448) rounded to e4m3 (c10's
 // conversion, the one torch's .to(float8_e4m3fn) uses); attention converts each key / value
 // row it reads through a 256-entry table and folds the scales into the softmax scale (keys) and
@@ -23,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -32,6 +34,7 @@
 #endif
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -95,6 +98,16 @@ void dequantize_row(const uint8_t* x, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = table[x[i]];
 }
 
+// out = x rounded to float16 (to nearest, ties to even: torch's .to(torch.float16)).
+void store_half_row(const float* x, c10::Half* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) out[i] = c10::Half(x[i]);
+}
+
 void norm_head(float* head, const float* weight, int64_t D, float eps) {
   const float inv = 1.f / std::sqrt(dot(head, head, D) / D + eps);
   for (int64_t i = 0; i < D; ++i) head[i] = weight[i] * (head[i] * inv);
@@ -139,13 +152,45 @@ inline __m128 sum4(const f32xn* acc) {
 }
 #endif
 
+// A native vector of floats from a cache row: float32 as it is, float16 converted (F16C).
+inline f32xn load_row(const float* p) { return loadn(p); }
+
+inline f32xn load_row(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<f32xn>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX__) && defined(__F16C__)
+  return reinterpret_cast<f32xn>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  f32xn v;
+  for (int i = 0; i < kNativeLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// q . k over D values (k a float32 row: vec.h's dot; a float16 row: the same sums, converted).
+inline float dot_row(const float* q, const float* k, int64_t D) { return dot(q, k, D); }
+
+inline float dot_row(const float* q, const c10::Half* k, int64_t D) {
+  f32xn acc0 = f32xn{}, acc1 = f32xn{};
+  int64_t i = 0;
+  for (; i + 2 * kNativeLanes <= D; i += 2 * kNativeLanes) {
+    acc0 += loadn(q + i) * load_row(k + i);
+    acc1 += loadn(q + i + kNativeLanes) * load_row(k + i + kNativeLanes);
+  }
+  for (; i + kNativeLanes <= D; i += kNativeLanes) acc0 += loadn(q + i) * load_row(k + i);
+  float s = sumn(acc0 + acc1);
+  for (; i < D; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
 // out[r] = scale * (q . keys[r]) for the 4 rows keys[0..3] of length D.
-void dot4(const float* q, const float* const* keys, int64_t D, float scale, float* out) {
+template <typename T>
+void dot4(const float* q, const T* const* keys, int64_t D, float scale, float* out) {
   f32xn acc[4] = {};
   int64_t i = 0;
   for (; i + kNativeLanes <= D; i += kNativeLanes) {
     const f32xn qv = loadn(q + i);
-    for (int r = 0; r < 4; ++r) acc[r] += qv * loadn(keys[r] + i);
+    for (int r = 0; r < 4; ++r) acc[r] += qv * load_row(keys[r] + i);
   }
 #if defined(__AVX__)
   if (i == D) {
@@ -155,21 +200,22 @@ void dot4(const float* q, const float* const* keys, int64_t D, float scale, floa
 #endif
   for (int r = 0; r < 4; ++r) {
     float s = sumn(acc[r]);
-    for (int64_t k = i; k < D; ++k) s += q[k] * keys[r][k];
+    for (int64_t k = i; k < D; ++k) s += q[k] * static_cast<float>(keys[r][k]);
     out[r] = s * scale;
   }
 }
 
-// Asks the cache for a row of D floats (every line of it).
-inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(float)); byte += 64)
+// Asks the cache for a row of D values (every line of it).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t byte = 0; byte < D * static_cast<int64_t>(sizeof(T)); byte += 64)
     __builtin_prefetch(reinterpret_cast<const char*>(row) + byte, 0, 3);
 }
 
 // For the HG heads h: out[h * D + d] = scales[h] * sum_j p[h * ldp + j] * rows[j][d], each value row
 // read once for all HG heads (a few vectors of it at a time, the sums kept in registers).
-template <int HG>
-void weighted_rows(const float* p, int64_t ldp, const float* const* rows, int64_t n, int64_t D, const float* scales,
+template <int HG, typename T>
+void weighted_rows(const float* p, int64_t ldp, const T* const* rows, int64_t n, int64_t D, const float* scales,
                    float* out) {
   constexpr int64_t kChunk = 4 * kNativeLanes;
   int64_t d = 0;
@@ -177,7 +223,7 @@ void weighted_rows(const float* p, int64_t ldp, const float* const* rows, int64_
     f32xn acc[HG][4] = {};
     for (int64_t j = 0; j < n; ++j) {
       f32xn v[4];
-      for (int c = 0; c < 4; ++c) v[c] = loadn(rows[j] + d + c * kNativeLanes);
+      for (int c = 0; c < 4; ++c) v[c] = load_row(rows[j] + d + c * kNativeLanes);
       for (int h = 0; h < HG; ++h) {
         const f32xn w = f32xn{} + p[h * ldp + j];
         for (int c = 0; c < 4; ++c) acc[h][c] += w * v[c];
@@ -189,13 +235,14 @@ void weighted_rows(const float* p, int64_t ldp, const float* const* rows, int64_
   for (; d < D; ++d)
     for (int h = 0; h < HG; ++h) {
       float acc = 0.f;
-      for (int64_t j = 0; j < n; ++j) acc += p[h * ldp + j] * rows[j][d];
+      for (int64_t j = 0; j < n; ++j) acc += p[h * ldp + j] * static_cast<float>(rows[j][d]);
       out[h * D + d] = acc * scales[h];
     }
 }
 
 // weighted_rows for a group of G heads, up to four at a time.
-void weighted_rows_of_group(const float* p, int64_t ldp, int64_t G, const float* const* rows, int64_t n, int64_t D,
+template <typename T>
+void weighted_rows_of_group(const float* p, int64_t ldp, int64_t G, const T* const* rows, int64_t n, int64_t D,
                             const float* scales, float* out) {
   for (int64_t g = 0; g < G; g += 4) {
     const float* pg = p + g * ldp;
@@ -216,11 +263,11 @@ void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.stride(1) == 1 &&
                   qkv.size(1) == (H + 2 * Hkv) * D,
               "qkv_prologue: qkv must be float32 [T, ", (H + 2 * Hkv) * D, "], got ", qkv.sizes());
-  const bool is_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || is_fp8) && kv_cache.is_contiguous() && kv_cache.dim() == 5 &&
-                  kv_cache.size(3) == Hkv && kv_cache.size(4) == D,
-              "qkv_prologue: kv_cache must be contiguous float32 or float8_e4m3fn [2, blocks, block_size, ", Hkv,
-              ", ", D, "]");
+  const bool is_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn, is_half = kv_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || is_fp8 || is_half) && kv_cache.is_contiguous() &&
+                  kv_cache.dim() == 5 && kv_cache.size(3) == Hkv && kv_cache.size(4) == D,
+              "qkv_prologue: kv_cache must be contiguous float32, float16 or float8_e4m3fn [2, blocks, block_size, ",
+              Hkv, ", ", D, "]");
   const float ks = is_fp8 ? scale_value(k_scale, "qkv_prologue", "k_scale") : 1.f;
   const float vs = is_fp8 ? scale_value(v_scale, "qkv_prologue", "v_scale") : 1.f;
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
@@ -230,8 +277,9 @@ void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::
   const bool has_norm = q_norm_weight.has_value() && q_norm_weight->defined();
   const int64_t T = qkv.size(0), rotary = cos_sin_cache.size(1), half = rotary / 2;
   const int64_t cache_half = kv_cache.numel() / 2;  // keys, then values
-  float* cache = is_fp8 ? nullptr : kv_cache.data_ptr<float>();
+  float* cache = is_fp8 || is_half ? nullptr : kv_cache.data_ptr<float>();
   uint8_t* cache8 = is_fp8 ? static_cast<uint8_t*>(kv_cache.data_ptr()) : nullptr;
+  c10::Half* cache16 = is_half ? kv_cache.data_ptr<c10::Half>() : nullptr;
   at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* row = qkv.data_ptr<float>() + t * qkv.stride(0);
@@ -248,8 +296,97 @@ void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::
         quantize_row(row + (H + Hkv) * D, vs, cache8 + cache_half + slot * Hkv * D, Hkv * D);
         continue;
       }
+      if (is_half) {
+        store_half_row(row + H * D, cache16 + slot * Hkv * D, Hkv * D);
+        store_half_row(row + (H + Hkv) * D, cache16 + cache_half + slot * Hkv * D, Hkv * D);
+        continue;
+      }
       std::memcpy(cache + slot * Hkv * D, row + H * D, Hkv * D * sizeof(float));
       std::memcpy(cache + cache_half + slot * Hkv * D, row + (H + Hkv) * D, Hkv * D * sizeof(float));
+    }
+  });
+}
+
+// The rows of the cache one query token's job reads, and where its output goes. T: the cache's
+// element type as the dot products read it (float32, or float16 converted in registers; an fp8
+// cache's rows are converted to float32 rows first).
+struct AttentionJobs {
+  const at::Tensor &query, &block_tables, &seq_lens;
+  const int32_t* starts;
+  const std::vector<int64_t>& seq_of_token;
+  int64_t H, Hkv, D, group, block_size, max_blocks, window;
+  float qk_scale, v_mult;
+  float* out;
+};
+
+template <typename T>
+void attend(const AttentionJobs& a, int64_t T_tokens, const T* keys, const T* values, const uint8_t* keys8,
+            const uint8_t* values8) {
+  const int64_t Hkv = a.Hkv, D = a.D, group = a.group, block_size = a.block_size;
+  at::parallel_for(0, T_tokens * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs, scales, key_rows, value_rows;  // fp8: this job's rows as float32
+    std::vector<const T*> key_ptrs, value_ptrs;  // row j of this job's keys / values
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t t = job / Hkv, kvh = job % Hkv, s = a.seq_of_token[t];
+      const int64_t q_len = a.starts[s + 1] - a.starts[s];
+      const int64_t pos = a.seq_lens.data_ptr<int32_t>()[s] - q_len + (t - a.starts[s]);  // this token's position
+      const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, n = pos - first + 1;
+      const int32_t* table = a.block_tables.data_ptr<int32_t>() + s * a.max_blocks;
+      auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size; };
+      if constexpr (std::is_same_v<T, float>) {
+        if (keys8 != nullptr) {  // fp8: convert the rows once for the whole head group
+          key_rows.resize(n * D);
+          value_rows.resize(n * D);
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t offset = (slot_of(first + j) * Hkv + kvh) * D;
+            dequantize_row(keys8 + offset, key_rows.data() + j * D, D);
+            dequantize_row(values8 + offset, value_rows.data() + j * D, D);
+          }
+        }
+      }
+      // Walked block by block (no division per row).
+      key_ptrs.resize(n);
+      value_ptrs.resize(n);
+      for (int64_t j = 0; j < n;) {
+        const int64_t p = first + j, in_block = std::min<int64_t>(block_size - p % block_size, n - j);
+        const int64_t row0 = (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * Hkv + kvh;
+        for (int64_t r = 0; r < in_block; ++r, ++j) {
+          if constexpr (std::is_same_v<T, float>) {
+            if (keys8 != nullptr) {
+              key_ptrs[j] = key_rows.data() + j * D;
+              value_ptrs[j] = value_rows.data() + j * D;
+              continue;
+            }
+          }
+          key_ptrs[j] = keys + (row0 + r * Hkv) * D;
+          value_ptrs[j] = values + (row0 + r * Hkv) * D;
+        }
+      }
+      // Scores of every query head of the group, four keys at a time (each key row is read once
+      // for all of the group's heads; the four dot products overlap). The rows are scattered over
+      // the cache's blocks, which the hardware prefetchers do not follow: the keys kRowsAhead on
+      // and the values of the keys at hand (read next, by the weighted sums) are asked for.
+      const float* q0 = a.query.data_ptr<float>() + t * a.query.stride(0) + kvh * group * D;
+      probs.resize(group * n);
+      for (int64_t r = 0; r < std::min<int64_t>(kRowsAhead, n); ++r) prefetch_row(key_ptrs[r], D);
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        for (int64_t r = j + kRowsAhead; r < std::min<int64_t>(j + kRowsAhead + 4, n); ++r) prefetch_row(key_ptrs[r], D);
+        for (int64_t r = j; r < j + 4; ++r) prefetch_row(value_ptrs[r], D);
+        for (int64_t g = 0; g < group; ++g)
+          dot4(q0 + g * D, key_ptrs.data() + j, D, a.qk_scale, probs.data() + g * n + j);
+      }
+      for (; j < n; ++j) {
+        prefetch_row(value_ptrs[j], D);
+        for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot_row(q0 + g * D, key_ptrs[j], D) * a.qk_scale;
+      }
+      scales.resize(group);
+      for (int64_t g = 0; g < group; ++g) {
+        float* p = probs.data() + g * n;
+        scales[g] = a.v_mult / exp_shifted(p, n, *std::max_element(p, p + n));
+      }
+      weighted_rows_of_group(probs.data(), n, group, value_ptrs.data(), n, D, scales.data(),
+                             a.out + (t * a.H + kvh * group) * D);
     }
   });
 }
@@ -261,84 +398,37 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
               "paged_attention: query must be float32 [T, H, D] with contiguous heads");
-  const bool is_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || is_fp8) && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "paged_attention: kv_cache must be contiguous float32 or float8_e4m3fn [2, blocks, block_size, Hkv, D]");
+  const bool is_fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn, is_half = kv_cache.scalar_type() == at::kHalf;
+  TORCH_CHECK((kv_cache.scalar_type() == at::kFloat || is_fp8 || is_half) && kv_cache.is_contiguous() &&
+                  kv_cache.dim() == 5,
+              "paged_attention: kv_cache must be contiguous float32, float16 or float8_e4m3fn [2, blocks, "
+              "block_size, Hkv, D]");
   // fp8: q . (k8 * k_scale) = (q . k8) * k_scale; sum p (v8 * v_scale) = sum (p * v_scale) v8.
   const float k_mult = is_fp8 ? scale_value(k_scale, "paged_attention", "k_scale") : 1.f;
   const float v_mult = is_fp8 ? scale_value(v_scale, "paged_attention", "v_scale") : 1.f;
-  const float qk_scale = static_cast<float>(scale) * k_mult;
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && block_tables.is_contiguous(),
               "paged_attention: block_tables, seq_lens and query_start_loc must be int32");
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2), S = seq_lens.size(0);
-  const int64_t block_size = kv_cache.size(2), Hkv = kv_cache.size(3), group = H / Hkv;
-  const int64_t cache_half = kv_cache.numel() / 2, max_blocks = block_tables.size(1);
+  const int64_t cache_half = kv_cache.numel() / 2;
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   std::vector<int64_t> seq_of_token(T);  // the sequence each query token belongs to
   for (int64_t s = 0; s < S; ++s)
     for (int64_t t = starts[s]; t < starts[s + 1]; ++t) seq_of_token[t] = s;
   at::Tensor out = at::empty({T, H, D}, query.options());
-  const float* keys = is_fp8 ? nullptr : kv_cache.data_ptr<float>();
-  const float* values = is_fp8 ? nullptr : keys + cache_half;
-  const uint8_t* keys8 = is_fp8 ? static_cast<const uint8_t*>(kv_cache.data_ptr()) : nullptr;
-  const uint8_t* values8 = is_fp8 ? keys8 + cache_half : nullptr;
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs, scales, key_rows, value_rows;  // fp8: this job's rows as float32
-    std::vector<const float*> key_ptrs, value_ptrs;  // row j of this job's keys / values
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t t = job / Hkv, kvh = job % Hkv, s = seq_of_token[t];
-      const int64_t q_len = starts[s + 1] - starts[s];
-      const int64_t pos = seq_lens.data_ptr<int32_t>()[s] - q_len + (t - starts[s]);  // this token's position
-      const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0, n = pos - first + 1;
-      const int32_t* table = block_tables.data_ptr<int32_t>() + s * max_blocks;
-      auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size; };
-      if (is_fp8) {  // convert the rows once for the whole head group
-        key_rows.resize(n * D);
-        value_rows.resize(n * D);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t offset = (slot_of(first + j) * Hkv + kvh) * D;
-          dequantize_row(keys8 + offset, key_rows.data() + j * D, D);
-          dequantize_row(values8 + offset, value_rows.data() + j * D, D);
-        }
-      }
-      // Walked block by block (no division per row).
-      key_ptrs.resize(n);
-      value_ptrs.resize(n);
-      for (int64_t j = 0; j < n;) {
-        const int64_t p = first + j, in_block = std::min<int64_t>(block_size - p % block_size, n - j);
-        const int64_t row0 = (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * Hkv + kvh;
-        for (int64_t r = 0; r < in_block; ++r, ++j) {
-          key_ptrs[j] = is_fp8 ? key_rows.data() + j * D : keys + (row0 + r * Hkv) * D;
-          value_ptrs[j] = is_fp8 ? value_rows.data() + j * D : values + (row0 + r * Hkv) * D;
-        }
-      }
-      // Scores of every query head of the group, four keys at a time (each key row is read once
-      // for all of the group's heads; the four dot products overlap). The rows are scattered over
-      // the cache's blocks, which the hardware prefetchers do not follow: the keys kRowsAhead on
-      // and the values of the keys at hand (read next, by the weighted sums) are asked for.
-      const float* q0 = query.data_ptr<float>() + t * query.stride(0) + kvh * group * D;
-      probs.resize(group * n);
-      for (int64_t r = 0; r < std::min<int64_t>(kRowsAhead, n); ++r) prefetch_row(key_ptrs[r], D);
-      int64_t j = 0;
-      for (; j + 4 <= n; j += 4) {
-        for (int64_t r = j + kRowsAhead; r < std::min<int64_t>(j + kRowsAhead + 4, n); ++r) prefetch_row(key_ptrs[r], D);
-        for (int64_t r = j; r < j + 4; ++r) prefetch_row(value_ptrs[r], D);
-        for (int64_t g = 0; g < group; ++g) dot4(q0 + g * D, key_ptrs.data() + j, D, qk_scale, probs.data() + g * n + j);
-      }
-      for (; j < n; ++j) {
-        prefetch_row(value_ptrs[j], D);
-        for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot(q0 + g * D, key_ptrs[j], D) * qk_scale;
-      }
-      scales.resize(group);
-      for (int64_t g = 0; g < group; ++g) {
-        float* p = probs.data() + g * n;
-        scales[g] = v_mult / exp_shifted(p, n, *std::max_element(p, p + n));
-      }
-      weighted_rows_of_group(probs.data(), n, group, value_ptrs.data(), n, D, scales.data(),
-                             out.data_ptr<float>() + (t * H + kvh * group) * D);
-    }
-  });
+  const AttentionJobs jobs{query, block_tables, seq_lens, starts, seq_of_token, H, kv_cache.size(3), D,
+                           H / kv_cache.size(3), kv_cache.size(2), block_tables.size(1), window,
+                           static_cast<float>(scale) * k_mult, v_mult, out.data_ptr<float>()};
+  if (is_half) {
+    const c10::Half* keys = kv_cache.data_ptr<c10::Half>();
+    attend<c10::Half>(jobs, T, keys, keys + cache_half, nullptr, nullptr);
+  } else if (is_fp8) {
+    const uint8_t* keys8 = static_cast<const uint8_t*>(kv_cache.data_ptr());
+    attend<float>(jobs, T, nullptr, nullptr, keys8, keys8 + cache_half);
+  } else {
+    const float* keys = kv_cache.data_ptr<float>();
+    attend<float>(jobs, T, keys, keys + cache_half, nullptr, nullptr);
+  }
   return out;
 }
 
