@@ -33,6 +33,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -165,43 +166,29 @@ inline const uint8_t* group_pairs(const uint8_t* row, int64_t K, int64_t g) {
 
 #if defined(BARYON_INT8_DOT_AVX512)
 
-// Weights of one group of one row, ready for the dot products: the unsigned code bytes (bits 4:
-// low and high nibbles apart; bits 6 and 8: code + 128) and the scale and min of each lane's
-// block (bits 6: the scale of each lane's half-block, min 0).
+// Bits 6 (Q6_K) on AVX-512 VNNI: the tiles below (bits 4 and 8 take the arrangement after them).
+// Weights of one group of one row, ready for the dot products: the code bytes + 128 and the scale
+// of each lane's half-block.
 struct WeightGroup {
-  __m512i lo, hi;  // bits 6 and 8: lo only
-  __m512 scale, min;
+  __m512i codes;
+  __m512 scale;
 };
 
-template <int Bits, bool Half>
+template <bool Half>
 inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
-  const int64_t blocks = blocks_in_group<Bits>(K, g), code_bytes = blocks * (Bits == 4 ? kBlock / 2 : kBlock);
+  const int64_t blocks = blocks_in_group<6>(K, g), code_bytes = blocks * kBlock;
   const __mmask64 code_mask = code_bytes >= 64 ? ~0ULL : (1ULL << code_bytes) - 1;
   WeightGroup w;
-  const __m512i codes = _mm512_maskz_loadu_epi8(code_mask, row + g * kVec);
-  if constexpr (Bits == 4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    w.lo = _mm512_and_si512(codes, nibble);
-    w.hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
-  } else {
-    w.lo = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
-  }
+  w.codes = _mm512_xor_si512(_mm512_maskz_loadu_epi8(code_mask, row + g * kVec), _mm512_set1_epi8(static_cast<char>(0x80)));
   const __mmask16 pair_mask = static_cast<__mmask16>((1u << (2 * blocks)) - 1);
-  const uint8_t* pair_bytes = group_pairs<Bits, Half>(row, K, g);
+  const uint8_t* pair_bytes = group_pairs<6, Half>(row, K, g);
   __m512 pairs;
   if constexpr (Half)
     pairs = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(pair_mask, pair_bytes));
   else
     pairs = _mm512_maskz_loadu_ps(pair_mask, pair_bytes);
-  if constexpr (Bits == 6) {  // pairs = (scale of half 0, of half 1) per block; lanes 4h..4h+3 are half h
-    w.scale = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), pairs);
-    w.min = _mm512_setzero_ps();
-    return w;
-  }
-  const __m512i scale_index = Bits == 4 ? _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0)
-                                        : _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-  w.scale = _mm512_permutexvar_ps(scale_index, pairs);
-  w.min = _mm512_permutexvar_ps(_mm512_add_epi32(scale_index, _mm512_set1_epi32(1)), pairs);
+  // pairs = (scale of half 0, of half 1) per block; lanes 4h..4h+3 are half h
+  w.scale = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), pairs);
   return w;
 }
 
@@ -209,23 +196,21 @@ inline WeightGroup load_weights(const uint8_t* row, int64_t K, int64_t g) {
 template <int Bits, bool Half, int MR, int NR>
 inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64_t row_bytes, int64_t K,
                  int64_t groups, float* y, int64_t ldy) {
+  static_assert(Bits == 6, "bits 4 and 8 take the sixteen-rows-across-lanes arrangement on AVX-512");
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     WeightGroup w[NR];
-    for (int n = 0; n < NR; ++n) w[n] = load_weights<Bits, Half>(rows + n * row_bytes, K, g);
+    for (int n = 0; n < NR; ++n) w[n] = load_weights<Half>(rows + n * row_bytes, K, g);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const uint8_t* group = xq + m * x_stride + g * kGroupBytes;
-      const __m512 d = _mm512_loadu_ps(group + kDOffset), sum = _mm512_loadu_ps(group + kSumOffset);
-      const __m512i q_lo = _mm512_loadu_si512(group);
-      const __m512i start = Bits == 4 ? _mm512_setzero_si512() : _mm512_loadu_si512(group + kCorrOffset);
+      const __m512 d = _mm512_loadu_ps(group + kDOffset);
+      const __m512i q = _mm512_loadu_si512(group), start = _mm512_loadu_si512(group + kCorrOffset);
       for (int n = 0; n < NR; ++n) {
-        __m512i dot = _mm512_dpbusd_epi32(start, w[n].lo, q_lo);
-        if constexpr (Bits == 4) dot = _mm512_dpbusd_epi32(dot, w[n].hi, _mm512_loadu_si512(group + kVec));
+        const __m512i dot = _mm512_dpbusd_epi32(start, w[n].codes, q);
         acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w[n].scale, d), acc[m][n]);
-        if constexpr (Bits != 6) acc[m][n] = _mm512_fmadd_ps(w[n].min, sum, acc[m][n]);
       }
     }
   }
@@ -235,6 +220,317 @@ inline void tile(const uint8_t* xq, int64_t x_stride, const uint8_t* rows, int64
 
 constexpr const char* kIsa = "avx512_vnni";
 constexpr int kDecodeRows = 4;  // weight rows per tile when x has fewer than 4 rows
+
+// ---- Bits 4 and 8: sixteen weight rows across the lanes ----
+//
+// The tiles above give each int32 lane four bytes of one row's block, so every block's scale is
+// applied on four lanes per row and token (and the lanes are summed at the end). Here (AVX-512
+// VNNI, bits 4 and 8, every number of rows of x) a lane is a weight row: it gets its row's whole
+// integer dot product of a block, and the block is added in block order,
+//
+//   acc = fma(float(dot_b) * scale_b, d_b, acc);  acc = fma(min_b, sum_b, acc)
+//
+// once for every lane's row of one row of x. Two ways produce the same integer dots and add them
+// with the same steps, so a row of x gives the same bits however many rows share the call (batch
+// invariance: prefix caching, chunking and batching cannot change a token):
+// - gathered (kGatherMinRows or more rows of x): sixteen weight rows across a vector's lanes; the
+//   four bytes a vpdpbusd step takes from each row are gathered from the sixteen rows and the
+//   activations' four bytes broadcast, so 8 steps give each lane its block's dot product and a
+//   block's float work is paid once per sixteen rows. The gathered codes serve up to 16 rows of x.
+// - reduced (fewer rows, where gathers would not pay): four weight rows at a time, each row's
+//   64 code bytes loaded as they lie and multiplied as the tiles above do (four lanes a block),
+//   then the four rows' lanes summed and transposed in registers (lane r: row r's block dot).
+// Bits 6 (two scales per block) keeps the tiles above.
+//
+// Measured on the 2-core Zen 4 (a decode step's 121 linears of the default model, each matrix
+// streamed from memory, best of 15): 1 / 2 / 3 / 4 / 5 / 6 / 8 / 16 rows of x, tiles above
+// 3.4-3.9 / 4.5 / 6.8 / 6.3-7.7 / 8.4 / 10.8 / 11.5 / 23.2 ms, gathered 5.7 / 6.0 / 6.4 / 6.9 /
+// 7.5 / 8.1 / 9.0 / 12.9 ms, reduced (1 and 4 rows, alternating with the tiles above)
+// 3.7-3.9 / 7.5-7.9 ms.
+//
+// Activations: per row of x, its blocks' int8 codes in element order (32 bytes a block), then per
+// block d, sum(x) and -128 * sum(q) (float, float, int32).
+constexpr int64_t kGatherMinRows = 5;
+constexpr int kWideRows = 16;  // weight rows per gathered tile: the lanes of a vector
+constexpr int kWideTokens = 16;  // rows of x per gathered pass: 16 accumulators, 8 code vectors, 2 scale vectors
+constexpr int kReducedTokens = kGatherMinRows - 1;  // rows of x per reduced pass
+constexpr int64_t kWideAhead = 2;  // tiles between the one computed and the one prefetched
+
+struct WideActivations {
+  const uint8_t* base;
+  int64_t stride, blocks;  // bytes per row of x; 32-blocks per row
+  const uint8_t* row(int64_t m) const { return base + m * stride; }
+  const int32_t* codes(int64_t m, int64_t b) const { return reinterpret_cast<const int32_t*>(row(m) + b * kBlock); }
+  float d(int64_t m, int64_t b) const { return reinterpret_cast<const float*>(row(m) + blocks * kBlock)[b]; }
+  float sum(int64_t m, int64_t b) const { return reinterpret_cast<const float*>(row(m) + blocks * (kBlock + 4))[b]; }
+  int32_t corr(int64_t m, int64_t b) const {
+    return reinterpret_cast<const int32_t*>(row(m) + blocks * (kBlock + 8))[b];
+  }
+};
+
+inline int64_t wide_stride(int64_t blocks) { return (blocks * (kBlock + 12) + 63) / 64 * 64; }
+
+inline void quantize_row_wide(const float* x, int64_t blocks, uint8_t* out) {
+  float* d = reinterpret_cast<float*>(out + blocks * kBlock);
+  float* sum = d + blocks;
+  int32_t* corr = reinterpret_cast<int32_t*>(sum + blocks);
+  for (int64_t b = 0; b < blocks; ++b) {
+    int8_t* q = reinterpret_cast<int8_t*>(out + b * kBlock);
+    quantize_block(x + b * kBlock, q, d[b], sum[b]);
+    int32_t total = 0;
+    for (int i = 0; i < kBlock; ++i) total += q[i];
+    corr[b] = -128 * total;
+  }
+}
+
+inline __mmask64 first_bytes(int64_t n) { return n >= 64 ? ~0ULL : (1ULL << n) - 1; }
+
+// Each of the tile's rows' scale and min of block b.
+template <bool Half>
+inline void gather_pairs(const uint8_t* pairs, __m512i index, __mmask16 live, int64_t b, __m512& scale, __m512& min) {
+  if constexpr (Half) {
+    const __m512i both = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, pairs + 4 * b, 1);
+    scale = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(both));
+    min = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16)));
+  } else {
+    scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, index, pairs + 8 * b, 1);
+    min = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, index, pairs + 8 * b + 4, 1);
+  }
+}
+
+// acc += block b's part for one row of x: the step both ways share, in one place.
+inline __m512 add_block(__m512 acc, __m512i dot, __m512 scale, __m512 min, float d, float sum) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), scale), _mm512_set1_ps(d), acc);
+  return _mm512_fmadd_ps(min, _mm512_set1_ps(sum), acc);
+}
+
+// Asks in this block's share of the weight bytes `ahead` (see wide_rows).
+inline void prefetch_share(const uint8_t* ahead, int64_t lines, int64_t share, int64_t b) {
+  for (int64_t l = b * share; l < std::min(lines, (b + 1) * share); ++l) __builtin_prefetch(ahead + 64 * l, 0, 3);
+}
+
+// Gathered: block b of the tile's rows as code vectors (bits 4: 4 low-nibble vectors, elements
+// 4j..4j+3 of each row, then 4 high-nibble ones, elements 16 + 4j..; bits 8: 8 vectors of code + 128).
+template <int Bits>
+inline void gather_codes(const uint8_t* rows, __m512i index, __mmask16 live, int64_t b, __m512i w[8]) {
+  const __m512i none = _mm512_setzero_si512();
+  if constexpr (Bits == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i codes = _mm512_mask_i32gather_epi32(none, live, index, rows + b * 16 + 4 * j, 1);
+      w[j] = _mm512_and_si512(codes, nibble);
+      w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j)
+      w[j] = _mm512_xor_si512(_mm512_mask_i32gather_epi32(none, live, index, rows + b * 32 + 4 * j, 1),
+                              _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
+// Gathered: MR rows of x (from m0) times the tile's weight rows (lanes `live`): y[m, n0 + r].
+template <int Bits, bool Half, int MR>
+inline void gathered_tile(const WideActivations& xq, int64_t m0, const uint8_t* rows, const uint8_t* pairs,
+                          __m512i index, __mmask16 live, float* y, int64_t ldy, const uint8_t* ahead,
+                          int64_t ahead_lines) {
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t share = (ahead_lines + xq.blocks - 1) / xq.blocks;
+  for (int64_t b = 0; b < xq.blocks; ++b) {
+    prefetch_share(ahead, ahead_lines, share, b);
+    __m512i w[8];
+    __m512 scale, min;
+    gather_codes<Bits>(rows, index, live, b, w);
+    gather_pairs<Half>(pairs, index, live, b, scale, min);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const int32_t* q = xq.codes(m0 + m, b);
+      __m512i dot = Bits == 8 ? _mm512_set1_epi32(xq.corr(m0 + m, b)) : _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(q[j]));
+      acc[m] = add_block(acc[m], dot, scale, min, xq.d(m0 + m, b), xq.sum(m0 + m, b));
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + (m0 + m) * ldy, live, acc[m]);
+}
+
+// acc += block b's part for four weight rows of one row of x: add_block's steps on four lanes.
+inline __m128 add_block4(__m128 acc, __m128i dot, __m128 scale, __m128 min, float d, float sum) {
+  acc = _mm_fmadd_ps(_mm_mul_ps(_mm_cvtepi32_ps(dot), scale), _mm_set1_ps(d), acc);
+  return _mm_fmadd_ps(min, _mm_set1_ps(sum), acc);
+}
+
+// Reduced: MR rows of x (from m0) times `count` (1..4) weight rows, lanes 0..count-1: y[m, n0 + r].
+// Each row's 64-byte groups of codes are read as they lie and multiplied as the tiles above do
+// (four int32 lanes a block); the four rows' lanes are then summed and transposed in registers,
+// so that lane r holds row r's whole block dot product, and each block is added in block order
+// as the gathered path adds it (the same float steps on the same values: the same bits).
+template <int Bits, bool Half, int MR>
+inline void reduced_tile(const WideActivations& xq, int64_t m0, const uint8_t* rows, int64_t row_bytes,
+                         int64_t count, const uint8_t* pairs, float* y, int64_t ldy) {
+  constexpr int64_t per_group = Layout<Bits>::blocks_per_group;  // blocks in a 64-byte group of codes
+  const int64_t groups = (xq.blocks + per_group - 1) / per_group;
+  const __m512i low_halves = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
+  const __m512i high_halves = _mm512_set_epi64(15, 14, 11, 10, 7, 6, 3, 2);
+  // [row 0 | row 1 | row 2 | row 3] pairs (a dword a block) -> 128-bit lane j: block j's four rows.
+  const __m512i by_block = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  const __m128i index = _mm_mullo_epi32(_mm_set_epi32(3, 2, 1, 0), _mm_set1_epi32(static_cast<int32_t>(row_bytes)));
+  const __mmask8 live = static_cast<__mmask8>((1u << count) - 1);
+  __m128 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t blocks = std::min<int64_t>(per_group, xq.blocks - g * per_group);
+    // The group's activations as the code bytes lie (bits 4: each block's first 16 codes, then
+    // the second 16s, for the low and the high nibbles), zero past the row's last block.
+    __m512i x_lo[MR], x_hi[MR];
+    for (int m = 0; m < MR; ++m) {
+      const uint8_t* p = xq.row(m0 + m) + g * per_group * kBlock;
+      const int64_t bytes = blocks * kBlock;
+      const __m512i a = _mm512_maskz_loadu_epi8(first_bytes(bytes), p);
+      if constexpr (Bits == 4) {
+        const __m512i b = bytes > 64 ? _mm512_maskz_loadu_epi8(first_bytes(bytes - 64), p + 64) : _mm512_setzero_si512();
+        x_lo[m] = _mm512_permutex2var_epi64(a, low_halves, b);
+        x_hi[m] = _mm512_permutex2var_epi64(a, high_halves, b);
+      } else {
+        x_lo[m] = a;
+      }
+    }
+    const __mmask64 code_mask = first_bytes(blocks * (Bits == 4 ? kBlock / 2 : kBlock));
+    const __mmask8 pair_mask = static_cast<__mmask8>((1u << blocks) - 1);
+    __m512i dots[MR][4];
+    __m128i row_pairs[4];  // float16 pairs: each row's, a dword a block
+    for (int r = 0; r < 4; ++r) {
+      __m512i lo = _mm512_setzero_si512(), hi = lo;
+      row_pairs[r] = _mm_setzero_si128();
+      if (r < count) {
+        if constexpr (Half) row_pairs[r] = _mm_maskz_loadu_epi32(pair_mask, pairs + r * row_bytes + g * per_group * 4);
+        const __m512i codes = _mm512_maskz_loadu_epi8(code_mask, rows + r * row_bytes + g * kVec);
+        if constexpr (Bits == 4) {
+          const __m512i nibble = _mm512_set1_epi8(0x0F);
+          lo = _mm512_and_si512(codes, nibble);
+          hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+        } else {
+          lo = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        dots[m][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x_lo[m]);
+        if constexpr (Bits == 4) dots[m][r] = _mm512_dpbusd_epi32(dots[m][r], hi, x_hi[m]);
+      }
+    }
+    // Each block's four scales and mins (lane r: row r), as gather_pairs reads them.
+    alignas(64) float scales[16], mins[16];  // block j: [4j, 4j + 4)
+    if constexpr (Half) {
+      __m512i both = _mm512_castsi128_si512(row_pairs[0]);
+      both = _mm512_inserti32x4(both, row_pairs[1], 1);
+      both = _mm512_inserti32x4(both, row_pairs[2], 2);
+      both = _mm512_inserti32x4(both, row_pairs[3], 3);
+      both = _mm512_permutexvar_epi32(by_block, both);
+      _mm512_store_ps(scales, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(both)));
+      _mm512_store_ps(mins, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(both, 16))));
+    } else {
+      for (int64_t j = 0; j < blocks; ++j) {
+        const int64_t b = g * per_group + j;
+        _mm_store_ps(scales + 4 * j, _mm_mmask_i32gather_ps(_mm_setzero_ps(), live, index, pairs + 8 * b, 1));
+        _mm_store_ps(mins + 4 * j, _mm_mmask_i32gather_ps(_mm_setzero_ps(), live, index, pairs + 8 * b + 4, 1));
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      // The four rows' lanes summed: 128-bit lane j of `sums` = block j (bits 8: lanes 2j, 2j + 1).
+      const __m512i p01 = _mm512_add_epi32(_mm512_unpacklo_epi32(dots[m][0], dots[m][1]),
+                                           _mm512_unpackhi_epi32(dots[m][0], dots[m][1]));
+      const __m512i p23 = _mm512_add_epi32(_mm512_unpacklo_epi32(dots[m][2], dots[m][3]),
+                                           _mm512_unpackhi_epi32(dots[m][2], dots[m][3]));
+      __m512i sums = _mm512_add_epi32(_mm512_unpacklo_epi64(p01, p23), _mm512_unpackhi_epi64(p01, p23));
+      if constexpr (Bits == 8)  // block j = lanes 2j + 2j+1, moved to lane j
+        sums = _mm512_add_epi32(_mm512_permutexvar_epi64(_mm512_set_epi64(7, 6, 7, 6, 5, 4, 1, 0), sums),
+                                _mm512_permutexvar_epi64(_mm512_set_epi64(7, 6, 7, 6, 7, 6, 3, 2), sums));
+      alignas(64) int32_t block_dots[16];
+      _mm512_store_si512(block_dots, sums);
+      for (int64_t j = 0; j < blocks; ++j) {
+        const int64_t b = g * per_group + j;
+        __m128i dot = _mm_load_si128(reinterpret_cast<const __m128i*>(block_dots + 4 * j));
+        if constexpr (Bits == 8) dot = _mm_add_epi32(dot, _mm_set1_epi32(xq.corr(m0 + m, b)));
+        acc[m] = add_block4(acc[m], dot, _mm_load_ps(scales + 4 * j), _mm_load_ps(mins + 4 * j), xq.d(m0 + m, b),
+                            xq.sum(m0 + m, b));
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm_mask_storeu_ps(y + (m0 + m) * ldy, live, acc[m]);
+}
+
+// The tile instance for `tokens` (1..MR) rows of x.
+template <int MR, typename Run>
+inline void with_tokens(int64_t tokens, const Run& run) {
+  if (tokens == MR) {
+    run(std::integral_constant<int, MR>{});
+  } else if constexpr (MR > 1) {
+    with_tokens<MR - 1>(tokens, run);
+  }
+}
+
+// Weight rows [n_begin, n_end) against every row of x, sixteen rows at a time.
+template <int Bits, bool Half>
+void wide_rows(const WideActivations& xq, int64_t M, const uint8_t* w, int64_t row_bytes, int64_t K, float* y,
+               int64_t N, int64_t n_begin, int64_t n_end) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  const int64_t codes = row_code_bytes(K, Bits);
+  const uint8_t* end = w + n_end * row_bytes;
+  for (int64_t n = n_begin; n < n_end; n += kWideRows) {
+    const int64_t here = std::min<int64_t>(kWideRows, n_end - n);
+    const __mmask16 live = static_cast<__mmask16>((1u << here) - 1);
+    const uint8_t* rows = w + n * row_bytes;
+    // While the first rows of x pass over this tile, the tile kWideAhead tiles on is asked in
+    // (the hardware prefetchers do not follow sixteen rows read a block at a time).
+    const uint8_t* ahead = rows + kWideAhead * kWideRows * row_bytes;
+    int64_t ahead_lines = ahead < end ? (std::min(end, ahead + kWideRows * row_bytes) - ahead + 63) / 64 : 0;
+    if (M < kGatherMinRows) {  // four weight rows at a time, the rows kPrefetchBytes on asked in
+      for (int64_t r = 0; r < here; r += 4) {
+        const uint8_t* four = rows + r * row_bytes;
+        const int64_t count = std::min<int64_t>(4, here - r);
+        for (const uint8_t* line = four + kPrefetchBytes; line < std::min(end, four + count * row_bytes + kPrefetchBytes);
+             line += 64)
+          __builtin_prefetch(line, 0, 3);
+        with_tokens<kReducedTokens>(M, [&](auto tokens) {
+          reduced_tile<Bits, Half, decltype(tokens)::value>(xq, 0, four, row_bytes, count, four + codes, y + n + r, N);
+        });
+      }
+      continue;
+    }
+    // Up to kWideTokens rows of x per pass over the tile, the last pass sized to what is left
+    // (each pass gathers the tile's codes again).
+    for (int64_t m = 0; m < M; m += kWideTokens) {
+      with_tokens<kWideTokens>(std::min<int64_t>(kWideTokens, M - m), [&](auto tokens) {
+        gathered_tile<Bits, Half, decltype(tokens)::value>(xq, m, rows, rows + codes, index, live, y + n, N, ahead,
+                                                           ahead_lines);
+      });
+      ahead_lines = 0;
+    }
+  }
+}
+
+template <int Bits>
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool half) {
+  const int64_t M = x.size(0), N = packed.size(0), row_bytes = packed.size(1), blocks = K / kBlock;
+  const int64_t stride = wide_stride(blocks);
+  const std::unique_ptr<uint8_t[]> storage(new uint8_t[M * stride + 64]);
+  uint8_t* base = storage.get() + (64 - reinterpret_cast<uintptr_t>(storage.get()) % 64) % 64;
+  const float* x_ptr = x.data_ptr<float>();
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row_wide(x_ptr + m * K, blocks, base + m * stride);
+  });
+  const WideActivations xq{base, stride, blocks};
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* w_ptr = packed.data_ptr<uint8_t>();
+  float* y_ptr = y.data_ptr<float>();
+  // Tasks of whole 16-row tiles (at::parallel_for's grain is a minimum, its chunks may be any size).
+  const int64_t tiles = (N + kWideRows - 1) / kWideRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    (half ? wide_rows<Bits, true> : wide_rows<Bits, false>)(xq, M, w_ptr, row_bytes, K, y_ptr, N, begin * kWideRows,
+                                                            std::min(N, end * kWideRows));
+  });
+  return y;
+}
 
 #elif defined(BARYON_INT8_DOT_AVX2)
 
@@ -418,8 +714,9 @@ void linear_rows(const uint8_t* xq, int64_t M, int64_t x_stride, const uint8_t* 
   row_tiles<Bits, Half, 1>(xq, M, x_stride, w, row_bytes, K, groups, y, N, n, n_end);
 }
 
+// The tiles: MR rows of x times NR weight rows, each lane four bytes of one row's block.
 template <int Bits>
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool half) {
+at::Tensor tiled_linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool half) {
   using L = Layout<Bits>;
   const int64_t M = x.size(0), N = packed.size(0), row_bytes = packed.size(1);
   const int64_t groups = (K / kBlock + L::blocks_per_group - 1) / L::blocks_per_group;
@@ -442,6 +739,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool
                                                                 N, begin, end);
   });
   return y;
+}
+
+template <int Bits>
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t K, bool half) {
+#if defined(BARYON_INT8_DOT_AVX512)
+  if constexpr (Bits != 6) {
+    return wide_linear<Bits>(x, packed, K, half);
+  } else {
+    return tiled_linear<Bits>(x, packed, K, half);
+  }
+#else
+  return tiled_linear<Bits>(x, packed, K, half);
+#endif
 }
 
 at::Tensor block_quant_linear_int8(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t in_features,
