@@ -152,37 +152,6 @@ inline __m128 sum4(const f32xn* acc) {
 }
 #endif
 
-// A native vector of floats from a cache row: float32 as it is, float16 converted (F16C).
-inline f32xn load_row(const float* p) { return loadn(p); }
-
-inline f32xn load_row(const c10::Half* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<f32xn>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__AVX__) && defined(__F16C__)
-  return reinterpret_cast<f32xn>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#else
-  f32xn v;
-  for (int i = 0; i < kNativeLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
-
-// q . k over D values (k a float32 row: vec.h's dot; a float16 row: the same sums, converted).
-inline float dot_row(const float* q, const float* k, int64_t D) { return dot(q, k, D); }
-
-inline float dot_row(const float* q, const c10::Half* k, int64_t D) {
-  f32xn acc0 = f32xn{}, acc1 = f32xn{};
-  int64_t i = 0;
-  for (; i + 2 * kNativeLanes <= D; i += 2 * kNativeLanes) {
-    acc0 += loadn(q + i) * load_row(k + i);
-    acc1 += loadn(q + i + kNativeLanes) * load_row(k + i + kNativeLanes);
-  }
-  for (; i + kNativeLanes <= D; i += kNativeLanes) acc0 += loadn(q + i) * load_row(k + i);
-  float s = sumn(acc0 + acc1);
-  for (; i < D; ++i) s += q[i] * static_cast<float>(k[i]);
-  return s;
-}
-
 // out[r] = scale * (q . keys[r]) for the 4 rows keys[0..3] of length D.
 template <typename T>
 void dot4(const float* q, const T* const* keys, int64_t D, float scale, float* out) {
@@ -378,7 +347,7 @@ void attend(const AttentionJobs& a, int64_t T_tokens, const T* keys, const T* va
       }
       for (; j < n; ++j) {
         prefetch_row(value_ptrs[j], D);
-        for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot_row(q0 + g * D, key_ptrs[j], D) * a.qk_scale;
+        for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot(q0 + g * D, key_ptrs[j], D) * a.qk_scale;
       }
       scales.resize(group);
       for (int64_t g = 0; g < group; ++g) {

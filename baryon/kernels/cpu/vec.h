@@ -2,6 +2,8 @@
 // machine's own width and 16-lane float vectors, dot products and a vector exp.
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -70,17 +72,34 @@ inline float sum16(f32x16 v) {
   return sumn(parts[0]);
 }
 
-// sum(a[i] * b[i]) for i < n (two accumulators, so consecutive multiply-adds do not wait on each other).
-inline float dot(const float* a, const float* b, int64_t n) {
+// A native vector of floats from float32 values, or from float16 ones converted (F16C).
+inline f32xn load_row(const float* p) { return loadn(p); }
+
+inline f32xn load_row(const c10::Half* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<f32xn>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__AVX__) && defined(__F16C__)
+  return reinterpret_cast<f32xn>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  f32xn v;
+  for (int i = 0; i < kNativeLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// sum(a[i] * b[i]) for i < n (two accumulators, so consecutive multiply-adds do not wait on each
+// other); b float32 or float16.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   f32xn acc0 = f32xn{}, acc1 = f32xn{};
   int64_t i = 0;
   for (; i + 2 * kNativeLanes <= n; i += 2 * kNativeLanes) {
-    acc0 += loadn(a + i) * loadn(b + i);
-    acc1 += loadn(a + i + kNativeLanes) * loadn(b + i + kNativeLanes);
+    acc0 += loadn(a + i) * load_row(b + i);
+    acc1 += loadn(a + i + kNativeLanes) * load_row(b + i + kNativeLanes);
   }
-  for (; i + kNativeLanes <= n; i += kNativeLanes) acc0 += loadn(a + i) * loadn(b + i);
+  for (; i + kNativeLanes <= n; i += kNativeLanes) acc0 += loadn(a + i) * load_row(b + i);
   float s = sumn(acc0 + acc1);
-  for (; i < n; ++i) s += a[i] * b[i];
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
   return s;
 }
 
