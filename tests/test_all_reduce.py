@@ -97,13 +97,13 @@ def test_fused_kernel_with_simulated_peers(seed, world, rank):
                 buffers[rank][epoch & 1, p, row, :HIDDEN] = parts[p][row].to(device)
         if norm:
             out, residual_out = fused_all_reduce(mine.to(device), residual.to(device), weight, 1e-6,
-                                                        buffer_ptrs, counters, rank, world, abort, max_polls=1000)
+                                                 buffer_ptrs, counters, rank, world, abort, max_polls=1000)
             expected_out, expected_residual = all_reduce_add_rms_norm_reference(parts, residual, weight.cpu(), 1e-6)
             torch.testing.assert_close(residual_out.cpu(), expected_residual, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(out.cpu(), expected_out, rtol=1e-5, atol=1e-5)
         else:
             out, residual_out = fused_all_reduce(mine.to(device), None, None, 0.0, buffer_ptrs, counters,
-                                                        rank, world, abort, max_polls=1000)
+                                                 rank, world, abort, max_polls=1000)
             assert residual_out is None
             torch.testing.assert_close(out.cpu(), all_reduce_reference(parts), rtol=0, atol=0)
         for row, epoch in enumerate(epochs.tolist()):
@@ -137,8 +137,8 @@ def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
     theirs = torch.randn(HIDDEN, generator=generator)
     buffers[0][0, 1, 0, :HIDDEN] = theirs  # row 0 arrived from rank 1, row 1 never does
     out, residual_out = fused_all_reduce(x, residual, weight, 1e-6, buffer_ptrs,
-                                                torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
-                                                torch.zeros(1, dtype=torch.int32), max_polls=3)
+                                         torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
+                                         torch.zeros(1, dtype=torch.int32), max_polls=3)
     expected_out, expected_residual = all_reduce_add_rms_norm_reference([x[:1], theirs[None]], residual[:1], weight,
                                                                         1e-6)
     torch.testing.assert_close(out[:1], expected_out, rtol=1e-5, atol=1e-5)
@@ -162,7 +162,7 @@ def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
     x = torch.randn(1, HIDDEN, generator=generator)
     abort = torch.ones(1, dtype=torch.int32)  # set by release_waits
     out, _ = fused_all_reduce(x, None, None, 0.0, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32),
-                                     1, 2, abort, max_polls=1 << 30)
+                              1, 2, abort, max_polls=1 << 30)
     assert out.isnan().all()
 
 

@@ -201,7 +201,7 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         rows.view(bits_dtype(dtype)).fill_(sentinel_bits(dtype))
         handle = rendezvous(rows, self.group_name)
         self.world, self.rank = handle.world_size, handle.rank
-        self.rows = rows
+        self.rows = rows  # kept alive: self.buffers holds addresses into every rank's copy
         self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)  # [world]
         self.counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)  # calls per row, this rank
         self.abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the device (unified addresses)
@@ -225,11 +225,11 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         if not self.fused(x):
             return super().__call__(x)
         return fused_all_reduce(x, None, None, 0.0, self.buffers, self.counters, self.rank, self.world,
-                                       self.abort)[0]
+                                self.abort)[0]
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fused(x, residual):
             return super().add_rms_norm(x, residual, weight, eps)
         return fused_all_reduce(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
-                                       self.abort)
+                                self.abort)

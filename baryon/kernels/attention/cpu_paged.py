@@ -1,7 +1,8 @@
 """Paged attention on CPU in the C++ kernel (kernels/cpu/paged_attention.cpp): decodes and prefill
 chunks in one call, each query token reading its sequence's blocks in place (no gathered copy of
 the cache, no mask tensor). The cache may be float32, float16 (kv_cache_dtype="float16": converted
-in registers) or fp8 (converted row by row as it is read, the layer's scales folded in). Attention sinks and non-float32 queries take the torch path."""
+in registers) or fp8 (converted row by row as it is read, the layer's scales folded in). Attention
+sinks and non-float32 queries take the torch path."""
 
 from __future__ import annotations
 

@@ -309,22 +309,30 @@ inline void prefetch_share(const uint8_t* ahead, int64_t lines, int64_t share, i
   for (int64_t l = b * share; l < std::min(lines, (b + 1) * share); ++l) __builtin_prefetch(ahead + 64 * l, 0, 3);
 }
 
+// Code bytes as vpdpbusd's unsigned operand: bits 4, the low and the high nibbles apart; bits 8,
+// code + 128 (lo only).
+template <int Bits>
+inline void unsigned_codes(__m512i codes, __m512i& lo, __m512i& hi) {
+  if constexpr (Bits == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(codes, nibble);
+    hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
+  } else {
+    lo = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
 // Gathered: block b of the tile's rows as code vectors (bits 4: 4 low-nibble vectors, elements
 // 4j..4j+3 of each row, then 4 high-nibble ones, elements 16 + 4j..; bits 8: 8 vectors of code + 128).
 template <int Bits>
 inline void gather_codes(const uint8_t* rows, __m512i index, __mmask16 live, int64_t b, __m512i w[8]) {
   const __m512i none = _mm512_setzero_si512();
   if constexpr (Bits == 4) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i codes = _mm512_mask_i32gather_epi32(none, live, index, rows + b * 16 + 4 * j, 1);
-      w[j] = _mm512_and_si512(codes, nibble);
-      w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
-    }
+    for (int j = 0; j < 4; ++j)
+      unsigned_codes<4>(_mm512_mask_i32gather_epi32(none, live, index, rows + b * 16 + 4 * j, 1), w[j], w[4 + j]);
   } else {
     for (int j = 0; j < 8; ++j)
-      w[j] = _mm512_xor_si512(_mm512_mask_i32gather_epi32(none, live, index, rows + b * 32 + 4 * j, 1),
-                              _mm512_set1_epi8(static_cast<char>(0x80)));
+      unsigned_codes<8>(_mm512_mask_i32gather_epi32(none, live, index, rows + b * 32 + 4 * j, 1), w[j], w[j]);
   }
 }
 
@@ -359,14 +367,14 @@ inline __m128 add_block4(__m128 acc, __m128i dot, __m128 scale, __m128 min, floa
   return _mm_fmadd_ps(min, _mm_set1_ps(sum), acc);
 }
 
-// Reduced: MR rows of x (from m0) times `count` (1..4) weight rows, lanes 0..count-1: y[m, n0 + r].
+// Reduced: the MR (1..4) rows of x times `count` (1..4) weight rows, lanes 0..count-1: y[m, n0 + r].
 // Each row's 64-byte groups of codes are read as they lie and multiplied as the tiles above do
 // (four int32 lanes a block); the four rows' lanes are then summed and transposed in registers,
 // so that lane r holds row r's whole block dot product, and each block is added in block order
 // as the gathered path adds it (the same float steps on the same values: the same bits).
 template <int Bits, bool Half, int MR>
-inline void reduced_tile(const WideActivations& xq, int64_t m0, const uint8_t* rows, int64_t row_bytes,
-                         int64_t count, const uint8_t* pairs, float* y, int64_t ldy) {
+inline void reduced_tile(const WideActivations& xq, const uint8_t* rows, int64_t row_bytes, int64_t count,
+                         const uint8_t* pairs, float* y, int64_t ldy) {
   constexpr int64_t per_group = Layout<Bits>::blocks_per_group;  // blocks in a 64-byte group of codes
   const int64_t groups = (xq.blocks + per_group - 1) / per_group;
   const __m512i low_halves = _mm512_set_epi64(13, 12, 9, 8, 5, 4, 1, 0);
@@ -383,7 +391,7 @@ inline void reduced_tile(const WideActivations& xq, int64_t m0, const uint8_t* r
     // the second 16s, for the low and the high nibbles), zero past the row's last block.
     __m512i x_lo[MR], x_hi[MR];
     for (int m = 0; m < MR; ++m) {
-      const uint8_t* p = xq.row(m0 + m) + g * per_group * kBlock;
+      const uint8_t* p = xq.row(m) + g * per_group * kBlock;
       const int64_t bytes = blocks * kBlock;
       const __m512i a = _mm512_maskz_loadu_epi8(first_bytes(bytes), p);
       if constexpr (Bits == 4) {
@@ -403,14 +411,7 @@ inline void reduced_tile(const WideActivations& xq, int64_t m0, const uint8_t* r
       row_pairs[r] = _mm_setzero_si128();
       if (r < count) {
         if constexpr (Half) row_pairs[r] = _mm_maskz_loadu_epi32(pair_mask, pairs + r * row_bytes + g * per_group * 4);
-        const __m512i codes = _mm512_maskz_loadu_epi8(code_mask, rows + r * row_bytes + g * kVec);
-        if constexpr (Bits == 4) {
-          const __m512i nibble = _mm512_set1_epi8(0x0F);
-          lo = _mm512_and_si512(codes, nibble);
-          hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble);
-        } else {
-          lo = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
-        }
+        unsigned_codes<Bits>(_mm512_maskz_loadu_epi8(code_mask, rows + r * row_bytes + g * kVec), lo, hi);
       }
       for (int m = 0; m < MR; ++m) {
         dots[m][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x_lo[m]);
@@ -449,13 +450,13 @@ inline void reduced_tile(const WideActivations& xq, int64_t m0, const uint8_t* r
       for (int64_t j = 0; j < blocks; ++j) {
         const int64_t b = g * per_group + j;
         __m128i dot = _mm_load_si128(reinterpret_cast<const __m128i*>(block_dots + 4 * j));
-        if constexpr (Bits == 8) dot = _mm_add_epi32(dot, _mm_set1_epi32(xq.corr(m0 + m, b)));
-        acc[m] = add_block4(acc[m], dot, _mm_load_ps(scales + 4 * j), _mm_load_ps(mins + 4 * j), xq.d(m0 + m, b),
-                            xq.sum(m0 + m, b));
+        if constexpr (Bits == 8) dot = _mm_add_epi32(dot, _mm_set1_epi32(xq.corr(m, b)));
+        acc[m] = add_block4(acc[m], dot, _mm_load_ps(scales + 4 * j), _mm_load_ps(mins + 4 * j), xq.d(m, b),
+                            xq.sum(m, b));
       }
     }
   }
-  for (int m = 0; m < MR; ++m) _mm_mask_storeu_ps(y + (m0 + m) * ldy, live, acc[m]);
+  for (int m = 0; m < MR; ++m) _mm_mask_storeu_ps(y + m * ldy, live, acc[m]);
 }
 
 // The tile instance for `tokens` (1..MR) rows of x.
@@ -480,10 +481,6 @@ void wide_rows(const WideActivations& xq, int64_t M, const uint8_t* w, int64_t r
     const int64_t here = std::min<int64_t>(kWideRows, n_end - n);
     const __mmask16 live = static_cast<__mmask16>((1u << here) - 1);
     const uint8_t* rows = w + n * row_bytes;
-    // While the first rows of x pass over this tile, the tile kWideAhead tiles on is asked in
-    // (the hardware prefetchers do not follow sixteen rows read a block at a time).
-    const uint8_t* ahead = rows + kWideAhead * kWideRows * row_bytes;
-    int64_t ahead_lines = ahead < end ? (std::min(end, ahead + kWideRows * row_bytes) - ahead + 63) / 64 : 0;
     if (M < kGatherMinRows) {  // four weight rows at a time, the rows kPrefetchBytes on asked in
       for (int64_t r = 0; r < here; r += 4) {
         const uint8_t* four = rows + r * row_bytes;
@@ -492,11 +489,15 @@ void wide_rows(const WideActivations& xq, int64_t M, const uint8_t* w, int64_t r
              line += 64)
           __builtin_prefetch(line, 0, 3);
         with_tokens<kReducedTokens>(M, [&](auto tokens) {
-          reduced_tile<Bits, Half, decltype(tokens)::value>(xq, 0, four, row_bytes, count, four + codes, y + n + r, N);
+          reduced_tile<Bits, Half, decltype(tokens)::value>(xq, four, row_bytes, count, four + codes, y + n + r, N);
         });
       }
       continue;
     }
+    // While the first rows of x pass over this tile, the tile kWideAhead tiles on is asked in
+    // (the hardware prefetchers do not follow sixteen rows read a block at a time).
+    const uint8_t* ahead = rows + kWideAhead * kWideRows * row_bytes;
+    int64_t ahead_lines = ahead < end ? (std::min(end, ahead + kWideRows * row_bytes) - ahead + 63) / 64 : 0;
     // Up to kWideTokens rows of x per pass over the tile, the last pass sized to what is left
     // (each pass gathers the tile's codes again).
     for (int64_t m = 0; m < M; m += kWideTokens) {

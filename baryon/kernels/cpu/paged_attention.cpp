@@ -276,9 +276,7 @@ void qkv_prologue(const at::Tensor& qkv, const at::Tensor& positions, const at::
   });
 }
 
-// The rows of the cache one query token's job reads, and where its output goes. T: the cache's
-// element type as the dot products read it (float32, or float16 converted in registers; an fp8
-// cache's rows are converted to float32 rows first).
+// What every job (one query token, one KV head) of a paged_attention call shares.
 struct AttentionJobs {
   const at::Tensor &query, &block_tables, &seq_lens;
   const int32_t* starts;
@@ -288,11 +286,13 @@ struct AttentionJobs {
   float* out;
 };
 
+// Every job of the call. T: the cache's element type as the dot products read it (float32, or
+// float16 converted in registers); an fp8 cache (keys8 / values8) has its rows converted to
+// float32 first.
 template <typename T>
-void attend(const AttentionJobs& a, int64_t T_tokens, const T* keys, const T* values, const uint8_t* keys8,
-            const uint8_t* values8) {
+void attend(const AttentionJobs& a, const T* keys, const T* values, const uint8_t* keys8, const uint8_t* values8) {
   const int64_t Hkv = a.Hkv, D = a.D, group = a.group, block_size = a.block_size;
-  at::parallel_for(0, T_tokens * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.query.size(0) * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs, scales, key_rows, value_rows;  // fp8: this job's rows as float32
     std::vector<const T*> key_ptrs, value_ptrs;  // row j of this job's keys / values
     for (int64_t job = begin; job < end; ++job) {
@@ -302,31 +302,28 @@ void attend(const AttentionJobs& a, int64_t T_tokens, const T* keys, const T* va
       const int64_t first = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, n = pos - first + 1;
       const int32_t* table = a.block_tables.data_ptr<int32_t>() + s * a.max_blocks;
       auto slot_of = [&](int64_t p) { return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size; };
+      key_ptrs.resize(n);
+      value_ptrs.resize(n);
+      bool converted = false;
       if constexpr (std::is_same_v<T, float>) {
-        if (keys8 != nullptr) {  // fp8: convert the rows once for the whole head group
+        if (keys8 != nullptr) {  // fp8: the rows converted once for the whole head group
           key_rows.resize(n * D);
           value_rows.resize(n * D);
           for (int64_t j = 0; j < n; ++j) {
             const int64_t offset = (slot_of(first + j) * Hkv + kvh) * D;
             dequantize_row(keys8 + offset, key_rows.data() + j * D, D);
             dequantize_row(values8 + offset, value_rows.data() + j * D, D);
+            key_ptrs[j] = key_rows.data() + j * D;
+            value_ptrs[j] = value_rows.data() + j * D;
           }
+          converted = true;
         }
       }
-      // Walked block by block (no division per row).
-      key_ptrs.resize(n);
-      value_ptrs.resize(n);
-      for (int64_t j = 0; j < n;) {
+      // The rows in place, walked block by block (no division per row).
+      for (int64_t j = 0; j < n && !converted;) {
         const int64_t p = first + j, in_block = std::min<int64_t>(block_size - p % block_size, n - j);
         const int64_t row0 = (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * Hkv + kvh;
         for (int64_t r = 0; r < in_block; ++r, ++j) {
-          if constexpr (std::is_same_v<T, float>) {
-            if (keys8 != nullptr) {
-              key_ptrs[j] = key_rows.data() + j * D;
-              value_ptrs[j] = value_rows.data() + j * D;
-              continue;
-            }
-          }
           key_ptrs[j] = keys + (row0 + r * Hkv) * D;
           value_ptrs[j] = values + (row0 + r * Hkv) * D;
         }
@@ -390,13 +387,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
                            static_cast<float>(scale) * k_mult, v_mult, out.data_ptr<float>()};
   if (is_half) {
     const c10::Half* keys = kv_cache.data_ptr<c10::Half>();
-    attend<c10::Half>(jobs, T, keys, keys + cache_half, nullptr, nullptr);
+    attend<c10::Half>(jobs, keys, keys + cache_half, nullptr, nullptr);
   } else if (is_fp8) {
     const uint8_t* keys8 = static_cast<const uint8_t*>(kv_cache.data_ptr());
-    attend<float>(jobs, T, nullptr, nullptr, keys8, keys8 + cache_half);
+    attend<float>(jobs, nullptr, nullptr, keys8, keys8 + cache_half);
   } else {
     const float* keys = kv_cache.data_ptr<float>();
-    attend<float>(jobs, T, keys, keys + cache_half, nullptr, nullptr);
+    attend<float>(jobs, keys, keys + cache_half, nullptr, nullptr);
   }
   return out;
 }
