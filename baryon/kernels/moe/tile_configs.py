@@ -75,21 +75,25 @@ def _table(device_name: str, key: str) -> dict[int, MoETiles]:
 
 
 # Without a tuned table: the pairs layout up to this many (token, expert) pairs, then the scan
-# layout up to SCAN_MAX_PAIRS, then the sorted layout.
+# layout while the experts average fewer than SORTED_MIN_ROWS_PER_EXPERT rows, then the sorted
+# layout. The tuned tables switch from scan to sorted at 12-24 rows an expert (H100: 128 experts
+# at 192 tokens x 8, 64 at 256 x 6; H200: 128 at 256 x 8, 64 at 96-128 tokens x 6-8); the
+# scan kernels cost up to 1.6x the sorted ones past that (H200, 64 experts, 256 x 6: 623 against
+# 403 us a layer).
 PAIRS_MAX_PAIRS = 16
-SCAN_MAX_PAIRS = 2048
+SORTED_MIN_ROWS_PER_EXPERT = 12
 
 
 def default_tiles(num_experts: int, num_pairs: int) -> MoETiles:
-    """Without a tuned table: GEMVs for a few pairs, the scan kernels with short tiles up to
-    SCAN_MAX_PAIRS, then sorted tiles that grow taller as experts get more rows."""
+    """Without a tuned table: GEMVs for a few pairs, the scan kernels with short tiles while
+    experts get few rows, then sorted tiles that grow taller as experts get more rows."""
     if num_pairs <= PAIRS_MAX_PAIRS:
         tile = TileConfig(block_m=1, block_n=32, block_k=256, num_warps=4, num_stages=3)
         return MoETiles("pairs", tile, tile)
-    if num_pairs <= SCAN_MAX_PAIRS:
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert < SORTED_MIN_ROWS_PER_EXPERT:
         tile = TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
         return MoETiles("scan", tile, tile)
-    rows_per_expert = num_pairs / max(num_experts, 1)
     if rows_per_expert >= 256:
         tile = TileConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
     elif rows_per_expert >= 48:
