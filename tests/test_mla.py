@@ -72,13 +72,14 @@ def _paged_case(gen, seqs, kv_lora_rank, rope_dim, block_size, num_blocks=128):
 
 @pytest.mark.parametrize("heads,kv_lora_rank,rope_dim,nope,v_dim,block_size", [
     (4, 32, 8, 16, 16, 4), (2, 64, 16, 32, 24, 16), (3, 16, 4, 8, 8, 1)])
-@pytest.mark.parametrize("kind", ["mixed", "decode", "decode-split"])
+@pytest.mark.parametrize("kind", ["mixed", "decode", "decode-many", "decode-split"])
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_absorbed_mla_equals_attention_over_the_expanded_latent(seed, heads, kv_lora_rank, rope_dim, nope, v_dim,
                                                                  block_size, kind, backend_name):
     """Stored latents + W_UK folded into the queries + W_UV after attention equal standard
     per-head attention with K = [W_UK c_kv, k_pe] and V = W_UV c_kv, causal, over cached
-    prefixes and new tokens (the Triton kernel in the interpreter on CPU; decode-split: flash
+    prefixes and new tokens (the Triton kernel in the interpreter on CPU; decode: 5 sequences, the
+    decode launch for few programs; decode-many: 20, the one for many; decode-split: flash
     decoding over 4 programs per sequence)."""
     if backend_name == "triton" and mla_triton.triton is None:
         pytest.skip("triton is not installed")
@@ -86,7 +87,9 @@ def test_absorbed_mla_equals_attention_over_the_expanded_latent(seed, heads, kv_
         pytest.skip("the reference has no KV splits")
     gen = torch.Generator().manual_seed(seed)
     if kind.startswith("decode"):
-        seqs = [(int(torch.randint(0, 30, (1,), generator=gen)), 1) for _ in range(5)]
+        count = 20 if kind == "decode-many" else 5
+        assert (count >= mla_triton.FEW_PROGRAMS) == (kind == "decode-many")
+        seqs = [(int(torch.randint(0, 70, (1,), generator=gen)), 1) for _ in range(count)]
     else:  # prefills with and without a cached prefix, decodes, a one-token prompt
         seqs = [(0, 9), (7, 1), (12, 5), (0, 1), (21, 13)]
     cache, metadata, new_latents, full = _paged_case(gen, seqs, kv_lora_rank, rope_dim, block_size)

@@ -28,6 +28,14 @@ from baryon.kernels.triton_utils import (INTERPRETED, multiprocessor_count, next
                                          triton_unsupported_reason)
 
 MAX_KV_SPLITS = 32
+# Decode-only launches, (TILE_N keys per step, num_warps, num_stages), by how many (sequence, head
+# block) programs the batch has before KV splits: `python benchmarks/tune_mla.py` on an H200 at
+# DeepSeek-V2-Lite's shape (us, scattered blocks): 256 x 640 keys 127.0 with (32, 8, 3) -> 73.4,
+# 64 x 1k 45.1 -> 39.5, 64 x 8k 265.1 -> 223.3 with (32, 4, 2); one sequence of 32k 90.0 -> 56.3
+# with (64, 8, 2) (75.0 with (32, 4, 2)).
+DECODE_LAUNCH_FEW = (64, 8, 2)
+DECODE_LAUNCH_MANY = (32, 4, 2)
+FEW_PROGRAMS = 16
 HEADS_PER_PROGRAM = 16  # BLOCK_H at most: a decode tile is 16 heads of one token
 PREFILL_ROWS = 32  # BLOCK_Q x BLOCK_H rows of a prefill tile ([32, L] float32 accumulators)
 
@@ -194,6 +202,8 @@ class TritonMLAAttention(MLABackend):
     name = "triton"
     cuda_graph_safe = True
     num_kv_splits: int | None = None  # decode splits (a power of two); None: from the batch and the GPU
+    # Decode-only launches: (TILE_N keys per step, num_warps, num_stages); None: by the batch (above).
+    decode_launch: tuple[int, int, int] | None = None
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:
@@ -229,15 +239,21 @@ class TritonMLAAttention(MLABackend):
         else:
             partial_acc = partial_m = partial_l = output  # unused
         page = cache.shape[1]
+        tile_n, num_warps = max(16, min(32, page * 4)), 8 if rank >= 256 else 4
+        launch = {}
+        if not tiled:
+            few = metadata.num_seqs * head_blocks < FEW_PROGRAMS
+            tile_n, num_warps, num_stages = self.decode_launch or (DECODE_LAUNCH_FEW if few else DECODE_LAUNCH_MANY)
+            launch = {"num_stages": num_stages}
         _mla_kernel[grid](
             q_latent, q_pe, cache, output, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
             tile_seq, tile_q, partial_acc, partial_m, partial_l, self.scale,
             q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), output.stride(0),
             output.stride(1), cache.stride(0), cache.stride(1), metadata.block_tables.stride(0),
             NUM_HEADS=heads, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_M=block_m, L=rank, R=self.rope_dim,
-            R_PADDED=max(16, next_power_of_2(self.rope_dim)), PAGE=page, TILE_N=max(16, min(32, page * 4)),
+            R_PADDED=max(16, next_power_of_2(self.rope_dim)), PAGE=page, TILE_N=tile_n,
             INTERPRETED=INTERPRETED, TILED=tiled, IEEE_DOT=q_latent.dtype == torch.float32, SPLITS=splits,
-            num_warps=8 if rank >= 256 else 4)
+            num_warps=num_warps, **launch)
         if splits > 1:
             combine_splits_kernel[(tokens, heads)](partial_acc, partial_m, partial_l, output, output.stride(0),
                                                    output.stride(1), NUM_HEADS=heads, SPLITS=splits, HEAD_DIM=rank,
