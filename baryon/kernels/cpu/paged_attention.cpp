@@ -322,7 +322,7 @@ void attend(const AttentionJobs& a, const T* keys, const T* values, const uint8_
       // The rows in place, walked block by block (no division per row).
       for (int64_t j = 0; j < n && !converted;) {
         const int64_t p = first + j, in_block = std::min<int64_t>(block_size - p % block_size, n - j);
-        const int64_t row0 = (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * Hkv + kvh;
+        const int64_t row0 = slot_of(p) * Hkv + kvh;
         for (int64_t r = 0; r < in_block; ++r, ++j) {
           key_ptrs[j] = keys + (row0 + r * Hkv) * D;
           value_ptrs[j] = values + (row0 + r * Hkv) * D;
