@@ -13,7 +13,9 @@
 4. decode: TPOT of `--model` at batch 1 and `--batch` (median of --repeats, the two cases
    alternating), every request under the same schema against no constraint. A preset (dummy
    weights; its own synthetic tokenizer has no JSON characters) runs with a byte-level
-   tokenizer over step 1's kind of vocabulary, at the preset's vocabulary size.
+   tokenizer over step 1's kind of vocabulary, at the preset's vocabulary size. The last lines
+   also give the median of each repeat's paired ratio (its constrained run over the unconstrained
+   run just before), which a host whose speed drifts between repeats moves less.
 
 Prints one JSON line per measurement and a table last.
 """
@@ -172,6 +174,13 @@ def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tok
         for label, times in tpot.items():
             records.append({"measure": "decode", "case": f"batch {batch}, {label}",
                             "ms": statistics.median(times) * 1e3, "best_ms": min(times) * 1e3, "model": model})
+        # Each repeat's constrained run over the unconstrained run just before it: a host whose
+        # speed drifts between repeats (the H100 hosts' did by up to 40% within one call) moves
+        # both runs of a pair alike, so the median of these ratios is steadier than the ratio of
+        # the two medians.
+        ratios = [c / u for u, c in zip(tpot["unconstrained"], tpot["json schema"])]
+        records.append({"measure": "ratio", "case": f"batch {batch}, paired", "ms": statistics.median(ratios),
+                        "ratios": [round(r, 3) for r in ratios], "model": model})
 
 
 def main() -> None:
@@ -192,12 +201,16 @@ def main() -> None:
         print(json.dumps(record))
     print(f"\n{'measure':<8} {'case':<40} {'ms':>9}")
     for record in records:
+        if record["measure"] == "ratio":
+            continue  # in the last lines
         print(f"{record['measure']:<8} {record['case']:<40} {record['ms']:>9.3f}")
     decode = {r["case"]: r["ms"] for r in records if r["measure"] == "decode"}
+    paired = {r["case"]: r["ms"] for r in records if r["measure"] == "ratio"}
     for batch in (1, args.batch):
         free, constrained = decode.get(f"batch {batch}, unconstrained"), decode.get(f"batch {batch}, json schema")
         if free and constrained:
-            print(f"decode batch {batch}: constrained / unconstrained TPOT = {constrained / free:.3f}")
+            print(f"decode batch {batch}: constrained / unconstrained TPOT = {constrained / free:.3f} "
+                  f"(median of paired runs: {paired[f'batch {batch}, paired']:.3f})")
 
 
 if __name__ == "__main__":
