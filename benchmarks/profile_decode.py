@@ -48,7 +48,8 @@ def main() -> None:
     from baryon.sampling_params import SamplingParams
 
     llm, _ = build_llm(args)
-    prompts = random_token_prompts(random.Random(0), [args.input_len] * args.batch_size, 10000)
+    prompts = random_token_prompts(random.Random(0), [args.input_len] * args.batch_size,
+                                   min(llm.config.model.vocab_size, 10000))
     params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)
     profiler = cProfile.Profile()
