@@ -179,7 +179,7 @@ def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tok
         # both runs of a pair alike, so the median of these ratios is steadier than the ratio of
         # the two medians.
         ratios = [c / u for u, c in zip(tpot["unconstrained"], tpot["json schema"])]
-        records.append({"measure": "ratio", "case": f"batch {batch}, paired", "ms": statistics.median(ratios),
+        records.append({"measure": "ratio", "case": f"batch {batch}, paired", "median": statistics.median(ratios),
                         "ratios": [round(r, 3) for r in ratios], "model": model})
 
 
@@ -205,7 +205,7 @@ def main() -> None:
             continue  # in the last lines
         print(f"{record['measure']:<8} {record['case']:<40} {record['ms']:>9.3f}")
     decode = {r["case"]: r["ms"] for r in records if r["measure"] == "decode"}
-    paired = {r["case"]: r["ms"] for r in records if r["measure"] == "ratio"}
+    paired = {r["case"]: r["median"] for r in records if r["measure"] == "ratio"}
     for batch in (1, args.batch):
         free, constrained = decode.get(f"batch {batch}, unconstrained"), decode.get(f"batch {batch}, json schema")
         if free and constrained:
