@@ -117,3 +117,20 @@ def test_seeded_sampling_is_batch_invariant(default_engine, prompts):
     for i in (0, 5, 11):
         solo = default_engine.generate([{"prompt_token_ids": prompts[i]}], params[i], use_tqdm=False)
         assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids
+
+
+def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_engine, prompts):
+    """Greedy, seeded temperature, top-k and top-p requests that end at different steps: the batch's
+    sampling rows are rebuilt whenever its requests change (and reused while they do not), so each
+    request samples with its own parameters to its last token, as it does alone."""
+    def params(i: int) -> SamplingParams:
+        kind = i % 4
+        return SamplingParams(temperature=0 if kind == 0 else 0.7 + 0.1 * kind, top_k=5 if kind == 2 else 0,
+                              top_p=0.8 if kind == 3 else 1.0, seed=2000 + i, max_tokens=4 + 3 * (i % 5),
+                              ignore_eos=True)
+
+    batch = default_engine.generate([{"prompt_token_ids": p} for p in prompts], [params(i) for i in range(len(prompts))],
+                                    use_tqdm=False)
+    for i in range(len(prompts)):
+        solo = default_engine.generate([{"prompt_token_ids": prompts[i]}], params(i), use_tqdm=False)
+        assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"

@@ -9,6 +9,7 @@ rows that are sampled (plus prompt positions whose logprobs were asked for) and 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from baryon.config import EngineConfig
 from baryon.distributed.parallel_state import broadcast_from_first, tp_rank, tp_world_size
 from baryon.distributed.worker_group import WorkerGroup
 from baryon.request import Request
-from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata
+from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata, host_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
 from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler, SamplingBatch
@@ -38,7 +39,7 @@ from baryon.runner.step_plan import StepPlan
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
 from baryon.structured_output.step_masks import PendingMask, StepMasks
-from baryon.transfer import to_device
+from baryon.transfer import to_device, to_device_many
 
 logger = get_logger(__name__)
 
@@ -144,6 +145,8 @@ class ModelRunner:
         self.graph_runner: CUDAGraphRunner | None = None  # captured once the KV cache exists
         self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
+        # The last sampling batch built, and the requests it was built for (see _sampling_batch).
+        self._last_sampling: tuple[list[Request], SamplingBatch] | None = None
         self.num_blocks = choose_num_blocks(config, self)
         self.bind_kv_cache(self.num_blocks)
         self.graph_runner, self.piecewise_runner = self.capture_cuda_graphs(
@@ -371,55 +374,57 @@ class ModelRunner:
     def _plan(self, scheduled: list[tuple[Request, int]]) -> tuple[StepPlan, _Sampling]:
         """The step's inputs as host arrays, and who samples from which rows."""
         num_seqs = len(scheduled)
-        num_new = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=num_seqs)
-        computed = np.fromiter((r.num_computed_tokens for r, _ in scheduled), dtype=np.int64, count=num_seqs)
-        width = max((len(r.block_ids) for r, _ in scheduled), default=0)
-        block_tables = np.zeros((num_seqs, width), dtype=np.int32)  # [num_seqs, width]
-        for i, (request, _) in enumerate(scheduled):
-            block_tables[i, : len(request.block_ids)] = request.block_ids
-        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=query_start[1:])
-        input_ids = np.zeros(int(query_start[-1]), dtype=np.int64)  # [num_tokens]
+        num_new_list = [n for _, n in scheduled]
+        computed_list = [r.num_computed_tokens for r, _ in scheduled]
+        num_new = np.array(num_new_list, dtype=np.int64).reshape(num_seqs)
+        computed = np.array(computed_list, dtype=np.int64).reshape(num_seqs)
+        block_tables = _block_tables([r.block_ids for r, _ in scheduled])  # [num_seqs, width]
+        starts = [0, *itertools.accumulate(num_new_list)]  # query_start as Python ints
+        input_ids = np.zeros(starts[-1], dtype=np.int64)  # [num_tokens]
         sample_rows, sampling_requests, num_drafts, spans = [], [], [], []
         pending_index, pending_source = [], []  # token index <- row of the last launch's samples
-        for i, (request, n) in enumerate(scheduled):
-            start, c = int(query_start[i]), request.num_computed_tokens
+        last_rows = self.last_launch.row_of
+        for request, n, start, c in zip((r for r, _ in scheduled), num_new_list, starts, computed_list):
             drafts = request.spec_token_ids  # scheduled after the request's last token
-            known = request.all_token_ids[c:c + n - len(drafts)]
-            input_ids[start:start + len(known)] = known
-            input_ids[start + n - len(drafts):start + n] = drafts
-            if len(known) + len(drafts) < n:  # the token before the drafts is the one the previous launch sampled
-                pending_index.append(start + n - len(drafts) - 1)
-                pending_source.append(self.last_launch.row_of[request.request_id])
-            if c + n == request.num_tokens + len(drafts):  # its next token(s) are sampled
-                sample_rows.extend(range(start + n - 1 - len(drafts), start + n))
+            num_known = n - len(drafts)
+            known = request.all_token_ids[c:c + num_known]
+            if known:
+                input_ids[start:start + len(known)] = known
+            if drafts:
+                input_ids[start + num_known:start + n] = drafts
+            if len(known) < num_known:  # the token before the drafts is the one the previous launch sampled
+                pending_index.append(start + num_known - 1)
+                pending_source.append(last_rows[request.request_id])
+            if c + num_known == request.num_tokens:  # its next token(s) are sampled
+                sample_rows.extend(range(start + num_known - 1, start + n))
                 sampling_requests.append(request)
                 num_drafts.append(len(drafts))
             if request.sampling_params.prompt_logprobs is not None and c < request.num_prompt_tokens - 1:
                 spans.append((request, start, min(c + n, request.num_prompt_tokens - 1) - c))
         # A step of decodes with drafts runs as one decode per token (see build_metadata).
         per_token = any(num_drafts) and len(sampling_requests) == num_seqs and \
-            all(n == d + 1 for n, d in zip(num_new, num_drafts))
+            all(n == d + 1 for n, d in zip(num_new_list, num_drafts))
         logit_rows = list(sample_rows)
         for _, start, count in spans:
             logit_rows.extend(range(start, start + count))
         plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
-                        pending_index=np.asarray(pending_index, dtype=np.int64),
-                        pending_source=np.asarray(pending_source, dtype=np.int64),
-                        logit_rows=np.asarray(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
+                        pending_index=np.array(pending_index, dtype=np.int64),
+                        pending_source=np.array(pending_source, dtype=np.int64),
+                        logit_rows=np.array(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
                         num_sampling=len(sampling_requests), per_token=per_token)
         return plan, _Sampling(sample_rows, sampling_requests, num_drafts, spans)
 
     def _upload(self, plan: StepPlan) -> _Batch:
         """The plan's tensors on the device, pending tokens read from the last launch's samples."""
         layout = batch_layout(plan.block_tables, plan.num_computed, plan.num_new, self.block_size)
-        metadata = build_metadata(layout, plan.block_tables, self.device, plan.per_token)
-        input_ids = to_device(torch.from_numpy(plan.input_ids), self.device)
+        host = host_metadata(layout, plan.block_tables, plan.per_token)
+        arrays = host.arrays()
+        input_ids, positions, pending_source, pending_index, *on_device = to_device_many(
+            [plan.input_ids, layout.positions, plan.pending_source, plan.pending_index, *arrays], self.device)
         if len(plan.pending_index):
-            source = self.last_launch.sampled_device[to_device(torch.from_numpy(plan.pending_source), self.device)]
-            input_ids[to_device(torch.from_numpy(plan.pending_index), self.device)] = source
-        return _Batch(input_ids=input_ids, positions=to_device(torch.from_numpy(layout.positions), self.device),
-                      metadata=metadata, query_start=layout.query_start)
+            input_ids[pending_index] = self.last_launch.sampled_device[pending_source]
+        return _Batch(input_ids=input_ids, positions=positions, metadata=host.on_device(on_device),
+                      query_start=layout.query_start)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], batch: SamplingBatch, step: LaunchedStep,
                 mask: PendingMask | None) -> None:
@@ -500,10 +505,21 @@ class ModelRunner:
 
     def _sampling_batch(self, requests: list[Request], previous: LaunchedStep):
         """The requests' sampling inputs; penalties count a token still pending on the device
-        (sampled by `previous`, the launch before this step)."""
+        (sampled by `previous`, the launch before this step).
+
+        Steady decoding samples the same requests, in the same order, step after step: their
+        batch is then the last one, unless it has inputs that change with every token (penalties'
+        counts; min_tokens' bans, which only lift as outputs grow, so a batch without them stays
+        without them)."""
+        last = self._last_sampling
+        if last is not None and last[1].penalties is None and last[1].banned is None and \
+                len(last[0]) == len(requests) and all(a is b for a, b in zip(last[0], requests)):
+            return last[1]
         pending = [(i, previous.row_of[r.request_id]) for i, r in enumerate(requests) if r.num_pending_tokens]
-        return build_sampling_batch(requests, self.vocab_size, self.device, pending,
-                                    previous.sampled_device if pending else None)
+        batch = build_sampling_batch(requests, self.vocab_size, self.device, pending,
+                                     previous.sampled_device if pending else None)
+        self._last_sampling = (list(requests), batch)
+        return batch
 
     def _verify(self, logits: torch.Tensor, batch: _Sampling, step: LaunchedStep, previous: LaunchedStep) -> None:
         """Speculative sampling: accept each request's drafts against its rows' logits
@@ -547,6 +563,15 @@ class ModelRunner:
             step.copy_to_host(name + ":values", torch.cat((actual_logprob, top_values), dim=1))
             step.copy_to_host(name + ":ranks", ranks)
             step.prompt_logprob_requests.append((request.request_id, request.num_computed_tokens))
+
+
+def _block_tables(block_ids: list[list[int]]) -> np.ndarray:
+    """[num_seqs, longest] int32: row i holds block_ids[i], zero-padded."""
+    lengths = np.array([len(ids) for ids in block_ids], dtype=np.int64).reshape(len(block_ids))
+    tables = np.zeros((len(block_ids), int(lengths.max(initial=0))), dtype=np.int32)
+    tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_ids), dtype=np.int32, count=int(lengths.sum()))
+    return tables
 
 
 def _pending_reader(previous: LaunchedStep) -> Callable[[Request], int | None]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from baryon.request import Request
-from baryon.transfer import to_device
+from baryon.transfer import to_device, to_device_many
 from baryon.layers.sampler import PenaltyInputs, SamplingBatch
 
 
@@ -36,6 +37,17 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
+    # The columns every step sends, in one copy: temperature, greedy, and top-k / top-p / min-p
+    # where some request sets them.
+    columns = [np.array([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=np.float32),
+               np.array(greedy, dtype=np.bool_)]
+    if any(top_k):
+        columns.append(np.array(top_k, dtype=np.int64))
+    if any(p < 1.0 for p in top_p):
+        columns.append(np.array(top_p, dtype=np.float32))
+    if any(min_p):
+        columns.append(np.array(min_p, dtype=np.float32))
+    temperature, greedy_rows, *optional = to_device_many(columns, device)
     penalties = None
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         penalties = PenaltyInputs(
@@ -55,12 +67,12 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
         banned = to_device(banned, device)
     asked = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingBatch(
-        temperature=column([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
-        greedy=column(greedy, torch.bool),
+        temperature=temperature,
+        greedy=greedy_rows,
         all_greedy=all(greedy),
-        top_k=column(top_k, torch.int64) if any(top_k) else None,
-        top_p=column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
-        min_p=column(min_p, torch.float32) if any(min_p) else None,
+        top_k=optional.pop(0) if any(top_k) else None,
+        top_p=optional.pop(0) if any(p < 1.0 for p in top_p) else None,
+        min_p=optional.pop(0) if any(min_p) else None,
         generators={i: r.generator for i, r in enumerate(requests)
                     if r.generator is not None and not r.sampling_params.is_greedy},
         penalties=penalties,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from baryon.transfer import to_device
+from baryon.transfer import to_device_many
 
 
 @dataclass
@@ -60,34 +61,64 @@ def batch_layout(block_tables: np.ndarray, num_computed: np.ndarray, num_new: np
     return BatchLayout(query_start, seq_of_token, positions, slot_mapping)
 
 
-def build_metadata(layout: BatchLayout, block_tables: np.ndarray, device: torch.device,
-                   per_token: bool = False) -> AttentionMetadata:
-    """The attention metadata of a step laid out as `layout`. per_token: every token is a
-    sequence of its own (its prefix up to and including itself, same block table), so a step of
-    several query tokens per sequence (speculative verification) runs as decodes: the decode
+@dataclass
+class HostMetadata:
+    """A step's attention metadata on the host, before its arrays go to the device (together with
+    the step's other inputs: `to_device_many`)."""
+
+    num_tokens: int
+    query_start32: np.ndarray  # [num_seqs + 1] int32
+    seq_lens32: np.ndarray  # [num_seqs] int32
+    block_tables: np.ndarray  # [num_seqs, width] int32
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    seq_of_token: np.ndarray | None  # [num_tokens]: per-token sequences' table rows, else None
+
+    def arrays(self) -> list[np.ndarray]:
+        """What goes to the device, in the order `on_device` takes it back."""
+        arrays = [self.query_start32, self.seq_lens32, self.block_tables, self.slot_mapping]
+        return arrays if self.seq_of_token is None else arrays + [self.seq_of_token]
+
+    def on_device(self, tensors: Sequence[torch.Tensor]) -> AttentionMetadata:
+        """tensors: `arrays()` on the device."""
+        query_start, seq_lens, tables, slot_mapping = tensors[:4]
+        if self.seq_of_token is not None:
+            # Each token's row of its sequence's table, gathered on the device (a row per token of
+            # a long context would be megabytes to copy).
+            tables = tables[tensors[4]]
+        num_new = np.diff(self.query_start32)
+        return AttentionMetadata(
+            num_tokens=self.num_tokens,
+            query_start_loc=query_start,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=slot_mapping,
+            max_query_len=int(num_new.max()) if len(num_new) else 0,
+            max_seq_len=int(self.seq_lens32.max()) if len(self.seq_lens32) else 0,
+            query_start_loc_cpu=torch.from_numpy(self.query_start32),
+            seq_lens_cpu=torch.from_numpy(self.seq_lens32),
+        )
+
+
+def host_metadata(layout: BatchLayout, block_tables: np.ndarray, per_token: bool = False) -> HostMetadata:
+    """The attention metadata of a step laid out as `layout`, on the host. per_token: every token
+    is a sequence of its own (its prefix up to and including itself, same block table), so a step
+    of several query tokens per sequence (speculative verification) runs as decodes: the decode
     kernels and the decode CUDA graphs serve it, causality holding since every token's K/V is
     written before attention reads the cache."""
-    tables = to_device(torch.from_numpy(np.ascontiguousarray(block_tables)), device)  # [num_seqs, width]
     if per_token:
         query_start = np.arange(len(layout.positions) + 1, dtype=np.int64)
         seq_lens = layout.positions + 1
-        # Each token's row of its sequence's table, gathered on the device (a row per token of a
-        # long context would be megabytes to copy).
-        tables = tables[to_device(torch.from_numpy(layout.seq_of_token), device)]
     else:
         query_start = layout.query_start
         seq_lens = layout.positions[layout.query_start[1:] - 1] + 1 if len(layout.positions) else \
             np.zeros(0, dtype=np.int64)
-    num_new = np.diff(query_start)
-    query_start32, seq_lens32 = query_start.astype(np.int32), seq_lens.astype(np.int32)
-    return AttentionMetadata(
-        num_tokens=len(layout.positions),
-        query_start_loc=to_device(torch.from_numpy(query_start32), device),
-        seq_lens=to_device(torch.from_numpy(seq_lens32), device),
-        block_tables=tables,
-        slot_mapping=to_device(torch.from_numpy(layout.slot_mapping), device),
-        max_query_len=int(num_new.max()) if len(num_new) else 0,
-        max_seq_len=int(seq_lens32.max()) if len(seq_lens32) else 0,
-        query_start_loc_cpu=torch.from_numpy(query_start32),
-        seq_lens_cpu=torch.from_numpy(seq_lens32),
-    )
+    return HostMetadata(num_tokens=len(layout.positions), query_start32=query_start.astype(np.int32),
+                        seq_lens32=seq_lens.astype(np.int32), block_tables=np.ascontiguousarray(block_tables),
+                        slot_mapping=layout.slot_mapping, seq_of_token=layout.seq_of_token if per_token else None)
+
+
+def build_metadata(layout: BatchLayout, block_tables: np.ndarray, device: torch.device,
+                   per_token: bool = False) -> AttentionMetadata:
+    """`host_metadata` on the device, in one copy."""
+    host = host_metadata(layout, block_tables, per_token)
+    return host.on_device(to_device_many(host.arrays(), device))
