@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128,
                         help="prompt tokens (the profiled run finds them in the prefix cache: decode steps over "
                              "a context of this length)")
+    parser.add_argument("--rows", type=int, default=15, help="rows of each kernel table")
     add_engine_flags(parser)
     args = parser.parse_args()
     from baryon.sampling_params import SamplingParams
@@ -60,14 +61,14 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, params, use_tqdm=False)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows))
     # Tensor parallelism: the collectives' device time per step (NCCL kernels, any custom all-reduce).
     collective_us = sum(getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)
                         for e in prof.key_averages() if "nccl" in e.key.lower() or "all_reduce" in e.key.lower())
     print(f"collectives: {collective_us / args.steps / 1e3:.3f} ms of device time per step "
           f"(tensor_parallel_size={args.tensor_parallel_size}, batch {args.batch_size})")
     print(device_timeline(prof, args.steps))
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":
