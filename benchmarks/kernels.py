@@ -289,6 +289,16 @@ def moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -
                 logits = torch.randn(tokens, experts, generator=gen).to(device)
                 record(f"moe_routing.{impl.name}", f"tokens={tokens} E={experts} top{top_k}",
                        lambda: impl.forward(logits, routing))
+    # The sorted GEMM's layout of a step's pairs: every expert (one rank) and half of them (EP=2).
+    from baryon.kernels.moe.align import align_pairs, align_pairs_triton
+
+    aligners = [("torch", align_pairs)] + ([("triton", align_pairs_triton)] if device.type == "cuda" else [])
+    for tokens in (64, 256, 8192 // (16 if small else 1)):
+        ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k].to(device, torch.int32)
+        for local in (experts, experts // 2):
+            for name, align in aligners:
+                record(f"moe_align.{name}", f"tokens={tokens} top{top_k} local experts={local}/{experts} block_m=64",
+                       lambda: align(ids, local, 0, 64))
     for impl in selector.candidates("fused_moe"):
         if impl.unsupported_reason(device) is not None or impl.cannot_implement_reason(
                 dtype=dtype, hidden=hidden, inter=inter, device_type=device.type) is not None:

@@ -121,7 +121,11 @@ def test_align_pairs_groups_pairs_by_expert(seed, tokens, top_k, experts, block_
 
 @needs_triton
 @pytest.mark.parametrize("tokens,top_k,experts,block_m,start,local", [
-    (1, 2, 8, 16, 0, 8), (300, 8, 64, 4, 0, 64), (20, 2, 8, 16, 4, 4), (7, 4, 4, 1, 0, 4), (500, 6, 160, 64, 80, 80)])
+    (1, 2, 8, 16, 0, 8), (300, 8, 64, 4, 0, 64), (20, 2, 8, 16, 4, 4), (7, 4, 4, 1, 0, 4), (500, 6, 160, 64, 80, 80),
+    # 69 chunks of pairs: the offsets kernel's running sums over two tiles of chunks
+    (1100, 8, 128, 16, 0, 128),
+    # 2 chunks and 220 blocks of rows: each scatter program names seven strides of blocks
+    (30, 8, 200, 2, 0, 200)])
 def test_triton_align_equals_reference(seed, tokens, top_k, experts, block_m, start, local):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
