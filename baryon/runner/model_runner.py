@@ -384,7 +384,7 @@ class ModelRunner:
         sample_rows, sampling_requests, num_drafts, spans = [], [], [], []
         pending_index, pending_source = [], []  # token index <- row of the last launch's samples
         last_rows = self.last_launch.row_of
-        for request, n, start, c in zip((r for r, _ in scheduled), num_new_list, starts, computed_list):
+        for (request, n), start, c in zip(scheduled, starts, computed_list):
             drafts = request.spec_token_ids  # scheduled after the request's last token
             num_known = n - len(drafts)
             known = request.all_token_ids[c:c + num_known]
