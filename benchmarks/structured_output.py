@@ -137,9 +137,20 @@ def apply_cost(records: list[dict], device: torch.device) -> None:
                         "ms": statistics.median(times[5:]) * 1e3})
 
 
+def enum_array_spec():
+    """A JSON array that cannot close within a benchmark's tokens (at least 400 items of 3-5
+    tokens), so every constrained request decodes as many tokens as an unconstrained one."""
+    from baryon import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
+                                                         "minItems": 400}},
+              "required": ["words"], "additionalProperties": False}
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
 def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tokens: int, repeats: int,
                 seed: int) -> None:
-    from baryon import LLM, SamplingParams, StructuredOutputsParams
+    from baryon import LLM, SamplingParams
 
     from baryon.bench.presets import PRESETS, resolve_model
 
@@ -150,12 +161,7 @@ def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tok
         llm = LLM(resolve_model(model), load_format="dummy", tokenizer=str(tokenizer), max_model_len=4096)
     else:
         llm = LLM(model)
-    # A JSON array that cannot close before --new-tokens (400 items of 3-5 tokens), so every
-    # constrained request decodes as many tokens as an unconstrained one.
-    schema = {"type": "object", "properties": {"words": {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]},
-                                                         "minItems": 400}},
-              "required": ["words"], "additionalProperties": False}
-    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    spec = enum_array_spec()
     for batch in batch_sizes:
         def run(n: int, structured) -> float:
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
