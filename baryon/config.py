@@ -91,11 +91,37 @@ class EngineArgs:
         False, "MoE models: divide the experts among the tensor-parallel ranks instead of splitting every "
                "expert's intermediate size; with data_parallel_size > 1, among the replicas (DP attention: "
                "each replica runs attention on its own requests, every MoE layer runs over all replicas' tokens)")
+    engine_process: bool | None = _arg(
+        None, "Offline API (LLM, baryon generate/chat): run the engine core (scheduler, model runner) in a process "
+              "of its own, so that tokenizing and detokenizing here overlap its steps; default: on a GPU (in this "
+              "process on CPU, whose cores the engine's kernels use). data_parallel_size > 1 always runs replicas "
+              "in processes, and `baryon serve` its engine")
     speculative_config: str | dict | None = _arg(
         None, "Speculative decoding, a JSON object (or dict) as vLLM takes it: {\"method\": \"ngram\" | "
               "\"draft_model\" | \"eagle3\" | \"mtp\", \"num_speculative_tokens\": k, \"model\": draft "
               "checkpoint (draft_model, eagle3), \"prompt_lookup_min\"/\"prompt_lookup_max\": n-gram sizes "
               "(ngram)}")
+
+
+def default_engine_process(device: torch.device) -> bool:
+    """Whether the offline API runs its engine core in a process of its own unless told: on a GPU,
+    where the host's work per step bounds small models and a second process takes the text work
+    off the engine's thread (vLLM's default too); not on CPU, whose cores the model's kernels use."""
+    return device.type == "cuda"
+
+
+def planned_engine_processes(kwargs: dict[str, Any]) -> int:
+    """How many engine-core processes an offline engine of these arguments (`EngineArgs` fields)
+    runs: data_parallel_size replicas, else one with engine_process, else none (its engine core
+    runs in this process). Known before the configuration is resolved, so that they can start
+    importing the engine meanwhile."""
+    data_parallel_size = kwargs.get("data_parallel_size") or 1
+    if data_parallel_size > 1:
+        return data_parallel_size
+    wanted = kwargs.get("engine_process")
+    if wanted is None:
+        wanted = default_engine_process(_resolve_device(kwargs.get("device") or "auto"))
+    return int(bool(wanted))
 
 
 LARGE_GPU_BYTES = 70 * 2**30  # from here a GPU's default token budget doubles
@@ -209,6 +235,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(1, 1, False))
     speculative: SpeculativeConfig | None = None
     cpu_threads: int = field(default_factory=lambda: available_cores())
+    engine_process: bool = False  # the offline API's engine core runs in a process of its own
 
     @property
     def cpu_threads_per_rank(self) -> int:
@@ -259,7 +286,8 @@ class EngineConfig:
         parallel = _resolve_parallel(args, device, compilation, speculative, hf_config)
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
                    seed=args.seed, parallel=parallel, speculative=speculative,
-                   cpu_threads=args.cpu_threads or available_cores())
+                   cpu_threads=args.cpu_threads or available_cores(),
+                   engine_process=default_engine_process(device) if args.engine_process is None else args.engine_process)
 
     def replicas(self) -> list[EngineConfig]:
         """One config per data-parallel replica: replica d on the tensor_parallel_size GPUs that

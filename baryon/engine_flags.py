@@ -19,10 +19,14 @@ def _flag_type(field: dataclasses.Field) -> Any:
     return args[0]
 
 
-def add_engine_args(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
-    """One flag per EngineArgs field; `defaults` replaces some fields' defaults for this command."""
+def add_engine_args(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
+                    omit: frozenset[str] = frozenset()) -> None:
+    """One flag per EngineArgs field, but those in `omit` (fields that mean nothing to this
+    command); `defaults` replaces some fields' defaults for this command."""
     group = parser.add_argument_group("engine")
     for field in dataclasses.fields(EngineArgs):
+        if field.name in omit:
+            continue
         flag = "--" + field.name.replace("_", "-")
         kind = _flag_type(field)
         help_text = field.metadata["help"]
@@ -36,4 +40,5 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict[str, Any] | 
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    """The engine arguments the command's flags set (an omitted field keeps its EngineArgs default)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}

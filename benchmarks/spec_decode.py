@@ -58,7 +58,7 @@ def _llm(model: str, spec: dict | None, max_model_len: int, dtype: str):
     if spec is not None and spec.get("model"):
         spec = dict(spec, model=resolve_model(spec["model"]))
     return LLM(model=resolve_model(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len, dtype=dtype,
-               speculative_config=spec)
+               speculative_config=spec, engine_process=False)  # the verify-step timing drives the runner itself
 
 
 def _tpot(llm, batch_size: int, input_len: int, output_len: int) -> dict:

@@ -149,7 +149,7 @@ def enum_array_spec():
 
 
 def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tokens: int, repeats: int,
-                seed: int) -> None:
+                seed: int, engine_process: bool | None = None) -> None:
     from baryon import LLM, SamplingParams
 
     from baryon.bench.presets import PRESETS, resolve_model
@@ -158,9 +158,10 @@ def decode_cost(records: list[dict], model: str, batch_sizes: list[int], new_tok
         config = PRESETS[model]
         tokenizer = byte_level_tokenizer(Path(tempfile.mkdtemp(prefix="byte-level-")),
                                          synthetic_vocab(config["vocab_size"], seed), config["eos_token_id"])
-        llm = LLM(resolve_model(model), load_format="dummy", tokenizer=str(tokenizer), max_model_len=4096)
+        llm = LLM(resolve_model(model), load_format="dummy", tokenizer=str(tokenizer), max_model_len=4096,
+                  engine_process=engine_process)
     else:
-        llm = LLM(model)
+        llm = LLM(model, engine_process=engine_process)
     spec = enum_array_spec()
     for batch in batch_sizes:
         def run(n: int, structured) -> float:
@@ -197,12 +198,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--fill-steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="the decode engine's core in a process of its own (default: the engine's, on a GPU)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     records: list[dict] = []
     host_costs(records, args.seed, args.fill_steps)
     apply_cost(records, device)
-    decode_cost(records, args.model, [1, args.batch], args.new_tokens, args.repeats, args.seed)
+    decode_cost(records, args.model, [1, args.batch], args.new_tokens, args.repeats, args.seed, args.engine_process)
     for record in records:
         print(json.dumps(record))
     print(f"\n{'measure':<8} {'case':<40} {'ms':>9}")

@@ -22,6 +22,16 @@ def pytest_report_header(config) -> str:
     return f"baryon test seed: {TEST_SEED} (replay with BARYON_TEST_SEED={TEST_SEED})"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_core_in_process():
+    """Tests look inside the engine (its runner, scheduler, caches), which only an engine core in
+    the test's own process allows: on a GPU too, an LLM keeps its engine core here unless the test
+    asks for a process of its own (engine_process=True, as tests/test_engine_process.py does)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("baryon.config.default_engine_process", lambda device: False)
+        yield
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh seed per test (derived from the session seed and the test's name)."""

@@ -380,7 +380,7 @@ def test_masks_filled_in_the_background_equal_those_filled_inline(random_stories
             fill_threads.clear()
             step_masks.fill_bitmask = spying_fill
             try:
-                mask = masks.begin(requests, list(range(len(requests))), lambda r: r.pending, in_background)
+                mask = masks.begin(requests, list(range(len(requests))), lambda rs: [r.pending for r in rs], in_background)
                 masked = logits[:len(requests)].clone()
                 masks.apply(mask, masked)
             finally:

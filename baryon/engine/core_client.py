@@ -62,7 +62,7 @@ class EngineProcess:
     configuration; `configure(config)` then lets it build the engine (load the model)."""
 
     def __init__(self, async_outputs: bool = True) -> None:
-        """async_outputs: receive with asyncio (the server); False: blocking (data_parallel.py)."""
+        """async_outputs: receive with asyncio (the server); False: blocking (core_processes.py)."""
         self._socket_dir = tempfile.mkdtemp(prefix="baryon-engine-")
         input_address, output_address = f"ipc://{self._socket_dir}/input", f"ipc://{self._socket_dir}/output"
         self._context = zmq.Context()

@@ -1,8 +1,9 @@
 """The engine-core process: an EngineCore driven by messages from the server over ZMQ.
 
 Started by `baryon.engine.core_client` as `python -m baryon.engine.core_process INPUT OUTPUT`,
-before the server has resolved the configuration: it imports the engine meanwhile, then reads
-the pickled EngineConfig from stdin (nothing there: the server gave up, exit). It pulls
+before the server (or the offline LLM) has resolved the configuration: it imports the engine
+and transformers meanwhile, then reads the pickled EngineConfig from stdin (nothing there: the
+parent gave up, exit). It pulls
 AddRequests / AbortRequests / Shutdown from INPUT and pushes EngineReady, then one
 EngineOutputs per step that changed something, to OUTPUT. It speaks token ids only; the server
 tokenizes and detokenizes.
@@ -45,7 +46,7 @@ _LINGER_MS = 2000
 def engine_stats(core: EngineCore) -> EngineStats:
     scheduler, blocks, spec = core.scheduler, core.block_manager, core.spec_stats
     return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                       num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks=blocks.num_blocks,
+                       num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks=blocks.num_blocks, num_steps=core.num_steps,
                        spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                        spec_num_accepted_tokens=spec.num_accepted_tokens,
                        spec_accepted_per_position=list(spec.accepted_per_position))
@@ -151,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m baryon.engine.core_process INPUT_ADDRESS OUTPUT_ADDRESS "
               "(pickled EngineConfig on stdin)", file=sys.stderr)
         return 2
-    pickled = sys.stdin.buffer.read()  # waits while the server resolves the configuration
+    # The configuration holds a transformers config, whose unpickling imports transformers' model
+    # machinery (seconds on some hosts): import it while the parent is still resolving.
+    import transformers.configuration_utils  # noqa: F401
+    import transformers.modeling_rope_utils  # noqa: F401
+
+    pickled = sys.stdin.buffer.read()  # waits while the parent resolves the configuration
     if not pickled:
         return 0  # the server gave up before configuring the engine
     return run_engine_core(pickle.loads(pickled), argv[0], argv[1])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from baryon.config import EngineConfig
 from baryon.engine.core import EngineCore
-from baryon.engine.data_parallel import DataParallelEngineCores
+from baryon.engine.core_client import EngineProcess
+from baryon.engine.core_processes import EngineCoreProcesses
 from baryon.engine.output_processor import OutputProcessor
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
@@ -38,15 +40,32 @@ def check_sampling_params(config: EngineConfig, has_tokenizer: bool, params: Sam
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_processes: Sequence[EngineProcess] = ()) -> None:
+        """engine_processes: engine-core processes started for this engine (`EngineProcess`,
+        configured here), as many as it runs (`baryon.config.planned_engine_processes`)."""
         self.config = config
         model = config.model
-        self.tokenizer = None
-        if model.tokenizer_path is not None:
-            self.tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
-        self.eos_token_ids = eos_token_ids(model.model_path, model.hf_config, self.tokenizer)
-        # One engine here, or data_parallel_size replicas in processes of their own.
-        self.core = EngineCore(config) if config.parallel.data_parallel_size == 1 else DataParallelEngineCores(config)
+        # The engine core here, or in a process of its own (a GPU's default), or data_parallel_size
+        # replicas in processes of their own; those load the model while this process loads the tokenizer.
+        in_process = config.parallel.data_parallel_size == 1 and not config.engine_process
+        if in_process:
+            for unused in engine_processes:
+                unused.kill()
+        core = None if in_process else EngineCoreProcesses(config, engine_processes)
+        try:
+            self.tokenizer = None
+            if model.tokenizer_path is not None:
+                self.tokenizer = load_tokenizer(model.tokenizer_path, model.trust_remote_code)
+            self.eos_token_ids = eos_token_ids(model.model_path, model.hf_config, self.tokenizer)
+            if core is None:
+                core = EngineCore(config)
+            else:
+                core.wait_ready()
+        except BaseException:
+            if core is not None:
+                core.shutdown()
+            raise
+        self.core = core
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -46,6 +46,7 @@ class EngineStats(msgspec.Struct):
     num_waiting: int = 0
     num_kv_blocks_used: int = 0
     num_kv_blocks: int = 0
+    num_steps: int = 0  # steps launched since start
     # Speculative decoding totals since start (all 0 without it).
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

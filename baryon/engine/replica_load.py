@@ -7,7 +7,7 @@ Counting requests instead splits a batch of mixed lengths evenly by number and u
 nano's 256 requests (outputs of 100-1,024 tokens) gave one of two replicas 75,964 output tokens
 and the other 68,196, and the run lasts as long as the busier one.
 
-Both the offline engine's replicas (engine/data_parallel.py) and the server's
+Both the offline engine's replicas (engine/core_processes.py) and the server's
 (engine/core_client.py) place requests with it.
 """
 

@@ -255,8 +255,8 @@ class ModelRunner:
         ranks first, which run the same forward pass. With DP attention `dp_step` says how this
         step meets the other replicas' (an empty `scheduled`: a forward pass of padding only,
         whose MoE layers serve the other replicas' tokens)."""
-        self.last_launch.complete()  # its samples may be this step's inputs
         if not scheduled and dp_step is not None:
+            self.last_launch.complete()  # queued before this step, as any launch's (see _upload)
             return self._launch_padding(dp_step)
         plan, sampling = self._plan(scheduled)
         if self.workers is not None:
@@ -293,7 +293,6 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> None:
         """A rank > 0 runs rank 0's plan: the forward pass, its share of the LM head, and it
         receives the ids rank 0 samples."""
-        self.last_launch.complete()
         self._launch(plan, None, None)
 
     def _launch(self, plan: StepPlan, scheduled: list[tuple[Request, int]] | None,
@@ -342,7 +341,7 @@ class ModelRunner:
             # Structured outputs: the masks fill in the background, and the sampling waits until
             # the engine needs this step (`LaunchedStep.complete`), having processed the previous
             # step's outputs and scheduled the next step meanwhile.
-            mask = self.step_masks.begin(requests, range(len(requests)), _pending_reader(previous),
+            mask = self.step_masks.begin(requests, range(len(requests)), previous.pending_tokens,
                                          in_background=True)
             finish = functools.partial(self._sample, logits[:num_sampled], requests, sampling_batch, step, mask)
             if mask is None:
@@ -421,8 +420,12 @@ class ModelRunner:
         arrays = host.arrays()
         input_ids, positions, pending_source, pending_index, *on_device = to_device_many(
             [plan.input_ids, layout.positions, plan.pending_source, plan.pending_index, *arrays], self.device)
-        if len(plan.pending_index):
-            input_ids[pending_index] = self.last_launch.sampled_device[pending_source]
+        # The last launch's samples may be this step's inputs: what it deferred (a structured-output
+        # step's sampling, which waits for its masks) is queued now, so that its masks had this
+        # step's planning to fill in, and before anything of this step reads the samples.
+        self.last_launch.complete()
+        if len(plan.pending_index):  # (index_copy_ / index_select: far less host time than tensor indexing)
+            input_ids.index_copy_(0, pending_index, self.last_launch.sampled_device.index_select(0, pending_source))
         return _Batch(input_ids=input_ids, positions=positions, metadata=host.on_device(on_device),
                       query_start=layout.query_start)
 
@@ -532,7 +535,7 @@ class ModelRunner:
         draft_probs = self.proposer.draft_probs(requests, batch.num_drafts, self.vocab_size) if drafts else None
         # A constrained request verifies no drafts (see _position_dependent): its one row.
         mask = self.step_masks.begin(requests, (cu_num_drafts[:-1] + np.arange(len(requests))).tolist(),
-                                     _pending_reader(previous), in_background=False)
+                                     previous.pending_tokens, in_background=False)
         if mask is not None:
             self.step_masks.apply(mask, logits)
         sampling = self._sampling_batch(requests, previous)
@@ -572,12 +575,6 @@ def _block_tables(block_ids: list[list[int]]) -> np.ndarray:
     tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(block_ids), dtype=np.int32, count=int(lengths.sum()))
     return tables
-
-
-def _pending_reader(previous: LaunchedStep) -> Callable[[Request], int | None]:
-    """The token `previous` sampled for a request whose output does not hold it yet (waits for
-    that step), else None."""
-    return lambda request: previous.sampled_token(request.request_id) if request.num_pending_tokens else None
 
 
 def _position_dependent(request: Request) -> bool:
@@ -658,9 +655,12 @@ class LaunchedStep:
                 last_check = time.monotonic()
                 time.sleep(0)  # let the monitor thread run
 
-    def sampled_token(self, request_id: str) -> int:
-        """The last token this step sampled for the request (the one a next step reads while
-        it is pending); waits for the step."""
+    def pending_tokens(self, requests: list[Request]) -> list[int | None]:
+        """For each request, the last token this step sampled for it where the request's output
+        does not hold that token yet (it is pending: the next step reads it on the device), else
+        None; waits for this step if some token is pending."""
+        if not any(r.num_pending_tokens for r in requests):
+            return [None] * len(requests)
         self.complete()
         if self._sampled is None:
             if self._event is not None:
@@ -670,7 +670,8 @@ class LaunchedStep:
             else:  # a verification: each request's last emitted token
                 self._sampled = [tokens[n - 1] for tokens, n in zip(self._host["verified"].tolist(),
                                                                     self._host["num_verified"].tolist())]
-        return self._sampled[self.row_of[request_id]]
+        sampled, row_of = self._sampled, self.row_of
+        return [sampled[row_of[r.request_id]] if r.num_pending_tokens else None for r in requests]
 
     def result(self) -> ModelRunnerOutput:
         """Wait for this step (only) and return its sampled tokens and logprobs as Python values."""

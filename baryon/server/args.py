@@ -39,4 +39,5 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "Qwen, llama3_json for Llama, mistral, deepseek_v3, openai for GPT-OSS)")
     server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                         help="Log level of the HTTP server (access log at info)")
-    add_engine_args(parser, defaults={"max_num_batched_tokens": 8192})  # a server's budget (config.default_token_budget)
+    # A server's token budget (config.default_token_budget); its engine always runs in a process of its own.
+    add_engine_args(parser, defaults={"max_num_batched_tokens": 8192}, omit=frozenset({"engine_process"}))

@@ -21,14 +21,15 @@ class BitmaskStaging:
         self.device = device
         self.host = torch.empty(0, self.words, dtype=torch.int32)  # [capacity, words]
         self.on_device = self.host  # [capacity, words] on `device` (the host buffer itself on a CPU)
-        self._copied: torch.cuda.Event | None = None
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy (one event, reused)
+        self._copy_pending = False  # the host buffer's last copy may not have run yet
         self._first_rows = torch.arange(0, device=device)  # [capacity] 0, 1, 2, ... on the device
 
     def host_rows(self, rows: int) -> torch.Tensor:
         """int32 [rows, words] on the host, free to be filled (the previous copy has finished)."""
-        if self._copied is not None:
+        if self._copy_pending:
             self._copied.synchronize()
-            self._copied = None
+            self._copy_pending = False
         if self.host.shape[0] < rows:
             capacity = -(-rows // _ROW_GRANULE) * _ROW_GRANULE
             pinned = self.device.type == "cuda"
@@ -43,8 +44,10 @@ class BitmaskStaging:
             return self.host[:rows]
         on_device = self.on_device[:rows]
         on_device.copy_(self.host[:rows], non_blocking=True)
-        self._copied = torch.cuda.Event()
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
         self._copied.record()
+        self._copy_pending = True
         return on_device
 
     def logits_rows(self, rows: list[int]) -> torch.Tensor:

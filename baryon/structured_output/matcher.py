@@ -28,6 +28,7 @@ class RequestGrammar:
     def __init__(self, compiled: Future, stop_token_ids: Sequence[int]) -> None:
         self._compiled = compiled
         self._stop_token_ids = list(stop_token_ids)
+        self._stop_token_set = frozenset(self._stop_token_ids)
         self.matcher: xgrammar.GrammarMatcher | None = None
         self.num_accepted = 0
         self.rejected_token: int | None = None  # a token the grammar refused (the mask was not applied)
@@ -78,7 +79,9 @@ class RequestGrammar:
             logger.warning("token %d does not follow the request's grammar", token)
             return
         self.num_accepted += 1
-        self._ended = self.matcher.is_terminated()
+        # A matcher ends only on accepting a stop token (it is made without
+        # terminate_without_stop_token), so the others need no call into xgrammar.
+        self._ended = token in self._stop_token_set and self.matcher.is_terminated()
 
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted, or a token broke it."""
@@ -90,16 +93,17 @@ def advance_all(grammars: list[RequestGrammar], outputs: list[Sequence[int]], pe
     decode step) accept it in one call into xgrammar."""
     import xgrammar as xgr
 
-    one_behind, tokens = [], []
+    one_behind, matchers, tokens = [], [], []
     for grammar, output, pending_token in zip(grammars, outputs, pending):
         behind = grammar.tokens_behind(output, pending_token)
         if behind == 1:
             one_behind.append(grammar)
+            matchers.append(grammar.get_matcher())
             tokens.append(pending_token if pending_token is not None else output[grammar.num_accepted])
         elif behind > 1:
             grammar.advance(output, pending_token)
     if one_behind:
-        accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.get_matcher() for g in one_behind], tokens)
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
         for grammar, token, ok in zip(one_behind, tokens, accepted):
             grammar.note_accept(token, ok)
 

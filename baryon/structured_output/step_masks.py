@@ -44,17 +44,17 @@ class StepMasks:
         self._filler: ThreadPoolExecutor | None = None
 
     def begin(self, requests: Sequence[Request], rows: Sequence[int],
-              pending_token: Callable[[Request], int | None], in_background: bool) -> PendingMask | None:
+              pending_tokens: Callable[[list[Request]], list[int | None]], in_background: bool) -> PendingMask | None:
         """The mask of requests[i] for logits row rows[i] (None when no request is constrained):
-        the grammars accept the tokens not accepted yet (`pending_token(request)`: the token the
-        previous step sampled for it that its output does not hold yet, or None), then the host
-        rows are filled, on the worker thread if in_background."""
+        the grammars accept the tokens not accepted yet (`pending_tokens(some_requests)`: for each,
+        the token the previous step sampled for it that its output does not hold yet, or None),
+        then the host rows are filled, on the worker thread if in_background."""
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not constrained:
             return None
-        grammars = [requests[i].grammar for i in constrained]
-        advance_all(grammars, [requests[i].output_token_ids for i in constrained],
-                    [pending_token(requests[i]) for i in constrained])
+        chosen = [requests[i] for i in constrained]
+        grammars = [r.grammar for r in chosen]
+        advance_all(grammars, [r.output_token_ids for r in chosen], pending_tokens(chosen))
         for grammar in grammars:  # made here, not on the worker thread
             if not grammar.is_terminated():
                 grammar.get_matcher()

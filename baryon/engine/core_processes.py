@@ -1,10 +1,13 @@
-"""Data parallelism for the offline API: `data_parallel_size` engine replicas behind the
-EngineCore interface that LLMEngine drives.
+"""The offline API's engine cores in processes of their own, behind the EngineCore interface
+that LLMEngine drives: one engine core (the default on a GPU: `EngineConfig.engine_process`), or
+`data_parallel_size` replicas.
 
-Each replica is an engine-core process (`baryon.engine.core_process`, the server's too) on its
-own GPUs (`EngineConfig.replicas`), with its own scheduler, KV cache and, with tensor parallelism,
-its own workers (with DP attention the replicas also step together and share a MoE model's
-experts: `engine/core_process.py`). A new request goes to the replica with the least work
+Each is an engine-core process (`baryon.engine.core_process`, the server's too), on its own GPUs
+when there are replicas (`EngineConfig.replicas`), with its own scheduler, KV cache and, with
+tensor parallelism, its own workers (with DP attention the replicas also step together and share
+a MoE model's experts: `engine/core_process.py`). It steps while it has work, whatever this
+process does meanwhile, so the frontend's tokenizing, detokenizing and output building overlap
+its steps instead of adding to them. A new request goes to the replica with the least work
 outstanding, in tokens (`engine/replica_load.py`); `step()` waits until some replica has produced
 outputs and returns everything that has arrived. A replica that fails or exits fails the engine
 with its reason.
@@ -13,14 +16,15 @@ with its reason.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import zmq
 
 from baryon.config import EngineConfig
-from baryon.engine.core import EngineCoreOutput, check_prompt
+from baryon.engine.core import EngineCoreOutput, SpecDecodeStats, check_prompt
 from baryon.engine.core_client import EngineProcess
 from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreRequest, EngineFailed, EngineOutputs,
-                                    EngineReady, Shutdown)
+                                    EngineReady, EngineStats, Shutdown)
 from baryon.engine.replica_load import ReplicaLoad, request_tokens
 from baryon.sampling_params import SamplingParams
 
@@ -31,17 +35,34 @@ class ReplicaFailedError(RuntimeError):
     """An engine replica failed or exited; the engine cannot continue."""
 
 
-class DataParallelEngineCores:
-    def __init__(self, config: EngineConfig) -> None:
+class EngineCoreProcesses:
+    def __init__(self, config: EngineConfig, started: Sequence[EngineProcess] = ()) -> None:
+        """Configure the engine processes (those `started` already, and more if the configuration
+        needs more): they load the model meanwhile, until `wait_ready`."""
         self.config = config
-        self.replicas = [EngineProcess(async_outputs=False) for _ in range(config.parallel.data_parallel_size)]
+        wanted = config.parallel.data_parallel_size
+        self.replicas = list(started[:wanted])
+        self.replicas += [EngineProcess(async_outputs=False) for _ in range(wanted - len(self.replicas))]
+        for extra in started[wanted:]:
+            extra.kill()
         self.load = ReplicaLoad(len(self.replicas))  # the unfinished core requests and their replicas
         self.num_kv_blocks = 0  # the replicas' KV-cache blocks, added up
+        self.stats = [EngineStats() for _ in self.replicas]  # each replica's, as of its last message
+        # Requests added since the last step, per replica: sent together at the next step or abort,
+        # so that a batch given at once (LLM.generate) reaches an engine at once, as one message.
+        self._outbox: dict[int, list[EngineCoreRequest]] = {}
         self._poller = zmq.Poller()
         try:
             for replica, replica_config in zip(self.replicas, config.replicas()):
                 replica.configure(replica_config)
                 self._poller.register(replica.output_socket, zmq.POLLIN)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def wait_ready(self) -> None:
+        """Wait until every engine process has loaded the model; ReplicaFailedError if one failed."""
+        try:
             for index, replica in enumerate(self.replicas):
                 self._wait_ready(index, replica)
         except BaseException:
@@ -59,6 +80,7 @@ class DataParallelEngineCores:
         if not isinstance(message, EngineReady):
             raise ReplicaFailedError(f"unexpected first message from engine replica {index}: {type(message).__name__}")
         self.num_kv_blocks += message.stats.num_kv_blocks
+        self.stats[index] = message.stats
 
     # -- the EngineCore interface -------------------------------------------------------------
 
@@ -72,10 +94,16 @@ class DataParallelEngineCores:
         self.check_prompt(prompt_token_ids)
         index = self.load.assign(request_id, request_tokens(len(prompt_token_ids), params,
                                                             self.config.model.max_model_len))
-        self.replicas[index].send(AddRequests([EngineCoreRequest(request_id, list(prompt_token_ids), params,
-                                                                 eos_token_ids)]))
+        self._outbox.setdefault(index, []).append(
+            EngineCoreRequest(request_id, list(prompt_token_ids), params, eos_token_ids))
+
+    def _send_added(self) -> None:
+        for index, requests in self._outbox.items():
+            self.replicas[index].send(AddRequests(requests))
+        self._outbox.clear()
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        self._send_added()  # an abort follows the request it aborts
         by_replica: dict[int, list[str]] = {}
         for request_id in request_ids:
             index = self.load.release(request_id)
@@ -91,6 +119,7 @@ class DataParallelEngineCores:
         """Every output the replicas have sent, waiting for at least one message."""
         if not self.load:
             return []
+        self._send_added()
         while not self._poller.poll(_POLL_MS):
             self._check_alive()
         outputs = []
@@ -99,10 +128,29 @@ class DataParallelEngineCores:
                 if isinstance(message, EngineFailed):
                     raise ReplicaFailedError(f"engine replica {index}: {message.message}")
                 if isinstance(message, EngineOutputs):
+                    self.stats[index] = message.stats
                     if message.rejected:  # the prompt was checked here: a bug if it happens
                         raise ReplicaFailedError(f"engine replica {index} refused requests: {message.rejected}")
                     outputs.extend(self._finished(o) for o in message.outputs if o.request_id in self.load)
         return outputs
+
+    @property
+    def num_steps(self) -> int:
+        """Steps the replicas have launched, added up (as of their last messages)."""
+        return sum(stats.num_steps for stats in self.stats)
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculative decoding totals of the replicas, added up (as of their last messages)."""
+        k = self.config.speculative.num_speculative_tokens if self.config.speculative else 0
+        total = SpecDecodeStats(k)
+        for stats in self.stats:
+            total.num_drafts += stats.spec_num_drafts
+            total.num_draft_tokens += stats.spec_num_draft_tokens
+            total.num_accepted_tokens += stats.spec_num_accepted_tokens
+            for position, accepted in enumerate(stats.spec_accepted_per_position[:k]):
+                total.accepted_per_position[position] += accepted
+        return total
 
     def _finished(self, output: EngineCoreOutput) -> EngineCoreOutput:
         if output.finish_reason is not None:
