@@ -349,9 +349,11 @@ class EngineCore:
 
     def _finish_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.grammar is not None:  # structured outputs: a grammar that has ended stops the request
-            request.grammar.advance(request.output_token_ids)
-            if request.grammar.is_terminated():
+        grammar = request.grammar
+        if grammar is not None:  # structured outputs: a grammar that has ended stops the request
+            if grammar.num_accepted < len(request.output_token_ids):  # (a step's masks accepted it already)
+                grammar.advance(request.output_token_ids)
+            if grammar.is_terminated():
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if token in request.eos_token_ids and not params.ignore_eos:

@@ -1,11 +1,12 @@
-"""The engine-core process: an EngineCore driven by messages from the server over ZMQ.
+"""The engine-core process: an EngineCore driven by messages from its parent (the server, or the
+offline LLM: `engine/core_processes.py`) over ZMQ.
 
 Started by `baryon.engine.core_client` as `python -m baryon.engine.core_process INPUT OUTPUT`,
 before the server (or the offline LLM) has resolved the configuration: it imports the engine
 and transformers meanwhile, then reads the pickled EngineConfig from stdin (nothing there: the
 parent gave up, exit). It pulls
 AddRequests / AbortRequests / Shutdown from INPUT and pushes EngineReady, then one
-EngineOutputs per step that changed something, to OUTPUT. It speaks token ids only; the server
+EngineOutputs per step that changed something, to OUTPUT. It speaks token ids only; the parent
 tokenizes and detokenizes.
 
 It runs in its own session, so a terminal's Ctrl-C reaches only the server, which stops it in
@@ -46,7 +47,8 @@ _LINGER_MS = 2000
 def engine_stats(core: EngineCore) -> EngineStats:
     scheduler, blocks, spec = core.scheduler, core.block_manager, core.spec_stats
     return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                       num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks=blocks.num_blocks, num_steps=core.num_steps,
+                       num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks=blocks.num_blocks,
+                       num_steps=core.num_steps,
                        spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                        spec_num_accepted_tokens=spec.num_accepted_tokens,
                        spec_accepted_per_position=list(spec.accepted_per_position))
@@ -71,7 +73,8 @@ class EngineCoreLoop:
             busy = self.core.has_unfinished_requests() or (data_parallel and self.core.replicas_busy)
             changed = self._receive(timeout_ms=0 if busy else idle_ms)
             if os.getppid() != self.parent_pid:
-                logger.warning("the server process is gone; the engine process exits")
+                logger.warning("the process that started this engine (a server or an LLM) is gone; "
+                               "the engine process exits")
                 return
             if data_parallel:  # a round with the other replicas, work or not
                 step_outputs = self.core.step(stopping=changed is None)
