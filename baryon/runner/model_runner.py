@@ -340,7 +340,7 @@ class ModelRunner:
             sampling_batch = self._sampling_batch(requests, previous)  # as the requests stand at launch
             # Structured outputs: the masks fill in the background, and the sampling waits until
             # the engine needs this step (`LaunchedStep.complete`), having processed the previous
-            # step's outputs and scheduled the next step meanwhile.
+            # step's outputs, scheduled the next step and packed its inputs meanwhile.
             mask = self.step_masks.begin(requests, range(len(requests)), previous.pending_tokens,
                                          in_background=True)
             finish = functools.partial(self._sample, logits[:num_sampled], requests, sampling_batch, step, mask)
