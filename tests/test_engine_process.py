@@ -44,6 +44,7 @@ def _texts_and_ids(outputs):
 
 
 def test_the_default_follows_the_device():
+    # (the function itself, imported before conftest's session fixture replaced baryon.config's)
     assert default_engine_process(torch.device("cuda", 0)) and not default_engine_process(torch.device("cpu"))
     assert EngineConfig.create(model=str(STORIES_PATH), device="cpu").engine_process is False
     assert EngineConfig.create(model=str(STORIES_PATH), device="cpu", engine_process=True).engine_process is True
