@@ -110,18 +110,24 @@ def default_engine_process(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def resolve_engine_process(engine_process: bool | None, data_parallel_size: int, device: torch.device) -> bool:
+    """Whether the offline engine's core(s) run in processes of their own: data-parallel replicas
+    always do; else as asked, or by default as the device suits."""
+    if data_parallel_size > 1:
+        if engine_process is False:
+            raise ValueError(f"engine_process=False cannot hold with data_parallel_size={data_parallel_size}: "
+                             "replicas always run in engine processes of their own; leave engine_process unset")
+        return True
+    return default_engine_process(device) if engine_process is None else engine_process
+
+
 def planned_engine_processes(kwargs: dict[str, Any]) -> int:
     """How many engine-core processes an offline engine of these arguments (`EngineArgs` fields)
-    runs: data_parallel_size replicas, else one with engine_process, else none (its engine core
-    runs in this process). Known before the configuration is resolved, so that they can start
-    importing the engine meanwhile."""
+    runs (0: its engine core runs in this process). Known before the configuration is resolved, so
+    that they can start importing the engine meanwhile."""
     data_parallel_size = kwargs.get("data_parallel_size") or 1
-    if data_parallel_size > 1:
-        return data_parallel_size
-    wanted = kwargs.get("engine_process")
-    if wanted is None:
-        wanted = default_engine_process(_resolve_device(kwargs.get("device") or "auto"))
-    return int(bool(wanted))
+    device = _resolve_device(kwargs.get("device") or "auto")
+    return data_parallel_size if resolve_engine_process(kwargs.get("engine_process"), data_parallel_size, device) else 0
 
 
 LARGE_GPU_BYTES = 70 * 2**30  # from here a GPU's default token budget doubles
@@ -235,7 +241,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(1, 1, False))
     speculative: SpeculativeConfig | None = None
     cpu_threads: int = field(default_factory=lambda: available_cores())
-    engine_process: bool = False  # the offline API's engine core runs in a process of its own
+    engine_process: bool = False  # the offline API's engine core(s) run in processes of their own
 
     @property
     def cpu_threads_per_rank(self) -> int:
@@ -287,7 +293,7 @@ class EngineConfig:
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
                    seed=args.seed, parallel=parallel, speculative=speculative,
                    cpu_threads=args.cpu_threads or available_cores(),
-                   engine_process=default_engine_process(device) if args.engine_process is None else args.engine_process)
+                   engine_process=resolve_engine_process(args.engine_process, parallel.data_parallel_size, device))
 
     def replicas(self) -> list[EngineConfig]:
         """One config per data-parallel replica: replica d on the tensor_parallel_size GPUs that

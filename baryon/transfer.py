@@ -32,7 +32,7 @@ def to_device_many(arrays: Sequence[np.ndarray | torch.Tensor], device: torch.de
     """The arrays (host numpy arrays or CPU tensors, any shapes and dtypes) on `device`, in order,
     in one host-to-device copy. On a CPU device: the host arrays as tensors (no copy of numpy
     arrays), as `to_device` returns them."""
-    hosts = [a.numpy() if isinstance(a, torch.Tensor) else np.ascontiguousarray(a) for a in arrays]
+    hosts = [np.ascontiguousarray(a.numpy() if isinstance(a, torch.Tensor) else a) for a in arrays]
     if device.type != "cuda":
         return [torch.from_numpy(a) for a in hosts]
     offsets, total = [], 0
@@ -52,16 +52,8 @@ def to_device_many(arrays: Sequence[np.ndarray | torch.Tensor], device: torch.de
         whole = typed.get(a.dtype)
         if whole is None:
             whole = typed[a.dtype] = packed.view(_TORCH_DTYPE[a.dtype])
-        views.append(whole.as_strided(a.shape, _contiguous_strides(a.shape), offset // a.itemsize))
+        views.append(whole.as_strided(a.shape, [s // a.itemsize for s in a.strides], offset // a.itemsize))
     return views
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 _TORCH_DTYPE = {np.dtype(d): t for d, t in (

@@ -48,6 +48,9 @@ def test_the_default_follows_the_device():
     assert default_engine_process(torch.device("cuda", 0)) and not default_engine_process(torch.device("cpu"))
     assert EngineConfig.create(model=str(STORIES_PATH), device="cpu").engine_process is False
     assert EngineConfig.create(model=str(STORIES_PATH), device="cpu", engine_process=True).engine_process is True
+    # Data-parallel replicas always are engine processes: asking for none is refused, not ignored.
+    with pytest.raises(ValueError, match="engine_process=False cannot hold with data_parallel_size=2"):
+        EngineConfig.create(model=str(STORIES_PATH), device="cpu", data_parallel_size=2, engine_process=False)
 
 
 def test_outputs_match_the_engine_in_this_process(here, apart, seed):

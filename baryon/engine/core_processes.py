@@ -37,14 +37,11 @@ class ReplicaFailedError(RuntimeError):
 
 class EngineCoreProcesses:
     def __init__(self, config: EngineConfig, started: Sequence[EngineProcess] = ()) -> None:
-        """Configure the engine processes (those `started` already, and more if the configuration
-        needs more): they load the model meanwhile, until `wait_ready`."""
+        """Configure the engine processes (those `started` already, as `planned_engine_processes`
+        counts them, or started here): they load the model meanwhile, until `wait_ready`."""
         self.config = config
         wanted = config.parallel.data_parallel_size
-        self.replicas = list(started[:wanted])
-        self.replicas += [EngineProcess(async_outputs=False) for _ in range(wanted - len(self.replicas))]
-        for extra in started[wanted:]:
-            extra.kill()
+        self.replicas = list(started) + [EngineProcess(async_outputs=False) for _ in range(wanted - len(started))]
         self.load = ReplicaLoad(len(self.replicas))  # the unfinished core requests and their replicas
         self.num_kv_blocks = 0  # the replicas' KV-cache blocks, added up
         self.stats = [EngineStats() for _ in self.replicas]  # each replica's, as of its last message

@@ -97,18 +97,11 @@ class BlockManager:
         """Give the request blocks for num_new_tokens more tokens (after cached_blocks, the
         prefix-cache hits of a request's first schedule). False, changing nothing, if the free
         blocks do not suffice."""
-        if not cached_blocks:  # every step of a running request: usually its blocks hold the tokens
-            total = request.num_computed_tokens + num_new_tokens
-            num_new_blocks = -(-total // self.block_size) - len(request.block_ids)
-            if num_new_blocks <= 0:
-                return True
-            if num_new_blocks > len(self.free_queue):
-                return False
-            request.block_ids.extend(self._take_free_block() for _ in range(num_new_blocks))
-            return True
         num_cached = len(cached_blocks)
         total = request.num_computed_tokens + num_cached * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(request.block_ids) - num_cached
+        if num_new_blocks <= 0 and not num_cached:
+            return True  # most steps of a running request: its blocks hold the new tokens
         # Hits that sit in the free queue stop being free once taken.
         free_hits = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks > self.num_free_blocks - free_hits:

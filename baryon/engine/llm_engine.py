@@ -47,11 +47,7 @@ class LLMEngine:
         model = config.model
         # The engine core here, or in a process of its own (a GPU's default), or data_parallel_size
         # replicas in processes of their own; those load the model while this process loads the tokenizer.
-        in_process = config.parallel.data_parallel_size == 1 and not config.engine_process
-        if in_process:
-            for unused in engine_processes:
-                unused.kill()
-        core = None if in_process else EngineCoreProcesses(config, engine_processes)
+        core = EngineCoreProcesses(config, engine_processes) if config.engine_process else None
         try:
             self.tokenizer = None
             if model.tokenizer_path is not None:

@@ -39,15 +39,17 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
     min_p = [p.min_p for p in params]
     # The columns every step sends, in one copy: temperature, greedy, and top-k / top-p / min-p
     # where some request sets them.
+    use_top_k, use_top_p, use_min_p = any(top_k), any(p < 1.0 for p in top_p), any(min_p)
     columns = [np.array([1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=np.float32),
                np.array(greedy, dtype=np.bool_)]
-    if any(top_k):
+    if use_top_k:
         columns.append(np.array(top_k, dtype=np.int64))
-    if any(p < 1.0 for p in top_p):
+    if use_top_p:
         columns.append(np.array(top_p, dtype=np.float32))
-    if any(min_p):
+    if use_min_p:
         columns.append(np.array(min_p, dtype=np.float32))
     temperature, greedy_rows, *optional = to_device_many(columns, device)
+    optional = iter(optional)  # the optional columns sent, in the order above
     penalties = None
     if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params):
         penalties = PenaltyInputs(
@@ -70,9 +72,9 @@ def build_sampling_batch(requests: list[Request], vocab_size: int, device: torch
         temperature=temperature,
         greedy=greedy_rows,
         all_greedy=all(greedy),
-        top_k=optional.pop(0) if any(top_k) else None,
-        top_p=optional.pop(0) if any(p < 1.0 for p in top_p) else None,
-        min_p=optional.pop(0) if any(min_p) else None,
+        top_k=next(optional) if use_top_k else None,
+        top_p=next(optional) if use_top_p else None,
+        min_p=next(optional) if use_min_p else None,
         generators={i: r.generator for i, r in enumerate(requests)
                     if r.generator is not None and not r.sampling_params.is_greedy},
         penalties=penalties,
