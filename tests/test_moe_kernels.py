@@ -182,6 +182,24 @@ def test_triton_experts_match_reference(seed, monkeypatch, layout, name, tokens,
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
+@needs_triton
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 2, 24), (7, 4, 40), (33, 8, 1500)])
+def test_sum_topk_sums_only_the_ranks_own_pairs(seed, tokens, top_k, hidden):
+    """Expert parallelism: the sum over k leaves out pairs routed to other ranks' experts, whose
+    rows of y were never written (NaN here: reading one would show)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, start, local = 16, 4, 8
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    y = torch.randn(tokens * top_k, hidden, generator=gen)
+    mine = ((ids >= start) & (ids < start + local)).reshape(-1)
+    y[~mine] = float("nan")
+    expected = torch.where(mine[:, None], y, 0.0).view(tokens, top_k, hidden).sum(dim=1)
+    got = experts_triton.sum_topk(y.to(DEVICE), tokens, top_k, ids.to(DEVICE), start, local)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+    full = experts_triton.sum_topk(torch.randn(tokens * top_k, hidden, generator=gen).to(DEVICE), tokens, top_k)
+    assert torch.isfinite(full).all() and full.shape == (tokens, hidden)
+
+
 @pytest.mark.parametrize("name,tokens,experts,top_k,hidden,inter,skewed", EXPERT_CASES, ids=[c[0] for c in EXPERT_CASES])
 def test_grouped_mm_experts_match_reference(seed, name, tokens, experts, top_k, hidden, inter, skewed):
     if not hasattr(torch, "_grouped_mm") or (DEVICE == "cuda" and GroupedMMFusedExperts.unsupported_reason(

@@ -403,24 +403,37 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _sum_topk_kernel(y, out, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-        """out[t] = sum over k of y[t * TOP_K + k], in float32, k in order (deterministic)."""
+    def _sum_topk_kernel(y, out, topk_ids, hidden, expert_start, num_local, TOP_K: tl.constexpr,
+                         BLOCK_H: tl.constexpr, PARTIAL: tl.constexpr):
+        """out[t] = sum over k of y[t * TOP_K + k], in float32, k in order (deterministic). PARTIAL:
+        only the pairs routed to this rank's experts (expert_start .. + num_local) are summed; the
+        rows of the others were never written."""
         token = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = offs < hidden
         acc = tl.zeros([BLOCK_H], tl.float32)
         for k in tl.static_range(TOP_K):
-            acc += tl.load(y + (token * TOP_K + k) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+            row_mask = mask
+            if PARTIAL:
+                local = tl.load(topk_ids + token * TOP_K + k) - expert_start
+                row_mask = tl.where((local >= 0) & (local < num_local), mask, False)
+            acc += tl.load(y + (token * TOP_K + k) * hidden + offs, mask=row_mask, other=0.0).to(tl.float32)
         tl.store(out + token * hidden + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
-def sum_topk(y: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """y: [num_tokens * top_k, hidden] -> [num_tokens, hidden]."""
+def sum_topk(y: torch.Tensor, num_tokens: int, top_k: int, topk_ids: torch.Tensor | None = None,
+             expert_start: int = 0, num_local: int = 0) -> torch.Tensor:
+    """y: [num_tokens * top_k, hidden] -> [num_tokens, hidden]. With topk_ids ([num_tokens, top_k]
+    global ids, contiguous), only the pairs of experts expert_start .. expert_start + num_local - 1
+    are summed (expert parallelism: the other pairs' rows of y hold nothing)."""
     hidden = y.shape[1]
     out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
     if num_tokens:
         block = min(1024, triton.next_power_of_2(hidden))
-        _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](y, out, hidden, TOP_K=top_k, BLOCK_H=block)
+        partial = topk_ids is not None
+        _sum_topk_kernel[(num_tokens, triton.cdiv(hidden, block))](
+            y, out, topk_ids if partial else y, hidden, expert_start, num_local, TOP_K=top_k, BLOCK_H=block,
+            PARTIAL=partial)
     return out
 
 
@@ -490,9 +503,9 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     num_local, inter = w13.shape[0], w2.shape[2] * (2 if mxfp4 is not None else 1)
     num_pairs = num_tokens * top_k
     inter_out = torch.empty(num_pairs, inter, dtype=dtype, device=x.device)
-    # Pairs routed to another rank's experts are never written: they must read as zeros.
+    # Pairs routed to another rank's experts are never written (the sum leaves them out).
     partial = num_experts is not None and num_experts != num_local
-    y = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=dtype, device=x.device)
+    y = torch.empty(num_pairs, hidden, dtype=dtype, device=x.device)
     up_cfg, down_cfg = tiles.up, tiles.down
     if activation != SILU and not up_cfg.fuse_act:  # only SiLU has a separate kernel
         up_cfg = replace(up_cfg, fuse_act=True)
@@ -517,6 +530,8 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         inter_out, inter_scale = quant.per_group(inter_out, block_k, FP8)
         down_fp8 = (inter_scale, w2_scale, block_n)
     _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout, down_fp8, w2_mx, w2_bias)
+    if partial:
+        return sum_topk(y, num_tokens, top_k, topk_ids, expert_start, num_local)
     return sum_topk(y, num_tokens, top_k)
 
 
