@@ -333,6 +333,61 @@ def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed):
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
 
 
+def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> None:
+    """A spawned DP-attention replica: dp_all_gather / dp_reduce_scatter of decode-sized rows
+    (through the symmetric-memory all-reduce) and of rows past its buffer (NCCL's collectives),
+    eager and replayed from a CUDA graph, against NCCL's own all-gather."""
+    import torch.distributed as dist
+
+    from baryon.distributed import parallel_state as ps
+    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_ROWS, SymmMemFusedAllReduce
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    ps.init_distributed(world, rank, init_method, "nccl", True, torch.bfloat16, data_parallel=True)
+    graph = None
+    try:
+        assert isinstance(ps._DP_ALL_REDUCE, SymmMemFusedAllReduce), type(ps._DP_ALL_REDUCE)
+        generator = torch.Generator().manual_seed(seed + rank)
+        for rows in (1, 5, FUSED_MAX_ROWS // world, FUSED_MAX_ROWS // world + 1):
+            x = torch.randn(rows, 1000, generator=generator).to(device, torch.bfloat16)
+            x[0, :3] = torch.tensor([-0.0, float("inf"), 0.0])
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            gathered = ps.dp_all_gather(x)
+            assert torch.equal(gathered, torch.cat(parts)), f"{rows} rows: gathered rows differ"
+            whole = torch.randn(world * rows, 1000, generator=generator).to(device, torch.bfloat16)
+            wholes = [torch.empty_like(whole) for _ in range(world)]
+            dist.all_gather(wholes, whole)
+            expected = torch.stack([w.float() for w in wholes]).sum(0).to(torch.bfloat16)[rank * rows:(rank + 1) * rows]
+            torch.testing.assert_close(ps.dp_reduce_scatter(whole.clone()), expected, rtol=0, atol=0)
+        # Replayed: a gather and a scatter back to back, twice.
+        x = torch.randn(7, 1000, generator=generator).to(device, torch.bfloat16)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            ps.dp_reduce_scatter(ps.dp_all_gather(x))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ps.dp_reduce_scatter(ps.dp_all_gather(x) * 2)
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(out, (x * 2) * world, rtol=0, atol=0)  # every replica sums the same rows
+    finally:
+        if graph is not None:
+            graph.reset()
+        ps.destroy_distributed()
+
+
+@two_gpus
+def test_dp_attention_exchanges_on_two_gpus(seed):
+    """DP attention's MoE exchanges: decode-sized ones through the symmetric-memory all-reduce
+    equal NCCL's all-gather exactly (signed zeros aside) and the float32 sum for the scatter."""
+    run_in_ranks(_dp_exchange_rank, 2, seed, timeout_s=180)
+
+
 def _all_reduce_rank(rank: int, world: int, init_method: str, seed: int) -> None:
     """A spawned rank: the symmetric-memory all-reduces over fresh random inputs, eager and
     replayed from a CUDA graph, against the float32 sum of the gathered inputs."""

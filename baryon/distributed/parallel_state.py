@@ -16,7 +16,10 @@ each with its own requests and attention (no tensor-parallel group); the experts
 among all of them, and each MoE layer gathers every replica's tokens (`dp_all_gather`), runs its
 experts on them and hands each replica back the sum of the ranks' parts for its own tokens
 (`dp_reduce_scatter`). The replicas agree each step, over gloo, on how many tokens every one pads
-its MoE input to (`dp_all_gather_host`).
+its MoE input to (`dp_all_gather_host`). Where the replicas' rows fit the low-latency all-reduce
+(decode steps, symmetric memory), the gather and the scatter are each that one kernel: the gather
+sums every replica's rows placed in zeros at its own offset, the scatter keeps this replica's rows
+of the whole sum; NCCL's all-gather and reduce-scatter take the larger steps.
 
 The tensor-parallel all-reduce is chosen by the kernel selector (family `all_reduce`): on GPUs a
 one-shot all-reduce over symmetric memory for small messages (decode steps), NCCL's otherwise;
@@ -42,6 +45,7 @@ _DP_GROUP: dist.ProcessGroup | None = None  # DP attention: the replicas that ex
 _EP_GROUP: dist.ProcessGroup | None = None
 _CPU_GROUP: dist.ProcessGroup | None = None
 _TP_ALL_REDUCE: Kernel | None = None  # a callable reducer over _TP_GROUP
+_DP_ALL_REDUCE: Kernel | None = None  # DP attention: a reducer over _DP_GROUP (its decode-sized exchanges)
 
 # How long a collective may wait for the other ranks before the process group gives up. Long:
 # ranks compile kernels at different speeds on a first run; a dead worker is noticed by the
@@ -60,7 +64,7 @@ def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
     install the groups. backend: "nccl" (GPUs) or "gloo" (CPU); dtype: the model's (the
     activations the layers all-reduce); data_parallel: the ranks are DP-attention replicas (see
     the module's docstring), not the tensor-parallel ranks of one engine."""
-    global _CPU_GROUP, _DP_GROUP
+    global _CPU_GROUP, _DP_GROUP, _DP_ALL_REDUCE
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group (an earlier multi-GPU engine's "
                            "teardown did not finish, see the log): start the new engine in a new process")
@@ -73,6 +77,7 @@ def init_distributed(world_size: int, rank: int, init_method: str, backend: str,
     init_tensor_parallel(None if data_parallel else world, dtype)
     init_expert_parallel(world if expert_parallel or data_parallel else None)
     _DP_GROUP = world if data_parallel else None
+    _DP_ALL_REDUCE = _reducer(world, dtype) if data_parallel and world_size > 1 else None
     _CPU_GROUP = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
 
 
@@ -85,10 +90,10 @@ def destroy_distributed() -> None:
     abort waits for nobody once the ranks have freed their CUDA graphs (ModelRunner.
     release_cuda_graphs: a live graph that captured NCCL's collectives held even the abort, seen
     on two H100s). It is still given at most TEARDOWN_TIMEOUT_S: a shutdown must never hang."""
-    global _CPU_GROUP, _DP_GROUP
+    global _CPU_GROUP, _DP_GROUP, _DP_ALL_REDUCE
     init_tensor_parallel(None, None)
     init_expert_parallel(None)
-    _CPU_GROUP, _DP_GROUP = None, None
+    _CPU_GROUP, _DP_GROUP, _DP_ALL_REDUCE = None, None, None
     if not dist.is_initialized():
         return
     teardown = threading.Thread(target=abort_distributed, name="baryon-process-group-teardown", daemon=True)
@@ -112,10 +117,11 @@ def abort_distributed() -> None:
 
 
 def release_tp_waits() -> None:
-    """A tensor-parallel rank died: the all-reduce kernels polling for its rows give up (aborting
-    the process group releases NCCL's collectives, not those)."""
-    if _TP_ALL_REDUCE is not None:
-        _TP_ALL_REDUCE.release_waits()
+    """A tensor-parallel rank (or DP-attention replica) died: the all-reduce kernels polling for
+    its rows give up (aborting the process group releases NCCL's collectives, not those)."""
+    for reducer in (_TP_ALL_REDUCE, _DP_ALL_REDUCE):
+        if reducer is not None:
+            reducer.release_waits()
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None, dtype: torch.dtype | None) -> None:
@@ -124,9 +130,14 @@ def init_tensor_parallel(group: dist.ProcessGroup | None, dtype: torch.dtype | N
     global _TP_GROUP, _TP_ALL_REDUCE
     _TP_GROUP, _TP_ALL_REDUCE = group, None
     if group is not None and dist.get_world_size(group) > 1:
-        backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        _TP_ALL_REDUCE = select("all_reduce", device, world_size=dist.get_world_size(group)).create(group, device, dtype)
+        _TP_ALL_REDUCE = _reducer(group, dtype)
+
+
+def _reducer(group: dist.ProcessGroup, dtype: torch.dtype) -> Kernel:
+    """The selected all-reduce over `group` for activations of `dtype` (a collective)."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return select("all_reduce", device, world_size=dist.get_world_size(group)).create(group, device, dtype)
 
 
 def init_expert_parallel(group: dist.ProcessGroup | None) -> None:
@@ -221,17 +232,26 @@ def dp_world_size() -> int:
 def dp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """x: [tokens, hidden], the same shape on every replica -> [replicas * tokens, hidden],
     replica r's rows at r * tokens."""
-    return _gather_rows(x, _DP_GROUP, dp_world_size())
+    world, rows = dp_world_size(), x.shape[0]
+    if _DP_ALL_REDUCE is not None and _DP_ALL_REDUCE.sums_in_one_kernel(world * rows, x):
+        rank = dist.get_rank(_DP_GROUP)
+        placed = torch.nn.functional.pad(x, (0, 0, rank * rows, (world - 1 - rank) * rows))  # zeros elsewhere
+        return _DP_ALL_REDUCE(placed)  # x + 0 is x: exactly the gathered rows
+    return _gather_rows(x, _DP_GROUP, world)
 
 
 def dp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     """x: [replicas * tokens, hidden] -> [tokens, hidden]: rows r * tokens .. of every replica's x,
     summed, on replica r."""
     x = x.contiguous()
-    out = torch.empty((x.shape[0] // dp_world_size(),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    world, rank = dp_world_size(), dist.get_rank(_DP_GROUP)
+    rows = x.shape[0] // world
+    if _DP_ALL_REDUCE is not None and _DP_ALL_REDUCE.sums_in_one_kernel(x.shape[0], x):
+        return _DP_ALL_REDUCE(x)[rank * rows:(rank + 1) * rows]
+    out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     if x.device.type == "cpu":  # gloo has no reduce-scatter: sum everything, keep this replica's rows
         dist.all_reduce(x, group=_DP_GROUP)
-        out.copy_(x.view((dp_world_size(),) + tuple(out.shape))[dist.get_rank(_DP_GROUP)])
+        out.copy_(x.view((world,) + tuple(out.shape))[rank])
     else:
         dist.reduce_scatter_tensor(out, x, group=_DP_GROUP)
     return out

@@ -74,6 +74,12 @@ class Reducer(Kernel):
         """A rank died: make waits for it give up where the implementation can (NCCL's are
         released by aborting the process group)."""
 
+    def sums_in_one_kernel(self, rows: int, like: torch.Tensor) -> bool:
+        """Whether [rows, hidden] of like's dtype and width is summed by one low-latency kernel,
+        so that an all-gather or reduce-scatter of that size is cheaper as this all-reduce than
+        as NCCL's own collective (the DP-attention exchanges of decode steps)."""
+        return False
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's partial sum [rows, hidden] -> (rms_norm(sum + residual) * weight,

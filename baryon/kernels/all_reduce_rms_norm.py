@@ -216,6 +216,10 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
                 and hidden <= FUSED_MAX_HIDDEN and x.stride(1) == 1
                 and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)))
 
+    def sums_in_one_kernel(self, rows: int, like: torch.Tensor) -> bool:
+        return like.dim() == 2 and like.dtype == self.dtype and 0 < rows <= FUSED_MAX_ROWS \
+            and like.shape[1] <= FUSED_MAX_HIDDEN
+
     def release_waits(self) -> None:
         """Make every wait of the kernel, running or to come, give up (a rank died: its rows will
         never come; called from the engine's worker monitor)."""
