@@ -2,9 +2,12 @@
 all-reduce over symmetric memory with and without the fused residual add + RMSNorm, NCCL's) at
 decode and prefill message sizes, eager and replayed from a CUDA graph (what a decode step pays),
 after checking its result against the float32 sum; "+norm": the all-reduce and the residual add
-+ RMSNorm after it (one kernel in symm_mem_fused), graph-replayed.
++ RMSNorm after it (one kernel in symm_mem_fused), graph-replayed. Then DP attention's exchanges
+at `--exchange-tokens` rows a rank: the gather and reduce-scatter of symm_mem_fused's exchange
+kernel against NCCL's all-gather and reduce-scatter (graph-replayed, results checked likewise).
 
     python benchmarks/all_reduce.py [--world-size 2] [--hidden 4096] [--tokens 1 8 64 256 1024] [--dtype bfloat16]
+    python benchmarks/all_reduce.py --hidden 2048 --tokens 128 --exchange-tokens 64 128 256
 
 One process per GPU; rank 0 prints a JSON line per (implementation, tokens) and a table last.
 """
@@ -104,10 +107,47 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
             rows.append({"impl": reducer.name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
                          "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2),
                          "with_norm_graph_us": round(with_norm, 2)})
+    rows += _exchanges(rank, world, group, device, dtype, args)
     if rank == 0:
         results.put(rows)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.dtype, args) -> list[dict]:
+    """DP attention's gather and reduce-scatter: the exchange kernel against NCCL's collectives."""
+    from baryon.kernels.all_reduce import all_reduce_reference
+    from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce
+
+    if SymmMemFusedAllReduce.unsupported_reason(device) or not args.exchange_tokens:
+        return []
+    reducer = SymmMemFusedAllReduce.create(group, device, dtype)
+    if not isinstance(reducer, SymmMemFusedAllReduce):
+        return []
+    rows = []
+    for tokens in args.exchange_tokens:
+        generator = torch.Generator(device="cpu").manual_seed(7000 + 1000 * tokens + rank)
+        x = torch.randn(tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)
+        whole = torch.randn(world * tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x)
+        wholes = [torch.empty_like(whole) for _ in range(world)]
+        dist.all_gather(wholes, whole)
+        gathered = torch.empty(world * tokens, args.hidden, dtype=dtype, device=device)
+        mine = torch.empty(tokens, args.hidden, dtype=dtype, device=device)
+        expected_mine = all_reduce_reference([w[rank * tokens:(rank + 1) * tokens] for w in wholes])
+        cases = {
+            "gather:symm_mem_fused": (lambda: reducer.gather(x), torch.cat(parts)),
+            "gather:nccl": (lambda: dist.all_gather_into_tensor(gathered, x, group=group) or gathered, torch.cat(parts)),
+            "reduce_scatter:symm_mem_fused": (lambda: reducer.reduce_scatter(whole), expected_mine),
+            "reduce_scatter:nccl": (lambda: dist.reduce_scatter_tensor(mine, whole, group=group) or mine, expected_mine),
+        }
+        for name, (fn, expected) in cases.items():
+            error = (fn().float() - expected.float()).abs().max().item()
+            rows.append({"impl": name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
+                         "max_abs_error": error, "eager_us": round(_time_eager(fn), 2),
+                         "graph_us": round(_time_graph(fn), 2), "with_norm_graph_us": None})
+    return rows
 
 
 def _free_port() -> int:
@@ -122,6 +162,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 128, 256, 512, 1024, 4096])
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--exchange-tokens", type=int, nargs="*", default=[64, 128, 256],
+                        help="rows a rank of DP attention's gather / reduce-scatter (none: skip them)")
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world_size:
         raise SystemExit(f"needs {args.world_size} GPUs, found {torch.cuda.device_count()}")
@@ -138,10 +180,11 @@ def main() -> None:
         p.join()
     for row in rows:
         print(json.dumps({"bench": "all_reduce", "world_size": args.world_size, "hidden": args.hidden, **row}))
-    print(f"\n{'impl':<20}{'tokens':>8}{'KiB':>8}{'eager us':>10}{'graph us':>10}{'+norm us':>10}{'max err':>10}")
+    print(f"\n{'impl':<32}{'tokens':>8}{'KiB':>8}{'eager us':>10}{'graph us':>10}{'+norm us':>10}{'max err':>10}")
     for row in rows:
-        print(f"{row['impl']:<20}{row['tokens']:>8}{row['bytes'] / 1024:>8.0f}{row['eager_us']:>10.2f}"
-              f"{row['graph_us']:>10.2f}{row['with_norm_graph_us']:>10.2f}{row['max_abs_error']:>10.2g}")
+        norm = row["with_norm_graph_us"]
+        print(f"{row['impl']:<32}{row['tokens']:>8}{row['bytes'] / 1024:>8.0f}{row['eager_us']:>10.2f}"
+              f"{row['graph_us']:>10.2f}{'-' if norm is None else f'{norm:.2f}':>10}{row['max_abs_error']:>10.2g}")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,68 @@ def test_fused_kernel_with_simulated_peers(seed, world, rank):
 
 
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.parametrize("world, rank", [(2, 0), (4, 2)])
+def test_exchanges_with_simulated_peers(seed, world, rank):
+    """DP attention's gather and reduce-scatter through the fused kernel's buffers, the peers
+    simulated as above: what this rank pushes where, what it reads back (cleared behind it), and
+    the rows' call counts shared with the all-reduce's (calls of different sizes interleaved)."""
+    from baryon.kernels.all_reduce import all_reduce_reference
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, exchange_rows,
+                                                    fused_all_reduce, sentinel_bits)
+
+    generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    peers = [p for p in range(world) if p != rank]
+    empty = sentinel_bits(torch.float32)
+    buffers = [torch.empty(2, world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN, device=device) for _ in range(world)]
+    for b in buffers:
+        b.view(torch.int32).fill_(empty)
+    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+    abort = torch.zeros(1, dtype=torch.int32, device=device)
+    for call, (kind, rows) in enumerate([("gather", 3), ("scatter", 3), ("all_reduce", 5), ("gather", 6),
+                                         ("scatter", 2), ("gather", 140)]):
+        epochs = counters[:rows].cpu().clone()
+        if kind == "gather":
+            parts = [torch.randn(rows, HIDDEN, generator=generator) for _ in range(world)]  # each rank's rows
+            parts[rank][0, 1] = -0.0
+            incoming = {p: parts[p] for p in peers}  # what peer p pushes to this rank, row by row
+            outgoing = {p: parts[rank] for p in peers}
+            mine = parts[rank]
+        elif kind == "scatter":
+            wholes = [torch.randn(world * rows, HIDDEN, generator=generator) for _ in range(world)]
+            incoming = {p: wholes[p][rank * rows:(rank + 1) * rows] for p in peers}  # peer p's share for us
+            outgoing = {p: wholes[rank][p * rows:(p + 1) * rows] for p in peers}
+            mine = wholes[rank]
+        else:
+            parts = [torch.randn(rows, HIDDEN, generator=generator) for _ in range(world)]
+            incoming, outgoing, mine = {p: parts[p] for p in peers}, {p: parts[rank] for p in peers}, parts[rank]
+        for row, epoch in enumerate(epochs.tolist()):
+            for p in peers:
+                buffers[rank][epoch & 1, p, row, :HIDDEN] = incoming[p][row].to(device)
+        if kind == "all_reduce":
+            got, _ = fused_all_reduce(mine.to(device), None, None, 0.0, buffer_ptrs, counters, rank, world, abort,
+                                      max_polls=1000)
+            torch.testing.assert_close(got.cpu(), all_reduce_reference(parts), rtol=0, atol=0)
+        else:
+            got = exchange_rows(mine.to(device), kind == "gather", buffer_ptrs, counters, rank, world, abort,
+                                max_polls=1000)
+            if kind == "gather":
+                assert torch.equal(got.cpu(), torch.cat(parts)), f"call {call}: gathered rows differ"
+            else:
+                expected = all_reduce_reference([w[rank * rows:(rank + 1) * rows] for w in wholes])
+                torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+        for row, epoch in enumerate(epochs.tolist()):
+            for p in peers:
+                sent = buffers[p][epoch & 1, rank, row].cpu()
+                torch.testing.assert_close(sent[:HIDDEN], outgoing[p][row], rtol=0, atol=0)
+                assert (sent[HIDDEN:].view(torch.int32) == empty).all()
+                assert (buffers[rank][epoch & 1, p, row].view(torch.int32) == empty).all().item()
+        assert counters[:rows].tolist() == (epochs + 1).tolist(), f"call {call}"
+    assert counters[:7].tolist() == [6, 6, 5, 3, 3, 2, 1]
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU giving up traps, which ends the process's CUDA context")
 def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
     """A peer that died (or hangs) never writes its row: after max_polls reads the kernel gives up

@@ -335,7 +335,7 @@ def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed):
 
 def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> None:
     """A spawned DP-attention replica: dp_all_gather / dp_reduce_scatter of decode-sized rows
-    (through the symmetric-memory all-reduce) and of rows past its buffer (NCCL's collectives),
+    (the fused all-reduce's exchange kernel) and of rows past its buffers (NCCL's collectives),
     eager and replayed from a CUDA graph, against NCCL's own all-gather."""
     import torch.distributed as dist
 
@@ -349,8 +349,9 @@ def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> Non
     try:
         assert isinstance(ps._DP_ALL_REDUCE, SymmMemFusedAllReduce), type(ps._DP_ALL_REDUCE)
         generator = torch.Generator().manual_seed(seed + rank)
-        for rows in (1, 5, FUSED_MAX_ROWS // world, FUSED_MAX_ROWS // world + 1):
+        for rows in (1, 5, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1):
             x = torch.randn(rows, 1000, generator=generator).to(device, torch.bfloat16)
+            assert (ps._DP_ALL_REDUCE.gather(x.clone()) is None) == (rows > FUSED_MAX_ROWS)  # which path
             x[0, :3] = torch.tensor([-0.0, float("inf"), 0.0])
             parts = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(parts, x)
@@ -383,8 +384,8 @@ def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> Non
 
 @two_gpus
 def test_dp_attention_exchanges_on_two_gpus(seed):
-    """DP attention's MoE exchanges: decode-sized ones through the symmetric-memory all-reduce
-    equal NCCL's all-gather exactly (signed zeros aside) and the float32 sum for the scatter."""
+    """DP attention's MoE exchanges: decode-sized ones through the symmetric-memory exchange kernel
+    equal NCCL's all-gather exactly and the float32 sum for the scatter."""
     run_in_ranks(_dp_exchange_rank, 2, seed, timeout_s=180)
 
 

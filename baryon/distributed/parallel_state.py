@@ -16,10 +16,10 @@ each with its own requests and attention (no tensor-parallel group); the experts
 among all of them, and each MoE layer gathers every replica's tokens (`dp_all_gather`), runs its
 experts on them and hands each replica back the sum of the ranks' parts for its own tokens
 (`dp_reduce_scatter`). The replicas agree each step, over gloo, on how many tokens every one pads
-its MoE input to (`dp_all_gather_host`). Where the replicas' rows fit the low-latency all-reduce
-(decode steps, symmetric memory), the gather and the scatter are each that one kernel: the gather
-sums every replica's rows placed in zeros at its own offset, the scatter keeps this replica's rows
-of the whole sum; NCCL's all-gather and reduce-scatter take the larger steps.
+its MoE input to (`dp_all_gather_host`). Where the rows fit the fused all-reduce's buffers
+(decode steps, symmetric memory) the gather and the scatter are each one kernel of that family
+(each replica pushes its rows, or each peer's share of the sum, straight into the peers' buffers);
+NCCL's all-gather and reduce-scatter take the larger steps.
 
 The tensor-parallel all-reduce is chosen by the kernel selector (family `all_reduce`): on GPUs a
 one-shot all-reduce over symmetric memory for small messages (decode steps), NCCL's otherwise;
@@ -232,26 +232,23 @@ def dp_world_size() -> int:
 def dp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """x: [tokens, hidden], the same shape on every replica -> [replicas * tokens, hidden],
     replica r's rows at r * tokens."""
-    world, rows = dp_world_size(), x.shape[0]
-    if _DP_ALL_REDUCE is not None and _DP_ALL_REDUCE.sums_in_one_kernel(world * rows, x):
-        rank = dist.get_rank(_DP_GROUP)
-        placed = torch.nn.functional.pad(x, (0, 0, rank * rows, (world - 1 - rank) * rows))  # zeros elsewhere
-        return _DP_ALL_REDUCE(placed)  # x + 0 is x: exactly the gathered rows
-    return _gather_rows(x, _DP_GROUP, world)
+    x = x.contiguous()
+    if _DP_ALL_REDUCE is not None and (gathered := _DP_ALL_REDUCE.gather(x)) is not None:
+        return gathered
+    return _gather_rows(x, _DP_GROUP, dp_world_size())
 
 
 def dp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     """x: [replicas * tokens, hidden] -> [tokens, hidden]: rows r * tokens .. of every replica's x,
     summed, on replica r."""
     x = x.contiguous()
-    world, rank = dp_world_size(), dist.get_rank(_DP_GROUP)
-    rows = x.shape[0] // world
-    if _DP_ALL_REDUCE is not None and _DP_ALL_REDUCE.sums_in_one_kernel(x.shape[0], x):
-        return _DP_ALL_REDUCE(x)[rank * rows:(rank + 1) * rows]
-    out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if _DP_ALL_REDUCE is not None and (mine := _DP_ALL_REDUCE.reduce_scatter(x)) is not None:
+        return mine
+    world = dp_world_size()
+    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     if x.device.type == "cpu":  # gloo has no reduce-scatter: sum everything, keep this replica's rows
         dist.all_reduce(x, group=_DP_GROUP)
-        out.copy_(x.view((world,) + tuple(out.shape))[rank])
+        out.copy_(x.view((world,) + tuple(out.shape))[dist.get_rank(_DP_GROUP)])
     else:
         dist.reduce_scatter_tensor(out, x, group=_DP_GROUP)
     return out

@@ -74,11 +74,16 @@ class Reducer(Kernel):
         """A rank died: make waits for it give up where the implementation can (NCCL's are
         released by aborting the process group)."""
 
-    def sums_in_one_kernel(self, rows: int, like: torch.Tensor) -> bool:
-        """Whether [rows, hidden] of like's dtype and width is summed by one low-latency kernel,
-        so that an all-gather or reduce-scatter of that size is cheaper as this all-reduce than
-        as NCCL's own collective (the DP-attention exchanges of decode steps)."""
-        return False
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's x [rows, hidden] stacked in rank order [world * rows, hidden], in one
+        low-latency kernel; None where this implementation has none for x (the caller takes the
+        group's all-gather). DP attention's exchanges of decode steps."""
+        return None
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's rows [rows, hidden] of the sum over ranks of x [world * rows, hidden] (rank
+        r's rows at r * rows), in one low-latency kernel; None as for `gather`."""
+        return None
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,6 +88,34 @@ if triton is not None:
         return total + tl.full(total.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _push(buffers, peer, offset, bits, cols, mask, itype: tl.constexpr):
+        """Store a row's bits into `peer`'s buffer at element `offset` (its slot, sender and row)."""
+        theirs = tl.load(buffers + peer).to(tl.pointer_type(itype))
+        tl.store(theirs + offset + cols, bits, mask=mask)
+
+    @triton.jit
+    def _outgoing(part, itype: tl.constexpr, SENTINEL: tl.constexpr):
+        """A row's values as the bits sent: -0.0 goes as +0.0, so the sentinel never travels."""
+        bits = part.to(itype, bitcast=True)
+        return tl.where(bits == SENTINEL, 0, bits)
+
+    @triton.jit
+    def _receive(at, mask, empty, abort, max_polls, SENTINEL: tl.constexpr):
+        """Wait until the row at `at` (this rank's buffer) holds no sentinel, put the sentinel back
+        (the slot is free for the call after next) and return (its bits, whether the wait gave up:
+        the peer never wrote the row within max_polls reads, or the abort word was set)."""
+        got = tl.load(at, mask=mask, other=0, volatile=True)
+        polls = 0
+        while (tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0) & (polls < max_polls):
+            got = tl.load(at, mask=mask, other=0, volatile=True)
+            polls += 1
+            if polls % _ABORT_CHECK_POLLS == 0:
+                if tl.load(abort, volatile=True) != 0:  # the engine saw a rank die
+                    polls = max_polls
+        tl.store(at, empty, mask=mask)
+        return got, polls >= max_polls
+
+    @triton.jit
     def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, counters, abort_addr, rows,
                                         stride_x, stride_r, stride_o, stride_ro, eps,
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
@@ -114,30 +142,20 @@ if triton is not None:
             tl.store(counters + row, epoch + 1)
             slot = epoch & 1
             part = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
-            bits = part.to(itype, bitcast=True)
-            bits = tl.where(bits == SENTINEL, 0, bits)  # -0.0 sent as +0.0: never the sentinel
+            bits = _outgoing(part, itype, SENTINEL)
             sent = ((slot * WORLD + RANK) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE
             for peer in tl.static_range(WORLD):
                 if peer != RANK:
-                    theirs = tl.load(buffers + peer).to(tl.pointer_type(itype))
-                    tl.store(theirs + sent + cols, bits, mask=mask)
+                    _push(buffers, peer, sent, bits, cols, mask, itype)
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for rank in tl.static_range(WORLD):  # rank order, as all_reduce_reference adds
                 if rank == RANK:
                     total += part.to(tl.float32)
                 else:
                     at = mine + ((slot * WORLD + rank) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
-                    got = tl.load(at, mask=mask, other=0, volatile=True)
-                    polls = 0
-                    while (tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0) & (polls < max_polls):
-                        got = tl.load(at, mask=mask, other=0, volatile=True)
-                        polls += 1
-                        if polls % _ABORT_CHECK_POLLS == 0:
-                            if tl.load(abort, volatile=True) != 0:  # the engine saw a rank die
-                                polls = max_polls
-                    if polls >= max_polls:  # the peer never wrote its row: gone or hung
+                    got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
+                    if gave_up:  # the peer never wrote its row: gone or hung
                         total = _give_up(total, ASM)
-                    tl.store(at, empty, mask=mask)  # free for the call after next
                     total += got.to(dtype, bitcast=True).to(tl.float32)
             if NORM:
                 h = total.to(dtype) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
@@ -148,6 +166,87 @@ if triton is not None:
                 tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w).to(h.dtype), mask=mask)
             else:
                 tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _exchange_kernel(x, out, buffers, counters, abort_addr, rows, stride_x, stride_o,
+                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
+                         ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                         SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, GATHER: tl.constexpr,
+                         ASM: tl.constexpr):
+        """The all-reduce kernel's push-and-poll exchange for DP attention, over `rows` rows a rank
+        (each row i counted in counters[i]):
+        GATHER: out[r * rows + i] = rank r's x[i] (x [rows, hidden], out [world * rows, hidden]);
+        else (reduce-scatter): out[i] = the sum over ranks, in rank order, of their x[RANK * rows + i]
+        (x [world * rows, hidden], out [rows, hidden]): each rank sends a peer only that peer's rows."""
+        cols = tl.arange(0, BLOCK)
+        mask = cols < HIDDEN
+        dtype = x.dtype.element_ty
+        itype = tl.int16 if BITS == 16 else tl.int32
+        mine = tl.load(buffers + RANK).to(tl.pointer_type(itype))
+        abort = abort_addr.to(tl.pointer_type(tl.int32))
+        empty = tl.full([BLOCK], SENTINEL, itype)
+        for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+            epoch = tl.load(counters + row)
+            tl.store(counters + row, epoch + 1)
+            slot = epoch & 1
+            sent = ((slot * WORLD + RANK) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE
+            if GATHER:
+                part = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+                bits = _outgoing(part, itype, SENTINEL)
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        _push(buffers, peer, sent, bits, cols, mask, itype)
+                tl.store(out + (RANK * rows + row) * stride_o + cols, part, mask=mask)
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        at = mine + ((slot * WORLD + peer) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
+                        got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
+                        value = got.to(dtype, bitcast=True).to(tl.float32)
+                        if gave_up:
+                            value = _give_up(value, ASM)
+                        tl.store(out + (peer * rows + row) * stride_o + cols, value.to(dtype), mask=mask)
+            else:
+                for peer in tl.static_range(WORLD):
+                    if peer != RANK:
+                        theirs = tl.load(x + (peer * rows + row) * stride_x + cols, mask=mask, other=0.0)
+                        _push(buffers, peer, sent, _outgoing(theirs, itype, SENTINEL), cols, mask, itype)
+                total = tl.zeros([BLOCK], dtype=tl.float32)
+                for rank in tl.static_range(WORLD):  # rank order, as all_reduce_reference adds
+                    if rank == RANK:
+                        total += tl.load(x + (RANK * rows + row) * stride_x + cols, mask=mask,
+                                         other=0.0).to(tl.float32)
+                    else:
+                        at = mine + ((slot * WORLD + rank) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
+                        got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
+                        if gave_up:
+                            total = _give_up(total, ASM)
+                        total += got.to(dtype, bitcast=True).to(tl.float32)
+                tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
+
+
+def exchange_rows(x: torch.Tensor, gather: bool, buffers: torch.Tensor, counters: torch.Tensor, rank: int,
+                  world: int, abort: torch.Tensor, max_polls: int = MAX_POLLS) -> torch.Tensor:
+    """DP attention's exchanges through the fused kernel's buffers (same arguments as
+    fused_all_reduce). gather: x [rows, hidden] -> every rank's x stacked in rank order [world *
+    rows, hidden]; else x [world * rows, hidden] -> this rank's rows of the sum over ranks [rows,
+    hidden]. rows <= FUSED_MAX_ROWS, hidden <= FUSED_MAX_HIDDEN, x contiguous."""
+    if not 0 < max_polls < 1 << 31:
+        raise ValueError(f"max_polls must be between 1 and 2**31 - 1 (the kernel counts reads in int32), "
+                         f"got {max_polls}")
+    hidden = x.shape[1]
+    rows = x.shape[0] if gather else x.shape[0] // world
+    out = torch.empty((world * rows if gather else rows, hidden), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    _exchange_kernel[(min(rows, multiprocessor_count(x.device)),)](
+        x, out, buffers, counters, abort.data_ptr(), rows, x.stride(0), out.stride(0),
+        HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
+        RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
+        GATHER=gather, ASM=not INTERPRETED, num_warps=8 if hidden >= 4096 else 4)
+    return out
 
 
 def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
@@ -216,9 +315,19 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
                 and hidden <= FUSED_MAX_HIDDEN and x.stride(1) == 1
                 and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)))
 
-    def sums_in_one_kernel(self, rows: int, like: torch.Tensor) -> bool:
-        return like.dim() == 2 and like.dtype == self.dtype and 0 < rows <= FUSED_MAX_ROWS \
-            and like.shape[1] <= FUSED_MAX_HIDDEN
+    def _exchanges(self, x: torch.Tensor, rows: int) -> bool:
+        return (x.dim() == 2 and x.dtype == self.dtype and 0 < rows <= FUSED_MAX_ROWS
+                and x.shape[1] <= FUSED_MAX_HIDDEN and x.is_contiguous())
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        if not self._exchanges(x, x.shape[0]):
+            return None
+        return exchange_rows(x, True, self.buffers, self.counters, self.rank, self.world, self.abort)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] % self.world or not self._exchanges(x, x.shape[0] // self.world):
+            return None
+        return exchange_rows(x, False, self.buffers, self.counters, self.rank, self.world, self.abort)
 
     def release_waits(self) -> None:
         """Make every wait of the kernel, running or to come, give up (a rank died: its rows will
