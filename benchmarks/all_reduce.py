@@ -81,6 +81,12 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     group = dist.group.WORLD
     dtype = getattr(torch, args.dtype)
     rows = []
+    # Every reducer stays alive to the end, as in an engine (one reducer a group, for good). With
+    # the earlier reducers freed first, the exchange reducer's first gather on two H200s waited
+    # for its peer's rows until it gave up (a trap), while the same kernel passed the two-GPU
+    # tests, whose reducers all stay alive; a freed symmetric-memory block coming back with its
+    # old peers' addresses is the suspicion, not confirmed.
+    reducers = []
     for cls in candidates("all_reduce"):
         if cls.unsupported_reason(device) or cls.cannot_implement_reason(world_size=world):
             continue
@@ -88,6 +94,7 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
         sized = {"max_bytes": max(args.tokens) * args.hidden * dtype.itemsize} \
             if issubclass(cls, SymmMemOneShotAllReduce) else {}
         reducer = cls.create(group, device, dtype, **sized)
+        reducers.append(reducer)
         for tokens in args.tokens:
             generator = torch.Generator(device="cpu").manual_seed(1000 * tokens + rank)
             x = torch.randn(tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)
@@ -107,14 +114,15 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
             rows.append({"impl": reducer.name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
                          "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2),
                          "with_norm_graph_us": round(with_norm, 2)})
-    rows += _exchanges(rank, world, group, device, dtype, args)
+    rows += _exchanges(rank, world, group, device, dtype, args, reducers)
     if rank == 0:
         results.put(rows)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.dtype, args) -> list[dict]:
+def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.dtype, args,
+               reducers: list) -> list[dict]:
     """DP attention's gather and reduce-scatter: the exchange kernel against NCCL's collectives."""
     from baryon.kernels.all_reduce import all_reduce_reference
     from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce
@@ -122,6 +130,7 @@ def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.
     if SymmMemFusedAllReduce.unsupported_reason(device) or not args.exchange_tokens:
         return []
     reducer = SymmMemFusedAllReduce.create(group, device, dtype)
+    reducers.append(reducer)
     if not isinstance(reducer, SymmMemFusedAllReduce):
         return []
     rows = []
