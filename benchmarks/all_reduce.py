@@ -82,10 +82,11 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     dtype = getattr(torch, args.dtype)
     rows = []
     # Every reducer stays alive to the end, as in an engine (one reducer a group, for good). With
-    # the earlier reducers freed first, the exchange reducer's first gather on two H200s waited
-    # for its peer's rows until it gave up (a trap), while the same kernel passed the two-GPU
-    # tests, whose reducers all stay alive; a freed symmetric-memory block coming back with its
-    # old peers' addresses is the suspicion, not confirmed.
+    # the earlier reducers freed and a new one made for the exchanges, the exchanges' first gather
+    # on two H200s waited for its peer's rows until it gave up (a trap), while the same kernel
+    # passed the two-GPU tests, whose reducers stay alive; a freed symmetric-memory block coming
+    # back with its old peers' addresses is the suspicion, not confirmed. The exchanges now use
+    # the candidates' own fused reducer.
     reducers = []
     for cls in candidates("all_reduce"):
         if cls.unsupported_reason(device) or cls.cannot_implement_reason(world_size=world):
@@ -127,12 +128,10 @@ def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.
     from baryon.kernels.all_reduce import all_reduce_reference
     from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce
 
-    if SymmMemFusedAllReduce.unsupported_reason(device) or not args.exchange_tokens:
+    fused = [r for r in reducers if isinstance(r, SymmMemFusedAllReduce)]  # its buffers serve any size
+    if not fused or not args.exchange_tokens:
         return []
-    reducer = SymmMemFusedAllReduce.create(group, device, dtype)
-    reducers.append(reducer)
-    if not isinstance(reducer, SymmMemFusedAllReduce):
-        return []
+    reducer = fused[0]
     rows = []
     for tokens in args.exchange_tokens:
         generator = torch.Generator(device="cpu").manual_seed(7000 + 1000 * tokens + rank)
@@ -153,7 +152,8 @@ def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.
         }
         for name, (fn, expected) in cases.items():
             error = (fn().float() - expected.float()).abs().max().item()
-            rows.append({"impl": name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
+            sent = x if name.startswith("gather") else whole  # each rank's input
+            rows.append({"impl": name, "tokens": tokens, "bytes": sent.numel() * sent.element_size(),
                          "max_abs_error": error, "eager_us": round(_time_eager(fn), 2),
                          "graph_us": round(_time_graph(fn), 2), "with_norm_graph_us": None})
     return rows

@@ -167,6 +167,9 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
                                 max_polls=1000)
             if kind == "gather":
                 assert torch.equal(got.cpu(), torch.cat(parts)), f"call {call}: gathered rows differ"
+                # this rank's -0.0 as its peers receive it: +0.0's bits, in the peers' buffers and here
+                assert buffers[peers[0]][int(epochs[0]) & 1, rank, 0, 1].view(torch.int32).item() == 0
+                assert got[rank * rows, 1].view(torch.int32).item() == 0
             else:
                 expected = all_reduce_reference([w[rank * rows:(rank + 1) * rows] for w in wholes])
                 torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
@@ -226,6 +229,36 @@ def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
     out, _ = fused_all_reduce(x, None, None, 0.0, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32),
                               1, 2, abort, max_polls=1 << 30)
     assert out.isnan().all()
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU giving up traps, which ends the process's CUDA context")
+@pytest.mark.parametrize("gather", [True, False])
+def test_exchange_gives_up_on_a_row_that_never_comes(seed, gather):
+    """An exchange whose peer never writes a row gives up on it after max_polls reads (NaN in the
+    interpreter, a trap on a GPU); the rows that came are exchanged as usual."""
+    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, exchange_rows, sentinel_bits
+
+    generator = torch.Generator().manual_seed(seed)
+    buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
+    for b in buffers:
+        b.view(torch.int32).fill_(sentinel_bits(torch.float32))
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    x = torch.randn(2 if gather else 4, HIDDEN, generator=generator)
+    theirs = torch.randn(HIDDEN, generator=generator)
+    buffers[0][0, 1, 0, :HIDDEN] = theirs  # row 0 arrived from rank 1, row 1 never does
+    out = exchange_rows(x, gather, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
+                        torch.zeros(1, dtype=torch.int32), max_polls=3)
+    if gather:
+        torch.testing.assert_close(out[:2], x, rtol=0, atol=0)
+        torch.testing.assert_close(out[2], theirs, rtol=0, atol=0)
+        assert out[3].isnan().all()
+    else:
+        torch.testing.assert_close(out[0], x[0] + theirs, rtol=0, atol=0)
+        assert out[1].isnan().all()
+    with pytest.raises(ValueError, match="max_polls"):
+        exchange_rows(x, gather, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
+                      torch.zeros(1, dtype=torch.int32), max_polls=1 << 31)
 
 
 _GIVE_UP_CHILD = r"""

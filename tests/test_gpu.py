@@ -357,6 +357,8 @@ def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> Non
             dist.all_gather(parts, x)
             gathered = ps.dp_all_gather(x)
             assert torch.equal(gathered, torch.cat(parts)), f"{rows} rows: gathered rows differ"
+            if rows <= FUSED_MAX_ROWS:  # -0.0 travels as +0.0: every replica gathers the same bits
+                assert gathered[rank * rows, 0].view(torch.int16).item() == 0
             whole = torch.randn(world * rows, 1000, generator=generator).to(device, torch.bfloat16)
             wholes = [torch.empty_like(whole) for _ in range(world)]
             dist.all_gather(wholes, whole)

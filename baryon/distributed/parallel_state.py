@@ -117,11 +117,11 @@ def abort_distributed() -> None:
 
 
 def release_tp_waits() -> None:
-    """A tensor-parallel rank (or DP-attention replica) died: the all-reduce kernels polling for
-    its rows give up (aborting the process group releases NCCL's collectives, not those)."""
-    for reducer in (_TP_ALL_REDUCE, _DP_ALL_REDUCE):
-        if reducer is not None:
-            reducer.release_waits()
+    """A tensor-parallel rank died: the all-reduce kernels polling for its rows give up (aborting
+    the process group releases NCCL's collectives, not those). DP-attention replicas have no such
+    monitor: their exchanges give up after EXCHANGE_MAX_POLLS reads."""
+    if _TP_ALL_REDUCE is not None:
+        _TP_ALL_REDUCE.release_waits()
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None, dtype: torch.dtype | None) -> None:

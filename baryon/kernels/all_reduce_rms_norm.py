@@ -28,7 +28,18 @@ The same kernel without the residual add and norm serves the plain all-reduces o
 FUSED_MAX_HIDDEN or another dtype take the one-shot all-reduce (and then the norm kernel), with
 the same numerics.
 
+DP attention's MoE exchanges use the same buffers and row counters (`exchange_rows`): for the
+gather each rank pushes its own rows i to every peer and reads each peer's rows i; for the
+reduce-scatter it pushes to each peer that peer's share of its rows (rows p * rows + i) and sums
+its own share with what the peers pushed. Either way every call on a row i writes once to each
+peer and reads once from each, as an all-reduce call does, so the two-slot argument above holds
+for any sequence of the three that every rank makes alike (the replicas agree on each step's row
+count). Replicas run different attention between exchanges (and may compile different kernels
+there), so their waits are bounded by EXCHANGE_MAX_POLLS, about as long as NCCL's collective
+timeout, not MAX_POLLS.
+
     reducer.add_rms_norm(partial, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual)
+    reducer.gather(rows) / reducer.reduce_scatter(rows_of_every_rank)  # None where not served
 """
 
 from __future__ import annotations
@@ -54,6 +65,9 @@ FUSED_MAX_HIDDEN = 8192
 # writes, and torch cannot interrupt a running kernel; a slow one (compiling a kernel) is on
 # its way well within this.
 MAX_POLLS = 1 << 25
+# The same for DP attention's exchanges (~35-70 minutes): a replica's peer may be a first kernel
+# compilation late, as NCCL's collectives (30-minute timeout) allowed; no monitor releases them.
+EXCHANGE_MAX_POLLS = (1 << 31) - 1
 
 
 @functools.cache
@@ -116,6 +130,24 @@ if triton is not None:
         return got, polls >= max_polls
 
     @triton.jit
+    def _sum_over_ranks(own, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS: tl.constexpr,
+                        ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+                        SENTINEL: tl.constexpr, ASM: tl.constexpr):
+        """This rank's `own` row plus every peer's row `row` of this slot (received into this rank's
+        buffer `mine`), in rank order as all_reduce_reference adds, in float32."""
+        total = tl.zeros(own.shape, dtype=tl.float32)
+        for rank in tl.static_range(WORLD):
+            if rank == RANK:
+                total += own.to(tl.float32)
+            else:
+                at = mine + ((slot * WORLD + rank) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
+                got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
+                if gave_up:  # the peer never wrote its row: gone or hung
+                    total = _give_up(total, ASM)
+                total += got.to(own.dtype, bitcast=True).to(tl.float32)
+        return total
+
+    @triton.jit
     def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, counters, abort_addr, rows,
                                         stride_x, stride_r, stride_o, stride_ro, eps,
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
@@ -147,16 +179,8 @@ if triton is not None:
             for peer in tl.static_range(WORLD):
                 if peer != RANK:
                     _push(buffers, peer, sent, bits, cols, mask, itype)
-            total = tl.zeros([BLOCK], dtype=tl.float32)
-            for rank in tl.static_range(WORLD):  # rank order, as all_reduce_reference adds
-                if rank == RANK:
-                    total += part.to(tl.float32)
-                else:
-                    at = mine + ((slot * WORLD + rank) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
-                    got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
-                    if gave_up:  # the peer never wrote its row: gone or hung
-                        total = _give_up(total, ASM)
-                    total += got.to(dtype, bitcast=True).to(tl.float32)
+            total = _sum_over_ranks(part, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS,
+                                    ROW_STRIDE, RANK, WORLD, SENTINEL, ASM)
             if NORM:
                 h = total.to(dtype) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
                 tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
@@ -194,48 +218,44 @@ if triton is not None:
             slot = epoch & 1
             sent = ((slot * WORLD + RANK) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE
             if GATHER:
-                part = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
-                bits = _outgoing(part, itype, SENTINEL)
+                bits = _outgoing(tl.load(x + row * stride_x + cols, mask=mask, other=0.0), itype, SENTINEL)
                 for peer in tl.static_range(WORLD):
                     if peer != RANK:
                         _push(buffers, peer, sent, bits, cols, mask, itype)
-                tl.store(out + (RANK * rows + row) * stride_o + cols, part, mask=mask)
+                # this rank's row as its peers receive it (-0.0 as +0.0): every rank gathers the same bits
+                tl.store(out + (RANK * rows + row) * stride_o + cols, bits.to(dtype, bitcast=True), mask=mask)
                 for peer in tl.static_range(WORLD):
                     if peer != RANK:
                         at = mine + ((slot * WORLD + peer) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
                         got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
-                        value = got.to(dtype, bitcast=True).to(tl.float32)
+                        value = got.to(dtype, bitcast=True)
                         if gave_up:
-                            value = _give_up(value, ASM)
-                        tl.store(out + (peer * rows + row) * stride_o + cols, value.to(dtype), mask=mask)
+                            value = _give_up(value.to(tl.float32), ASM).to(dtype)
+                        tl.store(out + (peer * rows + row) * stride_o + cols, value, mask=mask)
             else:
                 for peer in tl.static_range(WORLD):
                     if peer != RANK:
                         theirs = tl.load(x + (peer * rows + row) * stride_x + cols, mask=mask, other=0.0)
                         _push(buffers, peer, sent, _outgoing(theirs, itype, SENTINEL), cols, mask, itype)
-                total = tl.zeros([BLOCK], dtype=tl.float32)
-                for rank in tl.static_range(WORLD):  # rank order, as all_reduce_reference adds
-                    if rank == RANK:
-                        total += tl.load(x + (RANK * rows + row) * stride_x + cols, mask=mask,
-                                         other=0.0).to(tl.float32)
-                    else:
-                        at = mine + ((slot * WORLD + rank) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
-                        got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
-                        if gave_up:
-                            total = _give_up(total, ASM)
-                        total += got.to(dtype, bitcast=True).to(tl.float32)
+                own = tl.load(x + (RANK * rows + row) * stride_x + cols, mask=mask, other=0.0)
+                total = _sum_over_ranks(own, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS,
+                                        ROW_STRIDE, RANK, WORLD, SENTINEL, ASM)
                 tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
 
 
+def _check_max_polls(max_polls: int) -> None:
+    if not 0 < max_polls < 1 << 31:
+        raise ValueError(f"max_polls must be between 1 and 2**31 - 1 (the kernel counts reads in int32), "
+                         f"got {max_polls}")
+
+
 def exchange_rows(x: torch.Tensor, gather: bool, buffers: torch.Tensor, counters: torch.Tensor, rank: int,
-                  world: int, abort: torch.Tensor, max_polls: int = MAX_POLLS) -> torch.Tensor:
+                  world: int, abort: torch.Tensor, max_polls: int = EXCHANGE_MAX_POLLS) -> torch.Tensor:
     """DP attention's exchanges through the fused kernel's buffers (same arguments as
     fused_all_reduce). gather: x [rows, hidden] -> every rank's x stacked in rank order [world *
     rows, hidden]; else x [world * rows, hidden] -> this rank's rows of the sum over ranks [rows,
     hidden]. rows <= FUSED_MAX_ROWS, hidden <= FUSED_MAX_HIDDEN, x contiguous."""
-    if not 0 < max_polls < 1 << 31:
-        raise ValueError(f"max_polls must be between 1 and 2**31 - 1 (the kernel counts reads in int32), "
-                         f"got {max_polls}")
+    _check_max_polls(max_polls)
     hidden = x.shape[1]
     rows = x.shape[0] if gather else x.shape[0] // world
     out = torch.empty((world * rows if gather else rows, hidden), dtype=x.dtype, device=x.device)
@@ -259,9 +279,7 @@ def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     [FUSED_MAX_ROWS] int32, this rank's calls per row; abort: int32 [1] the device can read
     (pinned host memory, or the device's own), nonzero to give up waiting; max_polls: reads of a
     peer's row before the kernel gives up on it (see MAX_POLLS)."""
-    if not 0 < max_polls < 1 << 31:
-        raise ValueError(f"max_polls must be between 1 and 2**31 - 1 (the kernel counts reads in int32), "
-                         f"got {max_polls}")
+    _check_max_polls(max_polls)
     rows, hidden = x.shape
     norm = residual is not None
     out = torch.empty_like(x)

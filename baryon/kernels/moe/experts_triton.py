@@ -523,7 +523,7 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if up_cfg.fuse_act:
         _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias, activation)
     else:  # gate/up product [pairs, 2 * inter] to memory, then SiLU-and-mul
-        gate_up = (torch.zeros if partial else torch.empty)(num_pairs, 2 * inter, dtype=dtype, device=x.device)
+        gate_up = torch.empty(num_pairs, 2 * inter, dtype=dtype, device=x.device)  # other ranks' pairs: never read
         _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias)
         inter_out = TritonSiluAndMul.forward(gate_up)
     if fp8 is not None:
