@@ -9,7 +9,15 @@ in flight) and stops the server with SIGTERM.
     python benchmarks/gpu_suite.py --models qwen3-8b --variants bf16 "fp8:--quantization fp8" \
         "w4a16:--quantization w4a16" "fp8kv:--kv-cache-dtype fp8 --kv-cache-memory-gib 4.5"
 
-A variant is NAME[:ENGINE FLAGS]: each model runs once per variant, labelled model/NAME.
+A variant is NAME[@TREE][:ENGINE FLAGS]: each model runs once per variant, labelled model/NAME;
+with @TREE its processes import baryon from the folder TREE (an older tree unpacked there, say by
+`git archive COMMIT baryon | tar -x -C before`), for A/B runs on one machine. `--repeats N` runs
+the whole list N times in turn (A, B, A, B, ...: a host's drift falls on both alike) and prints
+each variant's median last.
+
+    python benchmarks/gpu_suite.py --models qwen3-30b-a3b --workloads nano --repeats 3 \
+        --variants "after:--data-parallel-size 2 --enable-expert-parallel" \
+        "before@before:--data-parallel-size 2 --enable-expert-parallel" "tp1:"
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -45,14 +54,14 @@ WORKLOADS = {
 }
 
 
-def start_server(model: str, extra: list[str], timeout: int) -> subprocess.Popen:
+def start_server(model: str, extra: list[str], timeout: int, env: dict | None = None) -> subprocess.Popen:
     from baryon.bench.presets import PRESETS, resolve_model
 
     cmd = [sys.executable, "-m", "baryon.cli", "serve", resolve_model(model), "--port", "8123",
            "--uvicorn-log-level", "warning", *extra]
     if model in PRESETS:  # random weights; the context length of the other workloads
         cmd += ["--load-format", "dummy", "--max-model-len", "4096"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -73,19 +82,30 @@ def stop_server(server: subprocess.Popen) -> None:
         server.kill()
 
 
-def run_one(model: str, workload: str, extra: list[str], timeout: int) -> dict:
+def tree_env(tree: str) -> dict | None:
+    """The environment of a variant's processes: baryon imported from `tree` (None: this one)."""
+    if not tree:
+        return None
+    if not os.path.isdir(os.path.join(tree, "baryon")):
+        raise SystemExit(f"variant tree {tree!r} has no baryon/ folder")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_one(model: str, workload: str, extra: list[str], timeout: int, env: dict | None = None) -> dict:
     module, *flags = WORKLOADS[workload]
     server = None
     if workload == "serve":
         try:
-            server = start_server(model, extra, timeout)
+            server = start_server(model, extra, timeout, env)
         except RuntimeError as e:
             return {"model": model, "workload": workload, "error": str(e)}
         cmd = [sys.executable, "-m", module, *flags]
     else:
         cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"model": model, "workload": workload, "error": f"timed out after {timeout} s"}
     finally:
@@ -107,18 +127,61 @@ def main() -> None:
     os.environ.setdefault("BARYON_LOG_LEVEL", "WARNING")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per benchmark process")
     parser.add_argument("--variants", nargs="+", default=[""],
-                        help="NAME[:ENGINE FLAGS] each: run every model once per variant")
+                        help="NAME[@TREE][:ENGINE FLAGS] each: run every model once per variant")
+    parser.add_argument("--repeats", type=int, default=1, help="run the whole list this many times in turn")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    variants = []
+    for variant in args.variants:
+        head, _, flags = variant.partition(":")
+        name, _, tree = head.partition("@")
+        variants.append((name, tree_env(tree), flags.split()))
     results = []
-    for model in args.models:
-        for variant in args.variants:
-            name, _, flags = variant.partition(":")
-            for workload in args.workloads:
-                result = run_one(model, workload, extra + flags.split(), args.timeout)
-                result["model"] = f"{model}/{name}" if name else model
-                print(json.dumps(result), flush=True)
-                results.append(result)
+    for repeat in range(args.repeats):
+        for model in args.models:
+            for name, env, flags in variants:
+                for workload in args.workloads:
+                    result = run_one(model, workload, extra + flags, args.timeout, env)
+                    result["model"] = f"{model}/{name}" if name else model
+                    result["repeat"] = repeat
+                    print(json.dumps(result), flush=True)
+                    results.append(result)
+    print_table(results)
+    if args.repeats > 1:
+        print_medians(results)
+
+
+def headline(r: dict) -> tuple[float, str] | None:
+    """A result's main figure and its unit (None for an error)."""
+    if "error" in r:
+        return None
+    if r["benchmark"] == "latency":
+        return r["tpot_ms"], "ms TPOT"
+    if r["benchmark"] == "prefill_beside_decodes":
+        return r["itl_during_ms"], "ms ITL during"
+    if r["workload"] == "serve":
+        return r["output_throughput"], "out tok/s"
+    if r["workload"] == "prefill":
+        return r["prompt_tok_s"], "prompt tok/s"
+    return r["output_tok_s"], "out tok/s"
+
+
+def print_medians(results: list[dict]) -> None:
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["model"], r["workload"]), []).append(r)
+    print(f"\n{'model':<20} {'workload':<12} {'median':>12} {'unit':<14} runs")
+    for (model, workload), runs in groups.items():
+        figures = [h for h in map(headline, runs) if h is not None]
+        if not figures:
+            print(f"{model:<20} {workload:<12} {'-':>12} {'':<14} every run failed")
+            continue
+        values = [v for v, _ in figures]
+        print(f"{model:<20} {workload:<12} {statistics.median(values):>12,.3f} {figures[0][1]:<14} "
+              f"{', '.join(f'{v:,.3f}' for v in values)}")
+
+
+def print_table(results: list[dict]) -> None:
     print(f"\n{'model':<20} {'workload':<12} {'figure':<34} {'startup':>8}")
     for r in results:
         if "error" in r:
