@@ -54,14 +54,14 @@ WORKLOADS = {
 }
 
 
-def start_server(model: str, extra: list[str], timeout: int, env: dict | None = None) -> subprocess.Popen:
+def start_server(model: str, extra: list[str], timeout: int, process: dict) -> subprocess.Popen:
     from baryon.bench.presets import PRESETS, resolve_model
 
     cmd = [sys.executable, "-m", "baryon.cli", "serve", resolve_model(model), "--port", "8123",
            "--uvicorn-log-level", "warning", *extra]
     if model in PRESETS:  # random weights; the context length of the other workloads
         cmd += ["--load-format", "dummy", "--max-model-len", "4096"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **process)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -82,30 +82,35 @@ def stop_server(server: subprocess.Popen) -> None:
         server.kill()
 
 
-def tree_env(tree: str) -> dict | None:
-    """The environment of a variant's processes: baryon imported from `tree` (None: this one)."""
+def tree_process(tree: str) -> dict:
+    """subprocess arguments that make a variant's processes import baryon from `tree` ({}: this
+    one). The folder is their working directory too: `python -m` puts that first on sys.path,
+    ahead of PYTHONPATH, so from the repository's root its own baryon would be imported."""
     if not tree:
-        return None
+        return {}
+    tree = os.path.abspath(tree)
     if not os.path.isdir(os.path.join(tree, "baryon")):
         raise SystemExit(f"variant tree {tree!r} has no baryon/ folder")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(tree), env.get("PYTHONPATH")) if p)
-    return env
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
+    return {"env": env, "cwd": tree}
 
 
-def run_one(model: str, workload: str, extra: list[str], timeout: int, env: dict | None = None) -> dict:
+def run_one(model: str, workload: str, extra: list[str], timeout: int, process: dict | None = None) -> dict:
+    """One benchmark process (process: subprocess arguments of a variant's tree, tree_process)."""
+    process = process or {}
     module, *flags = WORKLOADS[workload]
     server = None
     if workload == "serve":
         try:
-            server = start_server(model, extra, timeout, env)
+            server = start_server(model, extra, timeout, process)
         except RuntimeError as e:
             return {"model": model, "workload": workload, "error": str(e)}
         cmd = [sys.executable, "-m", module, *flags]
     else:
         cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **process)
     except subprocess.TimeoutExpired:
         return {"model": model, "workload": workload, "error": f"timed out after {timeout} s"}
     finally:
@@ -135,13 +140,13 @@ def main() -> None:
     for variant in args.variants:
         head, _, flags = variant.partition(":")
         name, _, tree = head.partition("@")
-        variants.append((name, tree_env(tree), flags.split()))
+        variants.append((name, tree_process(tree), flags.split()))
     results = []
     for repeat in range(args.repeats):
         for model in args.models:
-            for name, env, flags in variants:
+            for name, process, flags in variants:
                 for workload in args.workloads:
-                    result = run_one(model, workload, extra + flags, args.timeout, env)
+                    result = run_one(model, workload, extra + flags, args.timeout, process)
                     result["model"] = f"{model}/{name}" if name else model
                     result["repeat"] = repeat
                     print(json.dumps(result), flush=True)
