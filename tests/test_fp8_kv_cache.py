@@ -381,8 +381,15 @@ def test_fp8_engine_is_the_float_engine_with_rounded_kv(tmp_path, seed, monkeypa
     top, logprobs = _teacher_forced(emulated, prompts)
     assert sum(a == b for a, b in zip(top, got_top)) >= len(top) - 1  # at most one near-tie apart
     # A key or value the two paths compute an ulp apart can round to neighbouring e4m3 codes (a step
-    # is 1/8 of the value): a few positions then differ by several 1e-3 (seen: 2 of 65 by up to 5e-3).
-    assert_mostly_within(got_logprobs, logprobs, most=2e-3, every=2e-2)
+    # is 1/8 of the value), and every later position of that prompt sees the other code: seen once
+    # in ~40 seeds (the others agree to the bit), one prompt of three then 1e-3 to 1.2e-2 apart from
+    # the flip on. So: every position within 2e-2, and all but one prompt within 2e-3 throughout
+    # (a cache that stored anything but the rounding, a wrong scale say, moves every prompt).
+    diff = (torch.tensor(got_logprobs) - torch.tensor(logprobs)).abs()
+    assert diff.max() <= 2e-2, f"apart by {diff.max():.2e}"
+    per_prompt = diff.split([len(p) - 1 for p in prompts])  # _teacher_forced: each prompt token after the first
+    close = sum(bool(d.max() <= 2e-3) for d in per_prompt)
+    assert close >= len(prompts) - 1, f"prompts apart by up to {[f'{d.max():.1e}' for d in per_prompt]}"
 
 
 def test_compiled_forward_with_fp8_cache_matches_eager(tmp_path, seed):
