@@ -63,24 +63,32 @@ def test_one_shot_set_up_only_where_ranks_rendezvoused_alike(rendezvous_before):
     assert results == {0: ("torch", int(tried)), 1: ("torch", int(tried))}
 
 
-@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
-@pytest.mark.parametrize("world, rank", [(2, 1), (4, 2)])  # this rank's part is added in the middle of four
-def test_fused_kernel_with_simulated_peers(seed, world, rank):
-    from baryon.kernels.all_reduce import all_reduce_reference
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce,
-                                                    all_reduce_add_rms_norm_reference, sentinel_bits)
+def _simulated_buffers(world: int, device: str = "cpu"):
+    """Every rank's fused-kernel buffer (float32, [2 slots, world, rows, hidden], the sentinel
+    throughout) in one process: (buffers, their addresses, this rank's row counters, the abort
+    word, the sentinel's bits)."""
+    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, sentinel_bits
 
-    generator = torch.Generator().manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the peers' buffers are in its memory too
-    peers = [p for p in range(world) if p != rank]
     empty = sentinel_bits(torch.float32)
     buffers = [torch.empty(2, world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN, device=device) for _ in range(world)]
     for b in buffers:
         b.view(torch.int32).fill_(empty)
-    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
+    return buffers, buffer_ptrs, counters, torch.zeros(1, dtype=torch.int32, device=device), empty
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.parametrize("world, rank", [(2, 1), (4, 2)])  # this rank's part is added in the middle of four
+def test_fused_kernel_with_simulated_peers(seed, world, rank):
+    from baryon.kernels.all_reduce import all_reduce_reference
+    from baryon.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm_reference, fused_all_reduce
+
+    generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the peers' buffers are in its memory too
+    peers = [p for p in range(world) if p != rank]
+    buffers, buffer_ptrs, counters, abort, empty = _simulated_buffers(world, device)
     weight = torch.randn(HIDDEN, generator=generator).to(device)
-    abort = torch.zeros(1, dtype=torch.int32, device=device)
     # (a row looked for in the wrong place gives up after 1,000 reads: NaN here, a trap on a GPU)
     # rows 2-4 sit out some calls: their counts lag; 200 rows: programs loop; the 5-row calls are
     # plain all-reduces (no residual, no norm), which count on the same rows
@@ -125,19 +133,12 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
     simulated as above: what this rank pushes where, what it reads back (cleared behind it), and
     the rows' call counts shared with the all-reduce's (calls of different sizes interleaved)."""
     from baryon.kernels.all_reduce import all_reduce_reference
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, exchange_rows,
-                                                    fused_all_reduce, sentinel_bits)
+    from baryon.kernels.all_reduce_rms_norm import exchange_rows, fused_all_reduce
 
     generator = torch.Generator().manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     peers = [p for p in range(world) if p != rank]
-    empty = sentinel_bits(torch.float32)
-    buffers = [torch.empty(2, world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN, device=device) for _ in range(world)]
-    for b in buffers:
-        b.view(torch.int32).fill_(empty)
-    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
-    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
-    abort = torch.zeros(1, dtype=torch.int32, device=device)
+    buffers, buffer_ptrs, counters, abort, empty = _simulated_buffers(world, device)
     for call, (kind, rows) in enumerate([("gather", 3), ("scatter", 3), ("all_reduce", 5), ("gather", 6),
                                          ("scatter", 2), ("gather", 140)]):
         epochs = counters[:rows].cpu().clone()
@@ -237,18 +238,14 @@ def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
 def test_exchange_gives_up_on_a_row_that_never_comes(seed, gather):
     """An exchange whose peer never writes a row gives up on it after max_polls reads (NaN in the
     interpreter, a trap on a GPU); the rows that came are exchanged as usual."""
-    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, exchange_rows, sentinel_bits
+    from baryon.kernels.all_reduce_rms_norm import exchange_rows
 
     generator = torch.Generator().manual_seed(seed)
-    buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
-    for b in buffers:
-        b.view(torch.int32).fill_(sentinel_bits(torch.float32))
-    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    buffers, buffer_ptrs, counters, abort, _ = _simulated_buffers(2)
     x = torch.randn(2 if gather else 4, HIDDEN, generator=generator)
     theirs = torch.randn(HIDDEN, generator=generator)
     buffers[0][0, 1, 0, :HIDDEN] = theirs  # row 0 arrived from rank 1, row 1 never does
-    out = exchange_rows(x, gather, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
-                        torch.zeros(1, dtype=torch.int32), max_polls=3)
+    out = exchange_rows(x, gather, buffer_ptrs, counters, 0, 2, abort, max_polls=3)
     if gather:
         torch.testing.assert_close(out[:2], x, rtol=0, atol=0)
         torch.testing.assert_close(out[2], theirs, rtol=0, atol=0)
@@ -257,8 +254,7 @@ def test_exchange_gives_up_on_a_row_that_never_comes(seed, gather):
         torch.testing.assert_close(out[0], x[0] + theirs, rtol=0, atol=0)
         assert out[1].isnan().all()
     with pytest.raises(ValueError, match="max_polls"):
-        exchange_rows(x, gather, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
-                      torch.zeros(1, dtype=torch.int32), max_polls=1 << 31)
+        exchange_rows(x, gather, buffer_ptrs, counters, 0, 2, abort, max_polls=1 << 31)
 
 
 _GIVE_UP_CHILD = r"""

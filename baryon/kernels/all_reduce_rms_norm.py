@@ -102,6 +102,25 @@ if triton is not None:
         return total + tl.full(total.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _claim_slot(counters, row):
+        """This call's slot of row `row` (its call count, moved on, & 1)."""
+        epoch = tl.load(counters + row)
+        tl.store(counters + row, epoch + 1)
+        return epoch & 1
+
+    @triton.jit
+    def _offset(slot, sender, row, WORLD: tl.constexpr, SLOT_ROWS: tl.constexpr, ROW_STRIDE: tl.constexpr):
+        """Element offset of [slot, sender, row] in a rank's buffer."""
+        return ((slot * WORLD + sender) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE
+
+    @triton.jit
+    def _push_to_peers(buffers, offset, bits, cols, mask, itype: tl.constexpr, RANK: tl.constexpr,
+                       WORLD: tl.constexpr):
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                _push(buffers, peer, offset, bits, cols, mask, itype)
+
+    @triton.jit
     def _push(buffers, peer, offset, bits, cols, mask, itype: tl.constexpr):
         """Store a row's bits into `peer`'s buffer at element `offset` (its slot, sender and row)."""
         theirs = tl.load(buffers + peer).to(tl.pointer_type(itype))
@@ -140,7 +159,7 @@ if triton is not None:
             if rank == RANK:
                 total += own.to(tl.float32)
             else:
-                at = mine + ((slot * WORLD + rank) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
+                at = mine + _offset(slot, rank, row, WORLD, SLOT_ROWS, ROW_STRIDE) + cols
                 got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
                 if gave_up:  # the peer never wrote its row: gone or hung
                     total = _give_up(total, ASM)
@@ -170,15 +189,10 @@ if triton is not None:
             w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
         empty = tl.full([BLOCK], SENTINEL, itype)
         for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-            epoch = tl.load(counters + row)
-            tl.store(counters + row, epoch + 1)
-            slot = epoch & 1
+            slot = _claim_slot(counters, row)
             part = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
-            bits = _outgoing(part, itype, SENTINEL)
-            sent = ((slot * WORLD + RANK) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE
-            for peer in tl.static_range(WORLD):
-                if peer != RANK:
-                    _push(buffers, peer, sent, bits, cols, mask, itype)
+            _push_to_peers(buffers, _offset(slot, RANK, row, WORLD, SLOT_ROWS, ROW_STRIDE),
+                           _outgoing(part, itype, SENTINEL), cols, mask, itype, RANK, WORLD)
             total = _sum_over_ranks(part, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS,
                                     ROW_STRIDE, RANK, WORLD, SENTINEL, ASM)
             if NORM:
@@ -207,26 +221,22 @@ if triton is not None:
         (x [world * rows, hidden], out [rows, hidden]): each rank sends a peer only that peer's rows."""
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
-        dtype = x.dtype.element_ty
         itype = tl.int16 if BITS == 16 else tl.int32
         mine = tl.load(buffers + RANK).to(tl.pointer_type(itype))
         abort = abort_addr.to(tl.pointer_type(tl.int32))
         empty = tl.full([BLOCK], SENTINEL, itype)
+        dtype = x.dtype.element_ty
         for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-            epoch = tl.load(counters + row)
-            tl.store(counters + row, epoch + 1)
-            slot = epoch & 1
-            sent = ((slot * WORLD + RANK) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE
+            slot = _claim_slot(counters, row)
+            sent = _offset(slot, RANK, row, WORLD, SLOT_ROWS, ROW_STRIDE)
             if GATHER:
                 bits = _outgoing(tl.load(x + row * stride_x + cols, mask=mask, other=0.0), itype, SENTINEL)
-                for peer in tl.static_range(WORLD):
-                    if peer != RANK:
-                        _push(buffers, peer, sent, bits, cols, mask, itype)
+                _push_to_peers(buffers, sent, bits, cols, mask, itype, RANK, WORLD)
                 # this rank's row as its peers receive it (-0.0 as +0.0): every rank gathers the same bits
                 tl.store(out + (RANK * rows + row) * stride_o + cols, bits.to(dtype, bitcast=True), mask=mask)
                 for peer in tl.static_range(WORLD):
                     if peer != RANK:
-                        at = mine + ((slot * WORLD + peer) * SLOT_ROWS + row).to(tl.int64) * ROW_STRIDE + cols
+                        at = mine + _offset(slot, peer, row, WORLD, SLOT_ROWS, ROW_STRIDE) + cols
                         got, gave_up = _receive(at, mask, empty, abort, max_polls, SENTINEL)
                         value = got.to(dtype, bitcast=True)
                         if gave_up:
