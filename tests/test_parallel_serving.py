@@ -213,3 +213,24 @@ def test_server_balances_two_replicas(stories_path):
         assert total == 2 * (256 * 512 // 16 + 1)
     finally:
         server.stop()
+
+
+def test_server_stops_the_other_replicas_when_one_dies(stories_path):
+    """A replica that dies fails the engine; the replicas left serve nothing more, so they are
+    stopped too (asked, then killed: a DP-attention replica may be stuck waiting for the dead
+    one), and the server answers 503 until it is restarted."""
+    server = ServerProcess(stories_path, "--max-model-len", "512", "--data-parallel-size", "2")
+    try:
+        server.wait_ready()
+        replicas = [pid for pid in child_pids(server.process.pid) if parent_pid(pid) == server.process.pid]
+        assert len(replicas) == 2
+        os.kill(replicas[0], signal.SIGKILL)
+        wait_until_gone(replicas, 15)
+        health = httpx.get(f"{server.url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+        assert "exited unexpectedly" in health.json()["error"]["message"]
+        late = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": 4}, timeout=5)
+        assert late.status_code == 503
+        assert_sigterm_stops_everything(server)
+    finally:
+        server.stop()

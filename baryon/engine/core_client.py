@@ -41,6 +41,8 @@ logger = get_logger(__name__)
 
 # How often the client checks that the engine process is still running (seconds).
 _WATCH_INTERVAL_S = 0.1
+# After one replica fails, how long the others get to exit on a Shutdown before they are killed.
+REPLICA_GRACE_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -152,7 +154,8 @@ class EngineProcess:
 class AsyncEngineClient:
     """The server's client of one engine process, or of data_parallel_size replicas: each new
     request goes to the replica with the least work outstanding, in tokens (ReplicaLoad); a
-    replica that fails fails the whole engine (every request, and /health answers 503)."""
+    replica that fails fails the whole engine (every request, and /health answers 503), and the
+    other replicas are stopped."""
 
     def __init__(self, engines: list[EngineProcess], config: EngineConfig, tokenizer: Any | None) -> None:
         self.engines = engines
@@ -311,7 +314,7 @@ class AsyncEngineClient:
         engine = self.engines[replica]
         while engine.exit_code() is None:
             await asyncio.sleep(_WATCH_INTERVAL_S)
-        if not self._closing:
+        if not self._closing and self.dead_reason is None:  # (else: shut down, or stopped after another failed)
             logger.error("the engine process exited unexpectedly (exit code %s)", engine.exit_code())
             self._fail_all(f"the engine process exited unexpectedly (exit code {engine.exit_code()})")
 
@@ -322,9 +325,33 @@ class AsyncEngineClient:
             queue.put_nowait(error)
 
     def _fail_all(self, reason: str) -> None:
-        if self.dead_reason is None:
+        first = self.dead_reason is None
+        if first:
             self.dead_reason = reason
         for request_id in list(self.output_processor.requests):
             self.output_processor.abort_request(request_id)
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(self.dead_reason))
+        if first and not self._closing and len(self.engines) > 1:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._stop_replicas()))
+
+    async def _stop_replicas(self) -> None:
+        """The engine failed, so its replicas that still run serve nothing: each is asked to exit
+        and, past REPLICA_GRACE_S, killed (a DP-attention replica may be waiting for the failed
+        one inside a collective or a kernel, where no message reaches it). Their GPUs are free
+        again; the server answers 503 until it is restarted."""
+        running = [engine for engine in self.engines if engine.exit_code() is None]
+        for engine in running:
+            try:
+                engine.send(Shutdown())
+            except zmq.ZMQError:
+                pass
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REPLICA_GRACE_S
+        while any(engine.exit_code() is None for engine in running) and loop.time() < deadline:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+        for engine in running:
+            if engine.exit_code() is None:
+                logger.warning("engine replica (pid %d) did not exit within %.0f s of the engine's failure; killing it",
+                               engine.pid, REPLICA_GRACE_S)
+                engine.process.kill()
