@@ -41,13 +41,32 @@ def index_scores_reference(index_q: torch.Tensor, weights: torch.Tensor, cache: 
         start, end = starts[i], starts[i + 1]
         if end == start:
             continue
-        keys = sequence_rows(cache, metadata, i, seq_len)[:, offset: offset + index_dim]  # [S, I]
-        per_head = torch.relu(torch.einsum("qhd,sd->qhs", index_q[start:end].float(), keys.float()) * index_dim ** -0.5)
-        index = torch.einsum("qh,qhs->qs", weights[start:end].float(), per_head)  # [q, S_i]
+        keys = sequence_rows(cache, metadata, i, seq_len)[:, offset: offset + index_dim].float()  # [S, I]
+        index = torch.cat([_token_scores(index_q[first:last].float(), weights[first:last].float(), keys)
+                           for first, last in _row_chunks(start, end, seq_len * index_q.shape[1] * index_dim)])
         positions = torch.arange(seq_len - (end - start), seq_len, device=index.device)
         visible = torch.arange(seq_len, device=index.device)[None, :] <= positions[:, None]
         scores[start:end, :seq_len] = index.masked_fill(~visible, float("-inf"))
     return scores
+
+
+# Elements of one chunk's products [rows, S, heads, I] (float32: 64 MiB).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _row_chunks(start: int, end: int, per_row: int) -> list[tuple[int, int]]:
+    rows = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
+    return [(first, min(first + rows, end)) for first in range(start, end, rows)]
+
+
+def _token_scores(index_q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """index_q [q, heads, I], weights [q, heads], keys [S, I] (float32) -> [q, S]. Each score is
+    summed over I, then over the heads, as the innermost dimension of a product: the same order
+    for a token whatever the step holds (a matmul's order changes with its shape, and a key whose
+    score moved by an ulp can trade places with a near-equal one in the top-k: seen as a request
+    decoding differently after a prefill over its cached prefix)."""
+    per_head = torch.relu((index_q[:, None, :, :] * keys[None, :, None, :]).sum(-1) * keys.shape[1] ** -0.5)
+    return (per_head * weights[:, None, :]).sum(-1)  # per_head [q, S, heads]
 
 
 def topk_indices(scores: torch.Tensor, topk: int) -> torch.Tensor:
