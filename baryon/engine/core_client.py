@@ -29,7 +29,7 @@ import zmq.asyncio
 from baryon.config import EngineConfig
 from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreRequest, EngineFailed, EngineMessage,
                                     EngineOutputs, EngineReady, EngineStats, Shutdown, encoder,
-                                    engine_message_decoder)
+                                    engine_message_decoder, total_stats)
 from baryon.engine.output_processor import OutputProcessor
 from baryon.engine.replica_load import ReplicaLoad, request_tokens
 from baryon.logger import get_logger
@@ -178,17 +178,7 @@ class AsyncEngineClient:
     @property
     def stats(self) -> EngineStats:
         """The replicas' load, added up."""
-        if len(self.replica_stats) == 1:
-            return self.replica_stats[0]
-        total = EngineStats()
-        for stats in self.replica_stats:
-            for name in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks", "spec_num_drafts",
-                         "spec_num_draft_tokens", "spec_num_accepted_tokens"):
-                setattr(total, name, getattr(total, name) + getattr(stats, name))
-            per_position = stats.spec_accepted_per_position
-            total.spec_accepted_per_position = [a + b for a, b in zip(total.spec_accepted_per_position, per_position)] \
-                if total.spec_accepted_per_position else list(per_position)
-        return total
+        return total_stats(self.replica_stats)
 
     # -- lifecycle ----------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from baryon.config import EngineConfig
 from baryon.engine.core import EngineCoreOutput, SpecDecodeStats, check_prompt
 from baryon.engine.core_client import EngineProcess
 from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreRequest, EngineFailed, EngineOutputs,
-                                    EngineReady, EngineStats, Shutdown)
+                                    EngineReady, EngineStats, Shutdown, total_stats)
 from baryon.engine.replica_load import ReplicaLoad, request_tokens
 from baryon.sampling_params import SamplingParams
 
@@ -134,19 +134,17 @@ class EngineCoreProcesses:
     @property
     def num_steps(self) -> int:
         """Steps the replicas have launched, added up (as of their last messages)."""
-        return sum(stats.num_steps for stats in self.stats)
+        return total_stats(self.stats).num_steps
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
         """Speculative decoding totals of the replicas, added up (as of their last messages)."""
         k = self.config.speculative.num_speculative_tokens if self.config.speculative else 0
-        total = SpecDecodeStats(k)
-        for stats in self.stats:
-            total.num_drafts += stats.spec_num_drafts
-            total.num_draft_tokens += stats.spec_num_draft_tokens
-            total.num_accepted_tokens += stats.spec_num_accepted_tokens
-            for position, accepted in enumerate(stats.spec_accepted_per_position[:k]):
-                total.accepted_per_position[position] += accepted
+        stats, total = total_stats(self.stats), SpecDecodeStats(k)
+        total.num_drafts, total.num_draft_tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
+        total.num_accepted_tokens = stats.spec_num_accepted_tokens
+        for position, accepted in enumerate(stats.spec_accepted_per_position[:k]):
+            total.accepted_per_position[position] += accepted
         return total
 
     def _finished(self, output: EngineCoreOutput) -> EngineCoreOutput:

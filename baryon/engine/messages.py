@@ -54,6 +54,22 @@ class EngineStats(msgspec.Struct):
     spec_accepted_per_position: list[int] = []
 
 
+def total_stats(replicas: list[EngineStats]) -> EngineStats:
+    """Several replicas' stats added up (counts and totals; the per-position acceptances position
+    by position)."""
+    if len(replicas) == 1:
+        return replicas[0]
+    total = EngineStats()
+    for stats in replicas:
+        for name in ("num_running", "num_waiting", "num_kv_blocks_used", "num_kv_blocks", "num_steps",
+                     "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        per_position = stats.spec_accepted_per_position
+        total.spec_accepted_per_position = [a + b for a, b in zip(total.spec_accepted_per_position, per_position)] \
+            if total.spec_accepted_per_position else list(per_position)
+    return total
+
+
 class EngineReady(msgspec.Struct, tag=True):
     stats: EngineStats
 
