@@ -5,14 +5,79 @@ grouped sigmoid routing) and DeepSeek-V3.2 (sparse attention: index keys cached 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import pytest
+import torch
 
 from baryon import LLM, SamplingParams
 from baryon.engine.scheduler import Scheduler
+from baryon.kernels.attention import mla_indexer
 from conftest import make_checkpoint, random_prompts
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 20
+# DeepSeek-V3.2 keeps each token's `index_topk` best keys by float score. A step's matmuls round
+# differently with its number of rows (MKL takes other paths below ~12 rows on the CPU), so a score
+# moves by ~1e-6 of the largest between a batched and a lone run, and where the k-th and (k+1)-th
+# keys are that close the choice can swap and the request rightly decode differently (seen: a gap
+# of 6.6e-7). A request whose lone run met a gap under NEAR_TIE (relative) is not compared;
+# every other one must match to the last token.
+NEAR_TIE = 1e-4
+
+
+class KeyChoiceGaps:
+    """The smallest relative gap between the k-th and (k+1)-th best index score over the top-k
+    choices the engine made since `reset` (DeepSeek-V3.2's indexer; inf for other models)."""
+
+    def __init__(self) -> None:
+        self.smallest = math.inf
+        self.choices = 0  # top-k calls that had to drop keys
+
+    def reset(self) -> None:
+        self.smallest = math.inf
+
+    def record(self, scores: torch.Tensor, topk: int) -> None:
+        """scores [T, S] as mla_indexer.topk_indices takes them."""
+        if scores.shape[1] <= topk:
+            return
+        best = torch.topk(scores, topk + 1, dim=-1).values  # [T, topk + 1], best first
+        drops = best[:, topk] > float("-inf")  # rows with more visible keys than topk
+        if drops.any():
+            self.choices += 1
+            gap = (best[drops, topk - 1] - best[drops, topk]) / best[drops, 0].abs().clamp_min(1e-30)
+            self.smallest = min(self.smallest, float(gap.min()))
+
+    @property
+    def near_tie(self) -> bool:
+        return self.smallest < NEAR_TIE
+
+
+@pytest.fixture
+def key_gaps(monkeypatch) -> KeyChoiceGaps:
+    gaps = KeyChoiceGaps()
+    choose = mla_indexer.topk_indices
+
+    def recording(scores: torch.Tensor, topk: int) -> torch.Tensor:
+        gaps.record(scores, topk)
+        return choose(scores, topk)
+
+    monkeypatch.setattr(mla_indexer, "topk_indices", recording)
+    return gaps
+
+
+@dataclass
+class Alone:
+    tokens: list[list[int]]  # each request's greedy tokens, run by itself
+    comparable: list[bool]  # False where its lone run met a near-tie in a key choice
+
+
+def assert_same_as_alone(got: list[list[int]], alone: Alone) -> None:
+    compared = [i for i, ok in enumerate(alone.comparable) if ok]
+    assert len(compared) >= NUM_REQUESTS - 3, f"{NUM_REQUESTS - len(compared)} requests met a near-tie"
+    for i in compared:
+        assert got[i] == alone.tokens[i], f"request {i}"
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"])
@@ -59,24 +124,28 @@ def solo_engine(checkpoint):
 
 
 @pytest.fixture
-def alone(solo_engine, prompts):
+def alone(solo_engine, prompts, key_gaps, checkpoint):
     """Each request run by itself, with prefix caching off so nothing is shared."""
     llm = solo_engine
-    results = []
+    results, comparable = [], []
     for i, prompt in enumerate(prompts):
+        key_gaps.reset()
         out = llm.generate([{"prompt_token_ids": prompt}], _params(i), use_tqdm=False)
         results.append(out[0].outputs[0].token_ids)
+        comparable.append(not key_gaps.near_tie)
     assert all(len(r) == MAX_TOKENS - i % 5 for i, r in enumerate(results))
-    return results
+    if "index_topk" in (checkpoint / "config.json").read_text():  # V3.2: tokens saw more keys than index_topk
+        assert key_gaps.choices > 0
+    return Alone(results, comparable)
 
 
 def test_batch_of_16_mixed_lengths(default_engine, prompts, alone):
-    assert _generate(default_engine, prompts) == alone
+    assert_same_as_alone(_generate(default_engine, prompts), alone)
 
 
 def test_chunked_prefill_forced_small(checkpoint, prompts, alone):
     llm = _engine(checkpoint, max_num_batched_tokens=7)
-    assert _generate(llm, prompts) == alone
+    assert_same_as_alone(_generate(llm, prompts), alone)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -85,8 +154,8 @@ def test_prefix_caching_on_and_off(checkpoint, prompts, alone, prefix_caching):
     first = _generate(llm, prompts)
     again = llm.generate([{"prompt_token_ids": p} for p in prompts], [_params(i) for i in range(len(prompts))],
                          use_tqdm=False)  # a second pass can hit every prompt's full blocks
-    assert first == alone
-    assert [o.outputs[0].token_ids for o in again] == alone
+    assert_same_as_alone(first, alone)
+    assert_same_as_alone([o.outputs[0].token_ids for o in again], alone)
     cached = sum(o.num_cached_tokens for o in again)
     assert (cached > 0) == prefix_caching
     block_manager = llm.engine.core.block_manager
@@ -104,22 +173,28 @@ def test_preemption_under_tiny_kv_cache(checkpoint, prompts, alone, monkeypatch)
     monkeypatch.setattr(Scheduler, "_preempt", counting_preempt)
     # 40 blocks of 4 tokens: a few requests at a time at most, so running ones get preempted.
     llm = _engine(checkpoint, num_kv_blocks=40)
-    assert _generate(llm, prompts) == alone
+    assert_same_as_alone(_generate(llm, prompts), alone)
     assert preempted, "the tiny cache was expected to force preemptions"
     block_manager = llm.engine.core.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks
 
 
-def test_seeded_sampling_is_batch_invariant(default_engine, prompts):
+def test_seeded_sampling_is_batch_invariant(default_engine, prompts, key_gaps):
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1000 + i, max_tokens=12, ignore_eos=True)
               for i in range(len(prompts))]
     batch = default_engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for i in (0, 5, 11):
+    compared = 0
+    for i in (0, 5, 11, 14):
+        key_gaps.reset()
         solo = default_engine.generate([{"prompt_token_ids": prompts[i]}], params[i], use_tqdm=False)
-        assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids
+        if key_gaps.near_tie:
+            continue
+        assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"
+        compared += 1
+    assert compared >= 3
 
 
-def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_engine, prompts):
+def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_engine, prompts, key_gaps):
     """Greedy, seeded temperature, top-k and top-p requests that end at different steps: the batch's
     sampling rows are rebuilt whenever its requests change (and reused while they do not), so each
     request samples with its own parameters to its last token, as it does alone."""
@@ -131,6 +206,12 @@ def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_
 
     batch = default_engine.generate([{"prompt_token_ids": p} for p in prompts], [params(i) for i in range(len(prompts))],
                                     use_tqdm=False)
+    compared = 0
     for i in range(len(prompts)):
+        key_gaps.reset()
         solo = default_engine.generate([{"prompt_token_ids": prompts[i]}], params(i), use_tqdm=False)
+        if key_gaps.near_tie:
+            continue
         assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"
+        compared += 1
+    assert compared >= NUM_REQUESTS - 3
