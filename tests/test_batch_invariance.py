@@ -22,9 +22,10 @@ MAX_TOKENS = 20
 # differently with its number of rows (MKL takes other paths below ~12 rows on the CPU), so a score
 # moves by ~1e-6 of the largest between a batched and a lone run, and where the k-th and (k+1)-th
 # keys are that close the choice can swap and the request rightly decode differently (seen: a gap
-# of 6.6e-7). A request whose lone run met a gap under NEAR_TIE (relative) is not compared;
-# every other one must match to the last token.
-NEAR_TIE = 1e-4
+# of 6.6e-7). A request whose lone run met a gap under NEAR_TIE (relative; 20x that noise) is not
+# compared (~5% of them: each lone run makes ~100 choices); every other one must match to the
+# last token, and at least half of the requests are compared.
+NEAR_TIE = 2e-5
 
 
 class KeyChoiceGaps:
@@ -75,7 +76,7 @@ class Alone:
 
 def assert_same_as_alone(got: list[list[int]], alone: Alone) -> None:
     compared = [i for i, ok in enumerate(alone.comparable) if ok]
-    assert len(compared) >= NUM_REQUESTS - 3, f"{NUM_REQUESTS - len(compared)} requests met a near-tie"
+    assert len(compared) >= NUM_REQUESTS // 2, f"{NUM_REQUESTS - len(compared)} requests met a near-tie"
     for i in compared:
         assert got[i] == alone.tokens[i], f"request {i}"
 
@@ -191,7 +192,7 @@ def test_seeded_sampling_is_batch_invariant(default_engine, prompts, key_gaps):
             continue
         assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"
         compared += 1
-    assert compared >= 3
+    assert compared >= 2
 
 
 def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_engine, prompts, key_gaps):
@@ -214,4 +215,4 @@ def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_
             continue
         assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"
         compared += 1
-    assert compared >= NUM_REQUESTS - 3
+    assert compared >= NUM_REQUESTS // 2
