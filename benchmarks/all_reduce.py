@@ -4,7 +4,8 @@ decode and prefill message sizes, eager and replayed from a CUDA graph (what a d
 after checking its result against the float32 sum; "+norm": the all-reduce and the residual add
 + RMSNorm after it (one kernel in symm_mem_fused), graph-replayed. Then DP attention's exchanges
 at `--exchange-tokens` rows a rank: the gather and reduce-scatter of symm_mem_fused's exchange
-kernel against NCCL's all-gather and reduce-scatter (graph-replayed, results checked likewise).
+kernel against NCCL's all-gather and reduce-scatter (graph-replayed, results checked likewise),
+the scatter's "+norm" with the next layer's residual add + RMSNorm.
 
     python benchmarks/all_reduce.py [--world-size 2] [--hidden 4096] [--tokens 1 8 64 256 1024] [--dtype bfloat16]
     python benchmarks/all_reduce.py --hidden 2048 --tokens 128 --exchange-tokens 64 128 256
@@ -126,7 +127,8 @@ def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.
                reducers: list) -> list[dict]:
     """DP attention's gather and reduce-scatter: the exchange kernel against NCCL's collectives."""
     from baryon.kernels.all_reduce import all_reduce_reference
-    from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce
+    from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce, all_reduce_add_rms_norm_reference
+    from baryon.kernels.selector import select
 
     fused = [r for r in reducers if isinstance(r, SymmMemFusedAllReduce)]  # its buffers serve any size
     if not fused or not args.exchange_tokens:
@@ -150,12 +152,28 @@ def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.
             "reduce_scatter:symm_mem_fused": (lambda: reducer.reduce_scatter(whole), expected_mine),
             "reduce_scatter:nccl": (lambda: dist.reduce_scatter_tensor(mine, whole, group=group) or mine, expected_mine),
         }
+        # "+norm" of a scatter: with the next layer's residual add + RMSNorm (one kernel in
+        # symm_mem_fused; NCCL's reduce-scatter, then the norm kernel)
+        residual = torch.randn(tokens, args.hidden, generator=generator).to(device=device, dtype=dtype)
+        weight = torch.randn(args.hidden, generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
+        norm = select("rms_norm", device)
+        with_norm = {
+            "reduce_scatter:symm_mem_fused": lambda: reducer.reduce_scatter_add_rms_norm(whole, residual, weight, 1e-6),
+            "reduce_scatter:nccl": lambda: norm.forward(dist.reduce_scatter_tensor(mine, whole, group=group) or mine,
+                                                        weight, 1e-6, residual),
+        }
+        _, expected_residual = all_reduce_add_rms_norm_reference([w[rank * tokens:(rank + 1) * tokens] for w in wholes],
+                                                                 residual, weight, 1e-6)
         for name, (fn, expected) in cases.items():
             error = (fn().float() - expected.float()).abs().max().item()
             sent = x if name.startswith("gather") else whole  # each rank's input
+            norm_us = None
+            if name in with_norm:
+                error = max(error, (with_norm[name]()[1].float() - expected_residual.float()).abs().max().item())
+                norm_us = round(_time_graph(with_norm[name]), 2)
             rows.append({"impl": name, "tokens": tokens, "bytes": sent.numel() * sent.element_size(),
                          "max_abs_error": error, "eager_us": round(_time_eager(fn), 2),
-                         "graph_us": round(_time_graph(fn), 2), "with_norm_graph_us": None})
+                         "graph_us": round(_time_graph(fn), 2), "with_norm_graph_us": norm_us})
     return rows
 
 

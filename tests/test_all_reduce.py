@@ -133,14 +133,19 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
     simulated as above: what this rank pushes where, what it reads back (cleared behind it), and
     the rows' call counts shared with the all-reduce's (calls of different sizes interleaved)."""
     from baryon.kernels.all_reduce import all_reduce_reference
-    from baryon.kernels.all_reduce_rms_norm import exchange_rows, fused_all_reduce
+    from baryon.kernels.all_reduce_rms_norm import (all_reduce_add_rms_norm_reference, exchange_rows,
+                                                    fused_all_reduce, scatter_add_rms_norm)
 
     generator = torch.Generator().manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     peers = [p for p in range(world) if p != rank]
     buffers, buffer_ptrs, counters, abort, empty = _simulated_buffers(world, device)
+    weight = torch.randn(HIDDEN, generator=generator)
+    # "scatter_norm": the reduce-scatter fused with the residual add and RMSNorm over this
+    # replica's first `tokens` rows (the rest padding: exchanged, not stored)
     for call, (kind, rows) in enumerate([("gather", 3), ("scatter", 3), ("all_reduce", 5), ("gather", 6),
-                                         ("scatter", 2), ("gather", 140)]):
+                                         ("scatter_norm", 4), ("scatter", 2), ("scatter_norm", 140),
+                                         ("gather", 140)]):
         epochs = counters[:rows].cpu().clone()
         if kind == "gather":
             parts = [torch.randn(rows, HIDDEN, generator=generator) for _ in range(world)]  # each rank's rows
@@ -148,7 +153,7 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
             incoming = {p: parts[p] for p in peers}  # what peer p pushes to this rank, row by row
             outgoing = {p: parts[rank] for p in peers}
             mine = parts[rank]
-        elif kind == "scatter":
+        elif kind.startswith("scatter"):
             wholes = [torch.randn(world * rows, HIDDEN, generator=generator) for _ in range(world)]
             incoming = {p: wholes[p][rank * rows:(rank + 1) * rows] for p in peers}  # peer p's share for us
             outgoing = {p: wholes[rank][p * rows:(p + 1) * rows] for p in peers}
@@ -163,6 +168,16 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
             got, _ = fused_all_reduce(mine.to(device), None, None, 0.0, buffer_ptrs, counters, rank, world, abort,
                                       max_polls=1000)
             torch.testing.assert_close(got.cpu(), all_reduce_reference(parts), rtol=0, atol=0)
+        elif kind == "scatter_norm":
+            tokens = rows - 1 - call % 2  # this replica's own tokens; the other rows pad
+            residual = torch.randn(tokens, HIDDEN, generator=generator)
+            out, residual_out = scatter_add_rms_norm(mine.to(device), residual.to(device), weight.to(device), 1e-6,
+                                                     buffer_ptrs, counters, rank, world, abort, max_polls=1000)
+            shares = [w[rank * rows:rank * rows + tokens] for w in wholes]
+            expected, expected_residual = all_reduce_add_rms_norm_reference(shares, residual, weight, 1e-6)
+            assert out.shape == residual_out.shape == (tokens, HIDDEN)
+            torch.testing.assert_close(residual_out.cpu(), expected_residual, rtol=0, atol=0)
+            torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
         else:
             got = exchange_rows(mine.to(device), kind == "gather", buffer_ptrs, counters, rank, world, abort,
                                 max_polls=1000)
@@ -181,7 +196,7 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
                 assert (sent[HIDDEN:].view(torch.int32) == empty).all()
                 assert (buffers[rank][epoch & 1, p, row].view(torch.int32) == empty).all().item()
         assert counters[:rows].tolist() == (epochs + 1).tolist(), f"call {call}"
-    assert counters[:7].tolist() == [6, 6, 5, 3, 3, 2, 1]
+    assert counters[:7].tolist() == [8, 8, 7, 5, 4, 3, 2]
 
 
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")

@@ -21,24 +21,38 @@ LOGPROB_TOL = 1e-4
 EXPERTS, TOP_K, HIDDEN, INTER = 8, 2, 32, 16
 
 
-def _moe_block(ep_size: int, ep_rank: int, seed: int):
-    """A Qwen3-style block (softmax top-k router, SiLU experts) with the same random weights on
-    every rank; the rank keeps its slice of the experts."""
+def _moe_block(ep_size: int, ep_rank: int, seed: int, shared: bool = False):
+    """A Qwen3-style block (softmax top-k router, SiLU experts; shared: plus a DeepSeek-style
+    shared expert) with the same random weights on every rank; the rank keeps its slice of the
+    experts."""
     from baryon.kernels.moe.routing import RoutingConfig
     from baryon.layers.fused_moe.block import SparseMoeBlock
     from baryon.layers.fused_moe.layer import FusedMoE
     from baryon.layers.fused_moe.router import Router
+    from baryon.layers.mlp import GatedMLP
 
     generator = torch.Generator().manual_seed(seed)
     block = SparseMoeBlock(Router(HIDDEN, RoutingConfig(EXPERTS, TOP_K, renormalize=True)),
-                           FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, ep_size=ep_size, ep_rank=ep_rank))
+                           FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, ep_size=ep_size, ep_rank=ep_rank),
+                           GatedMLP(HIDDEN, INTER, reduce_results=False) if shared else None)
     block.gate.weight.data.copy_(torch.randn(EXPERTS, HIDDEN, generator=generator))
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=generator) / HIDDEN ** 0.5
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=generator) / INTER ** 0.5
     start = block.experts.expert_start
     block.experts.w13_weight.data.copy_(w13[start:start + block.experts.num_local_experts])
     block.experts.w2_weight.data.copy_(w2[start:start + block.experts.num_local_experts])
+    if shared:
+        block.shared_experts.gate_up_proj.weight.data.copy_(torch.randn(2 * INTER, HIDDEN, generator=generator))
+        block.shared_experts.down_proj.weight.data.copy_(torch.randn(HIDDEN, INTER, generator=generator) / INTER)
     return block
+
+
+def _norm(seed: int):
+    from baryon.layers.norm import RMSNorm
+
+    norm = RMSNorm(HIDDEN, 1e-6)
+    norm.weight.data.copy_(torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed + 99)))
+    return norm
 
 
 def _block_rank(rank: int, world: int, init_method: str, seed: int):
@@ -59,6 +73,44 @@ def _block_rank(rank: int, world: int, init_method: str, seed: int):
         return x.numpy(), out.numpy()
     finally:
         destroy_distributed()
+
+
+def _block_then_norm_rank(rank: int, world: int, init_method: str, seed: int, shared: bool):
+    """As _block_rank, the block leaving its replicas' parts to the norm after it (what a
+    LlamaModel sets up under DP attention): the parts of every replica's padded rows come out,
+    and the norm reduce-scatters them with the residual add; (x, residual, out, new residual)."""
+    from baryon.distributed.parallel_state import destroy_distributed, init_distributed
+    from baryon.layers.forward_context import forward_context
+
+    torch.set_num_threads(1)
+    init_distributed(world, rank, init_method, "gloo", True, torch.float32, data_parallel=True)
+    try:
+        counts = [3, 7]
+        generator = torch.Generator().manual_seed(seed + rank)
+        x, residual = torch.randn(counts[rank], HIDDEN, generator=generator), torch.randn(counts[rank], HIDDEN,
+                                                                                        generator=generator)
+        block, norm = _moe_block(world, rank, seed, shared), _norm(seed)
+        block.reduce_results, norm.reduces_input = False, True
+        with torch.inference_mode(), forward_context(None, dp_padded_tokens=max(counts)):
+            parts = block(x)
+            assert parts.shape == (world * max(counts), HIDDEN)
+            out, residual_out = norm(parts, residual)
+        return x.numpy(), residual.numpy(), out.numpy(), residual_out.numpy()
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_block_left_to_the_norm_over_replicas(seed, shared):
+    got = run_in_ranks(_block_then_norm_rank, 2, seed, shared)
+    whole, norm = _moe_block(1, 0, seed, shared), _norm(seed)
+    for rank, arrays in got.items():
+        x, residual, out, residual_out = map(torch.from_numpy, arrays)
+        with torch.inference_mode():
+            expected, expected_residual = norm(whole(x), residual)
+        torch.testing.assert_close(residual_out, expected_residual, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert (expected_residual - residual).abs().max() > 0.1  # the block's output is in it
 
 
 def test_moe_block_over_replicas_equals_every_expert_on_one_rank(seed):
@@ -89,14 +141,24 @@ def test_dp_attention_matches_one_engine(moe_path, seed):
     logprobs. Output lengths differ a lot, so one replica's requests end while the other's still
     decode, and prompts of different lengths put prefills beside decodes in the same round; a
     second call runs after both replicas went idle together."""
+    _check_matches_one_engine(moe_path, seed)
+
+
+def test_dp_attention_with_a_shared_expert_matches_one_engine(tmp_path, seed):
+    """Qwen2-MoE: a gated shared expert beside the routed ones, whose output each replica adds to
+    its own rows of the parts the next norm reduce-scatters."""
+    _check_matches_one_engine(make_checkpoint(tmp_path, "qwen2_moe", seed=seed % 2**31), seed)
+
+
+def _check_matches_one_engine(path, seed: int) -> None:
     from test_parallel_serving import wait_until_gone
 
     prompts = random_prompts(5, VOCAB, 3, 24, seed)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (2, 14, 3, 9, 1)]
     later = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
-    with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True) as one:
+    with LLM(str(path), device="cpu", dtype="float32", skip_tokenizer_init=True) as one:
         expected = _outputs(one, prompts, params) + _outputs(one, prompts[-1:], later)
-    with LLM(str(moe_path), device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
+    with LLM(str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
              enable_expert_parallel=True) as two:
         assert two.config.parallel.data_parallel_attention
         got = _outputs(two, prompts, params) + _outputs(two, prompts[-1:], later)

@@ -336,11 +336,14 @@ def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed):
 def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> None:
     """A spawned DP-attention replica: dp_all_gather / dp_reduce_scatter of decode-sized rows
     (the fused all-reduce's exchange kernel) and of rows past its buffers (NCCL's collectives),
-    eager and replayed from a CUDA graph, against NCCL's own all-gather."""
+    eager and replayed from a CUDA graph, against NCCL's own all-gather; the scatter fused with the
+    residual add and RMSNorm over the replica's own tokens."""
     import torch.distributed as dist
 
     from baryon.distributed import parallel_state as ps
-    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_ROWS, SymmMemFusedAllReduce
+    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_ROWS, SymmMemFusedAllReduce,
+                                                    all_reduce_add_rms_norm_reference)
+    from baryon.kernels.norm import rms_norm_reference
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -364,6 +367,16 @@ def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> Non
             dist.all_gather(wholes, whole)
             expected = torch.stack([w.float() for w in wholes]).sum(0).to(torch.bfloat16)[rank * rows:(rank + 1) * rows]
             torch.testing.assert_close(ps.dp_reduce_scatter(whole.clone()), expected, rtol=0, atol=0)
+            tokens = max(rows - 1, 1)  # the replica's own; the rest of its rows pad
+            residual = torch.randn(tokens, 1000, generator=generator).to(device, torch.bfloat16)
+            weight = torch.randn(1000, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
+            fused = ps.dp_reduce_scatter_add_rms_norm(whole.clone(), residual, weight, 1e-6)
+            assert (fused is None) == (rows > FUSED_MAX_ROWS)
+            if fused is not None:
+                shares = [w[rank * rows:rank * rows + tokens] for w in wholes]
+                expected_out, expected_residual = all_reduce_add_rms_norm_reference(shares, residual, weight, 1e-6)
+                torch.testing.assert_close(fused[1], expected_residual, rtol=0, atol=0)
+                torch.testing.assert_close(fused[0], expected_out)
         # Replayed: a gather and a scatter back to back, twice.
         x = torch.randn(7, 1000, generator=generator).to(device, torch.bfloat16)
         stream = torch.cuda.Stream()
@@ -374,10 +387,13 @@ def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> Non
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = ps.dp_reduce_scatter(ps.dp_all_gather(x) * 2)
+            normed, summed = ps.dp_reduce_scatter_add_rms_norm(ps.dp_all_gather(x) * 2, x[:5], weight, 1e-6)
         for _ in range(2):
             graph.replay()
             torch.cuda.synchronize()
             torch.testing.assert_close(out, (x * 2) * world, rtol=0, atol=0)  # every replica sums the same rows
+            torch.testing.assert_close(summed, out[:5] + x[:5], rtol=0, atol=0)
+            torch.testing.assert_close(normed, rms_norm_reference(out[:5] + x[:5], weight, 1e-6))
     finally:
         if graph is not None:
             graph.reset()

@@ -18,8 +18,10 @@ experts on them and hands each replica back the sum of the ranks' parts for its 
 (`dp_reduce_scatter`). The replicas agree each step, over gloo, on how many tokens every one pads
 its MoE input to (`dp_all_gather_host`). Where the rows fit the fused all-reduce's buffers
 (decode steps, symmetric memory) the gather and the scatter are each one kernel of that family
-(each replica pushes its rows, or each peer's share of the sum, straight into the peers' buffers);
-NCCL's all-gather and reduce-scatter take the larger steps.
+(each replica pushes its rows, or each peer's share of the sum, straight into the peers' buffers),
+the scatter fused with the next layer's residual add and RMSNorm (the MoE block leaves its
+replicas' parts unscattered to that norm, `dp_reduce_scatter_add_rms_norm`); NCCL's all-gather
+and reduce-scatter take the larger steps.
 
 The tensor-parallel all-reduce is chosen by the kernel selector (family `all_reduce`): on GPUs a
 one-shot all-reduce over symmetric memory for small messages (decode steps), NCCL's otherwise;
@@ -229,6 +231,10 @@ def dp_world_size() -> int:
     return 1 if _DP_GROUP is None else dist.get_world_size(_DP_GROUP)
 
 
+def dp_rank() -> int:
+    return 0 if _DP_GROUP is None else dist.get_rank(_DP_GROUP)
+
+
 def dp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """x: [tokens, hidden], the same shape on every replica -> [replicas * tokens, hidden],
     replica r's rows at r * tokens."""
@@ -252,6 +258,18 @@ def dp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     else:
         dist.reduce_scatter_tensor(out, x, group=_DP_GROUP)
     return out
+
+
+def dp_reduce_scatter_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x: [replicas * tokens, hidden] as for dp_reduce_scatter, residual: [own, hidden] (own <=
+    tokens: this replica's tokens, the rest of its rows padding) -> (rms_norm(mine + residual) *
+    weight, mine + residual) with mine the first `own` rows of this replica's sum, in one kernel
+    where the DP reducer has one for x (decode rows); else None: the caller reduce-scatters and
+    normalises."""
+    if _DP_ALL_REDUCE is None or not x.is_contiguous():
+        return None
+    return _DP_ALL_REDUCE.reduce_scatter_add_rms_norm(x, residual, weight, eps)
 
 
 def dp_all_gather_host(values: list[int]) -> list[list[int]]:

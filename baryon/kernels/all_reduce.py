@@ -85,6 +85,12 @@ class Reducer(Kernel):
         r's rows at r * rows), in one low-latency kernel; None as for `gather`."""
         return None
 
+    def reduce_scatter_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`reduce_scatter(x)`'s first residual.shape[0] rows plus residual, normalised: (rms_norm(...)
+        * weight, ... + residual), in one low-latency kernel; None as for `gather`."""
+        return None
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's partial sum [rows, hidden] -> (rms_norm(sum + residual) * weight,

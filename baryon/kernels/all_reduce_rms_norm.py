@@ -36,10 +36,12 @@ peer and reads once from each, as an all-reduce call does, so the two-slot argum
 for any sequence of the three that every rank makes alike (the replicas agree on each step's row
 count). Replicas run different attention between exchanges (and may compile different kernels
 there), so their waits are bounded by EXCHANGE_MAX_POLLS, about as long as NCCL's collective
-timeout, not MAX_POLLS.
+timeout, not MAX_POLLS. The reduce-scatter can end as the all-reduce does, with the residual add
+and RMSNorm of the next layer (`scatter_add_rms_norm`) over the replica's own tokens.
 
     reducer.add_rms_norm(partial, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual)
     reducer.gather(rows) / reducer.reduce_scatter(rows_of_every_rank)  # None where not served
+    reducer.reduce_scatter_add_rms_norm(rows_of_every_rank, residual, weight, eps)  # DP: the scatter + norm
 """
 
 from __future__ import annotations
@@ -167,6 +169,18 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _add_rms_norm_store(summed, residual, w, out, residual_out, row, stride_r, stride_o, stride_ro, cols, mask,
+                            eps, HIDDEN: tl.constexpr):
+        """Row `row` of the sum over ranks (`summed`, in the model dtype) plus the residual: stored as
+        the new residual, and normalised and scaled by w (float32) into out (HF's rounding)."""
+        h = summed + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
+        h32 = h.to(tl.float32)
+        variance = tl.sum(h32 * h32, axis=0) / HIDDEN
+        normed = (h32 * tl.rsqrt(variance + eps)).to(h.dtype)
+        tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w).to(h.dtype), mask=mask)
+
+    @triton.jit
     def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, counters, abort_addr, rows,
                                         stride_x, stride_r, stride_o, stride_ro, eps,
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
@@ -196,12 +210,8 @@ if triton is not None:
             total = _sum_over_ranks(part, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS,
                                     ROW_STRIDE, RANK, WORLD, SENTINEL, ASM)
             if NORM:
-                h = total.to(dtype) + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
-                tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
-                h32 = h.to(tl.float32)
-                variance = tl.sum(h32 * h32, axis=0) / HIDDEN
-                normed = (h32 * tl.rsqrt(variance + eps)).to(h.dtype)
-                tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w).to(h.dtype), mask=mask)
+                _add_rms_norm_store(total.to(dtype), residual, w, out, residual_out, row, stride_r, stride_o,
+                                    stride_ro, cols, mask, eps, HIDDEN)
             else:
                 tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
 
@@ -209,16 +219,20 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _exchange_kernel(x, out, buffers, counters, abort_addr, rows, stride_x, stride_o,
+    def _exchange_kernel(x, out, residual, weight, residual_out, buffers, counters, abort_addr, rows, norm_rows,
+                         stride_x, stride_o, stride_r, stride_ro, eps,
                          HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
                          ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                          SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, GATHER: tl.constexpr,
-                         ASM: tl.constexpr):
+                         NORM: tl.constexpr, ASM: tl.constexpr):
         """The all-reduce kernel's push-and-poll exchange for DP attention, over `rows` rows a rank
         (each row i counted in counters[i]):
         GATHER: out[r * rows + i] = rank r's x[i] (x [rows, hidden], out [world * rows, hidden]);
         else (reduce-scatter): out[i] = the sum over ranks, in rank order, of their x[RANK * rows + i]
-        (x [world * rows, hidden], out [rows, hidden]): each rank sends a peer only that peer's rows."""
+        (x [world * rows, hidden], out [rows, hidden]): each rank sends a peer only that peer's rows;
+        NORM (reduce-scatter only): of the first norm_rows rows (this replica's tokens, the rest
+        padding) the sum plus the residual, normalised, into out and the new residual into
+        residual_out ([norm_rows, hidden] both); the padding rows are exchanged, not stored."""
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
         itype = tl.int16 if BITS == 16 else tl.int32
@@ -226,6 +240,8 @@ if triton is not None:
         abort = abort_addr.to(tl.pointer_type(tl.int32))
         empty = tl.full([BLOCK], SENTINEL, itype)
         dtype = x.dtype.element_ty
+        if NORM:
+            w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
         for row in range(tl.program_id(0), rows, tl.num_programs(0)):
             slot = _claim_slot(counters, row)
             sent = _offset(slot, RANK, row, WORLD, SLOT_ROWS, ROW_STRIDE)
@@ -250,7 +266,12 @@ if triton is not None:
                 own = tl.load(x + (RANK * rows + row) * stride_x + cols, mask=mask, other=0.0)
                 total = _sum_over_ranks(own, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS,
                                         ROW_STRIDE, RANK, WORLD, SENTINEL, ASM)
-                tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
+                if NORM:
+                    if row < norm_rows:
+                        _add_rms_norm_store(total.to(dtype), residual, w, out, residual_out, row, stride_r,
+                                            stride_o, stride_ro, cols, mask, eps, HIDDEN)
+                else:
+                    tl.store(out + row * stride_o + cols, total.to(dtype), mask=mask)
 
 
 def _check_max_polls(max_polls: int) -> None:
@@ -265,18 +286,41 @@ def exchange_rows(x: torch.Tensor, gather: bool, buffers: torch.Tensor, counters
     fused_all_reduce). gather: x [rows, hidden] -> every rank's x stacked in rank order [world *
     rows, hidden]; else x [world * rows, hidden] -> this rank's rows of the sum over ranks [rows,
     hidden]. rows <= FUSED_MAX_ROWS, hidden <= FUSED_MAX_HIDDEN, x contiguous."""
+    rows = x.shape[0] if gather else x.shape[0] // world
+    out = torch.empty((world * rows if gather else rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    _launch_exchange(x, out, None, None, None, 0.0, gather, buffers, counters, rank, world, abort, max_polls)
+    return out
+
+
+def scatter_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         buffers: torch.Tensor, counters: torch.Tensor, rank: int, world: int, abort: torch.Tensor,
+                         max_polls: int = EXCHANGE_MAX_POLLS) -> tuple[torch.Tensor, torch.Tensor]:
+    """DP attention's reduce-scatter (as exchange_rows) fused with the residual add and RMSNorm
+    after it: x [world * rows, hidden], residual [tokens, hidden] (tokens <= rows: the replica's
+    own tokens, the rest of its rows padding) -> (rms_norm(mine + residual) * weight, mine +
+    residual), [tokens, hidden] each, where mine = this rank's first `tokens` rows of the sum."""
+    out, residual_out = torch.empty_like(residual), torch.empty_like(residual)
+    _launch_exchange(x, out, residual, weight, residual_out, eps, False, buffers, counters, rank, world, abort,
+                     max_polls)
+    return out, residual_out
+
+
+def _launch_exchange(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                     residual_out: torch.Tensor | None, eps: float, gather: bool, buffers: torch.Tensor,
+                     counters: torch.Tensor, rank: int, world: int, abort: torch.Tensor, max_polls: int) -> None:
     _check_max_polls(max_polls)
     hidden = x.shape[1]
     rows = x.shape[0] if gather else x.shape[0] // world
-    out = torch.empty((world * rows if gather else rows, hidden), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out
+        return
+    norm = residual is not None
     _exchange_kernel[(min(rows, multiprocessor_count(x.device)),)](
-        x, out, buffers, counters, abort.data_ptr(), rows, x.stride(0), out.stride(0),
+        x, out, residual if norm else x, weight if norm else x, residual_out if norm else out, buffers, counters,
+        abort.data_ptr(), rows, residual.shape[0] if norm else 0, x.stride(0), out.stride(0),
+        residual.stride(0) if norm else 0, residual_out.stride(0) if norm else 0, eps,
         HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
         RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
-        GATHER=gather, ASM=not INTERPRETED, num_warps=8 if hidden >= 4096 else 4)
-    return out
+        GATHER=gather, NORM=norm, ASM=not INTERPRETED, num_warps=8 if hidden >= 4096 else 4)
 
 
 def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
@@ -356,6 +400,15 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
         if x.shape[0] % self.world or not self._exchanges(x, x.shape[0] // self.world):
             return None
         return exchange_rows(x, False, self.buffers, self.counters, self.rank, self.world, self.abort)
+
+    def reduce_scatter_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rows = x.shape[0] // self.world
+        if (x.shape[0] % self.world or not self._exchanges(x, rows) or residual.shape[0] > rows
+                or residual.dtype != x.dtype or residual.stride(1) != 1):
+            return None
+        return scatter_add_rms_norm(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
+                                    self.abort)
 
     def release_waits(self) -> None:
         """Make every wait of the kernel, running or to come, give up (a rank died: its rows will

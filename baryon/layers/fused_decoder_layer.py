@@ -70,6 +70,8 @@ def why_not_fused(layer: nn.Module) -> str | None:
         return "not the C++ attention without sinks"
     if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return "the MLP has biases"
+    if layer.input_layernorm.reduces_input or layer.post_attention_layernorm.reduces_input:
+        return "a norm adds the ranks' parts (tensor parallelism or DP attention)"
     if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:
         return "the two norms have different eps"
     linears = {"qkv_proj": attention.qkv_proj, "o_proj": attention.o_proj, "gate_up_proj": mlp.gate_up_proj,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_all_reduce_add_rms_norm
+from baryon.distributed.parallel_state import (dp_reduce_scatter, dp_reduce_scatter_add_rms_norm, dp_world_size,
+                                               tp_all_reduce_add_rms_norm)
 from baryon.kernels.norm import TorchRMSNorm
 from baryon.kernels.selector import select
 from baryon.layers.linear import copy_checked
@@ -15,8 +16,11 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        # Tensor parallelism: x is the ranks' partial sums, left unreduced by the layer before,
-        # and this norm adds them up with the residual add (tp_all_reduce_add_rms_norm).
+        # x is the ranks' partial sums, left unreduced by the block before, and this norm adds
+        # them up with the residual add: under tensor parallelism an all-reduce
+        # (tp_all_reduce_add_rms_norm); under DP attention, after a MoE block, x holds every
+        # replica's rows and the sum is reduce-scattered to this replica's own
+        # (dp_reduce_scatter_add_rms_norm: the residual's rows are the replica's tokens).
         self.reduces_input = False
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param.data, loaded)
@@ -26,7 +30,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [..., hidden]. Without residual returns rms_norm(x); with it returns
         (rms_norm(x + residual), x + residual), the new residual stream."""
-        if self.reduces_input:
+        if self.reduces_input and dp_world_size() > 1:
+            fused = dp_reduce_scatter_add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = dp_reduce_scatter(x)[: residual.shape[0]]  # [tokens, hidden], then the norm as usual
+        elif self.reduces_input:
             hidden = x.shape[-1]
             out, residual_out = tp_all_reduce_add_rms_norm(x.reshape(-1, hidden), residual.reshape(-1, hidden),
                                                            self.weight, self.eps)

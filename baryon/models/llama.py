@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_all_reduce, tp_world_size
+from baryon.distributed.parallel_state import dp_reduce_scatter, dp_world_size, tp_all_reduce, tp_world_size
 from baryon.layers.attention import Attention
 from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -102,15 +102,23 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(config, i), build_mlp(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if tp_world_size() > 1:
+        if tp_world_size() > 1 or dp_world_size() > 1:
             self._reduce_in_norms()
 
     def _reduce_in_norms(self) -> None:
         """Tensor parallelism: the all-reduce that ends an attention or MLP / MoE block is left to
         the RMSNorm that follows it, which adds the ranks' parts, the residual and normalises in
-        one call (one kernel for decode rows on GPUs: kernels/all_reduce_rms_norm.py)."""
+        one call (one kernel for decode rows on GPUs: kernels/all_reduce_rms_norm.py). DP
+        attention: the same for the MoE blocks' reduce-scatter (attention and dense MLPs are whole
+        on every replica and reduce nothing)."""
         following = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        tensor_parallel = tp_world_size() > 1
         for layer, next_norm in zip(self.layers, following):
+            if not tensor_parallel:
+                if getattr(layer.mlp, "reduce_results", None) is True and hasattr(layer.mlp, "experts"):
+                    layer.mlp.reduce_results = False
+                    next_norm.reduces_input = True
+                continue
             if isinstance(layer.self_attn, LlamaAttention):
                 layer.self_attn.o_proj.reduce_results = False
                 layer.post_attention_layernorm.reduces_input = True
@@ -145,10 +153,12 @@ class LlamaModel(nn.Module):
 
 
 def _residual_stream(hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
-    """What enters `norm`: hidden + residual. Under tensor parallelism a norm that reduces its
-    input receives each rank's partial sum: the stream is that sum over the ranks (an extra
-    all-reduce, of a copy, leaving the norm its own input) plus the residual."""
-    if norm.reduces_input:
+    """What enters `norm`: hidden + residual. A norm that reduces its input receives each rank's
+    partial sum: the stream is that sum over the ranks (an extra all-reduce or, under DP
+    attention, reduce-scatter, of a copy, leaving the norm its own input) plus the residual."""
+    if norm.reduces_input and dp_world_size() > 1:
+        hidden_states = dp_reduce_scatter(hidden_states.clone())[: residual.shape[0]]
+    elif norm.reduces_input:
         hidden_states = tp_all_reduce(hidden_states.clone())
     return hidden_states if residual is None else hidden_states + residual
 
