@@ -169,7 +169,7 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
                                       max_polls=1000)
             torch.testing.assert_close(got.cpu(), all_reduce_reference(parts), rtol=0, atol=0)
         elif kind == "scatter_norm":
-            tokens = rows - 1 - call % 2  # this replica's own tokens; the other rows pad
+            tokens = rows - call % 3  # this replica's own tokens (all rows, or all but one): the rest pad
             residual = torch.randn(tokens, HIDDEN, generator=generator)
             out, residual_out = scatter_add_rms_norm(mine.to(device), residual.to(device), weight.to(device), 1e-6,
                                                      buffer_ptrs, counters, rank, world, abort, max_polls=1000)

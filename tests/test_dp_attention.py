@@ -85,7 +85,7 @@ def _block_then_norm_rank(rank: int, world: int, init_method: str, seed: int, sh
     torch.set_num_threads(1)
     init_distributed(world, rank, init_method, "gloo", True, torch.float32, data_parallel=True)
     try:
-        counts = [3, 7]
+        counts = [7, 3]  # replica 1 pads, and its rows start past replica 0's
         generator = torch.Generator().manual_seed(seed + rank)
         x, residual = torch.randn(counts[rank], HIDDEN, generator=generator), torch.randn(counts[rank], HIDDEN,
                                                                                         generator=generator)
@@ -146,8 +146,10 @@ def test_dp_attention_matches_one_engine(moe_path, seed):
 
 def test_dp_attention_with_a_shared_expert_matches_one_engine(tmp_path, seed):
     """Qwen2-MoE: a gated shared expert beside the routed ones, whose output each replica adds to
-    its own rows of the parts the next norm reduce-scatters."""
-    _check_matches_one_engine(make_checkpoint(tmp_path, "qwen2_moe", seed=seed % 2**31), seed)
+    its own rows of the parts the next norm reduce-scatters; a dense layer between two MoE layers
+    (its input norm reduce-scatters, so the C++ decoder layer must not take it)."""
+    path = make_checkpoint(tmp_path, "qwen2_moe", seed=seed % 2**31, num_hidden_layers=3, mlp_only_layers=[1])
+    _check_matches_one_engine(path, seed)
 
 
 def _check_matches_one_engine(path, seed: int) -> None:

@@ -312,13 +312,16 @@ def test_data_parallel_on_two_gpus_matches_one(tmp_path, seed):
 
 
 @two_gpus
-def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed, arch):
     """Two replicas sharing a MoE model's experts over NCCL (decode CUDA graphs replayed at the
     size the replicas agree on, padding-only steps on the replica that runs out of requests) give
-    one GPU's greedy tokens and logprobs, in float32."""
-    path = make_checkpoint(tmp_path / "moe", "qwen3_moe", seed=seed, hidden_size=256, intermediate_size=512,
+    one GPU's greedy tokens and logprobs, in float32. Qwen2-MoE: a shared expert added to the
+    replica's own rows before the scatter, and a dense layer between two MoE layers."""
+    extra = dict(shared_expert_intermediate_size=256, mlp_only_layers=[1]) if arch == "qwen2_moe" else {}
+    path = make_checkpoint(tmp_path / "moe", arch, seed=seed, hidden_size=256, intermediate_size=512,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3,
-                           initializer_range=0.02, **GPU_MOE)
+                           initializer_range=0.02, **GPU_MOE, **extra)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 128, 4, 40, seed)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (4, 30, 8, 20, 2, 12)]
     results = {}
