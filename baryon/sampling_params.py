@@ -61,6 +61,20 @@ class StructuredOutputsParams:
         return (self.json, self.regex, choice, self.grammar, bool(self.json_object), self.disable_any_whitespace)
 
 
+# The sampler computes in float32: parameters it divides or multiplies by must stay finite and
+# nonzero there.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping parameters.
@@ -125,8 +139,9 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "it must be an integer >= 1")
-        if not is_number(self.temperature) or not self.temperature >= 0:
-            raise bad("temperature", "it must be a number >= 0 (0 means greedy)")
+        if not is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise bad("temperature", f"it must be a number >= 0 (0 means greedy) and at most {FLOAT32_MAX:.4g} "
+                                     f"(the sampler divides in float32)")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "it must be in (0, 1]")
         if not is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
@@ -139,8 +154,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not is_number(value) or not -2 <= value <= 2:
                 raise bad(name, "it must be in [-2, 2]")
-        if not is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "it must be a number > 0 (1 means no penalty)")
+        if not is_number(self.repetition_penalty) or not FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX:
+            raise bad("repetition_penalty", f"it must be a number > 0 (1 means no penalty) that float32 holds: "
+                                            f"between {FLOAT32_TINY:.4g} and {FLOAT32_MAX:.4g}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "it must be an integer >= 1, or None for 'until the context is full'")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -149,6 +165,8 @@ class SamplingParams:
             raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise bad("stop", "it must be a non-empty string or a list of non-empty strings")
+        if not all(_is_unicode(s) for s in self.stop_strings):
+            raise bad("stop", "its strings must be valid Unicode (an unpaired UTF-16 surrogate is not)")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "it must be a list of non-negative integer token ids")
         for name in ("logprobs", "prompt_logprobs"):

@@ -634,11 +634,14 @@ def test_no_logprobs_when_nobody_asks(seed):
     (dict(frequency_penalty=-2.5), "frequency_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=1e-46), "repetition_penalty"),  # 0 in float32
+    (dict(temperature=1e39), "temperature"),  # inf in float32
     (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=5, max_tokens=4), "min_tokens"),
     (dict(stop=""), "stop"),
     (dict(stop=["ok", ""]), "stop"),
+    (dict(stop=["ok", "\udfff"]), "stop"),  # not Unicode: no tokenizer or UTF-8 encoder takes it
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(logprobs=-1), "logprobs"),
     (dict(prompt_logprobs=-3), "prompt_logprobs"),

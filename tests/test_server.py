@@ -388,6 +388,7 @@ def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server):
 def test_models_health_version_tokenize_detokenize(server, client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.head(f"{server.url}/health").status_code == 200  # load balancers probe with HEAD
     assert httpx.get(f"{server.url}/version").json() == {"version": "0.1.0"}
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Once upon a time"}).json()
     assert tokens["tokens"] == llm.get_tokenizer().encode("Once upon a time")
@@ -486,6 +487,16 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "model": "nope"}, 404, "model"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
     ("/tokenize", {}, 400, "prompt"),
+    # half a UTF-16 surrogate pair, escaped in valid JSON: not Unicode any tokenizer takes
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/completions", {**OK, "prompt": "a\ud800b"}, 400, "prompt"),
+    ("/v1/completions", {**OK, "stop": "\udfff"}, 400, "stop"),
+    ("/v1/completions", {**OK, "stream": True, "stop": ["x", "\udfff"]}, 400, "stop[1]"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi \ud800"}]}, 400,
+     "messages[0].content"),
+    # values float32 cannot hold, which the sampler computes in
+    ("/v1/completions", {**OK, "temperature": 1e39}, 400, "temperature"),
+    ("/v1/completions", {**OK, "repetition_penalty": 1e-46}, 400, "repetition_penalty"),
     ("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("/v1/nothing", {}, 404, None),

@@ -180,6 +180,16 @@ def test_tool_results_and_template_kwargs_reach_the_template(client):
     assert no_thinking.usage.prompt_tokens > plain.usage.prompt_tokens  # the template added <think></think>
 
 
+def _nested_arrays(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+DEEP_SCHEMA = _nested_arrays(900)  # xgrammar would take minutes on it
+
+
 @pytest.mark.parametrize("route, body, param, words", [
     ("chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "objectx"}}}}, "response_format", "not a valid JSON schema"),
@@ -198,6 +208,15 @@ def test_tool_results_and_template_kwargs_reach_the_template(client):
                           "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
     ("completions", {"prompt": "a", "tools": TOOLS}, None, "tools"),
     ("chat/completions", {"messages": USER, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "tools"),
+    ("chat/completions", {"messages": USER, "chat_template_kwargs": {"return_tensors": "np"}}, "chat_template_kwargs",
+     "return_tensors"),
+    ("chat/completions", {"messages": USER, "chat_template_kwargs": {"truncation": True, "max_length": 1}},
+     "chat_template_kwargs", "truncation"),
+    ("chat/completions", {"messages": USER, "tools": TOOLS + TOOLS[:1]}, "tools", "more than once"),
+    ("completions", {"prompt": "a", "structured_outputs": {"json": DEEP_SCHEMA}}, "structured_outputs", "levels deep"),
+    ("chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}}}},
+     "response_format", "'uniqueItems'"),
 ])
 def test_bad_specs_are_400s(server, route, body, param, words):
     response = _post(server, route, body)

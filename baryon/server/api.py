@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import baryon
 from baryon.server.errors import bad_request, error_response, install_error_handlers
+from baryon.server.inputs import check_unicode
 from baryon.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from baryon.server.serving import ServerContext, json_response
 from baryon.server.serving_chat import create_chat_completion
@@ -45,7 +46,7 @@ def build_app(ctx: ServerContext, api_key: str | None) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     created = int(time.time())
 
-    @app.get("/health", summary="200 while the engine serves requests, 503 once it is gone")
+    @app.api_route("/health", methods=["GET", "HEAD"], summary="200 while the engine serves requests, 503 once it is gone")
     async def health() -> Response:
         ctx.check_alive()
         return Response(status_code=200)
@@ -78,14 +79,15 @@ def build_app(ctx: ServerContext, api_key: str | None) -> FastAPI:
         ctx.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of 'prompt' (text) or 'messages' (a conversation)", param="prompt")
-        if request.prompt is not None:
-            add_special = request.add_special_tokens is not False
-            tokens = ctx.inputs.tokenize(request.prompt, add_special_tokens=add_special)
-        else:
-            add_generation_prompt = request.add_generation_prompt is not False
-            tokens = ctx.inputs.chat_prompt(request.messages, add_generation_prompt, check=False)
+        tokens = await ctx.prepare(_tokens, request)
         return json_response({"count": len(tokens), "max_model_len": ctx.config.model.max_model_len,
                               "tokens": tokens})
+
+    def _tokens(request: TokenizeRequest) -> list[int]:
+        check_unicode(request.model_dump(exclude_none=True))
+        if request.prompt is not None:
+            return ctx.inputs.tokenize(request.prompt, add_special_tokens=request.add_special_tokens is not False)
+        return ctx.inputs.chat_prompt(request.messages, request.add_generation_prompt is not False, check=False)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:

@@ -18,6 +18,12 @@ from baryon.server.protocol import ChatMessage
 
 # A prompt for the engine: its text (None when given as token ids) and its token ids.
 Prompt = tuple[str | None, list[int]]
+# transformers' apply_chat_template's own arguments: not template variables, so not settable by
+# a request's chat_template_kwargs (the request's fields, or the server, decide them).
+_APPLY_CHAT_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -33,6 +39,31 @@ def load_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
     return value
+
+
+def check_unicode(value: Any, path: str = "") -> None:
+    """A 400 naming the first string in a request (a parsed JSON value) that is not valid Unicode:
+    JSON may escape one half of a UTF-16 surrogate pair ("\\ud800"), which no tokenizer or UTF-8
+    encoder takes."""
+    if isinstance(value, str):
+        if value.isascii():
+            return
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            where = path or "the request"
+            raise bad_request(f"{where}: the text holds an unpaired UTF-16 surrogate (U+{ord(value[e.start]):04X}) "
+                              f"at character {e.start}; send valid Unicode", param=path or None,
+                              code="invalid_unicode") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path)
+            check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        if value and isinstance(value[0], int):  # token ids
+            return
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
 
 
 class InputProcessor:
@@ -88,11 +119,11 @@ class InputProcessor:
             raise bad_request("this model's tokenizer has no chat template; start the server with "
                               "--chat-template FILE (a Jinja template) or use /v1/completions",
                               code="no_chat_template")
-        reserved = {"conversation", "chat_template", "tools", "tokenize", "add_generation_prompt", "return_dict"}
-        clash = sorted(reserved & set(template_kwargs or {}))
+        clash = sorted(_APPLY_CHAT_TEMPLATE_ARGUMENTS & set(template_kwargs or {}))
         if clash:
-            raise bad_request(f"chat_template_kwargs may not set {clash} (request fields set them)",
-                              param="chat_template_kwargs")
+            raise bad_request(f"chat_template_kwargs may not set {clash}: they are arguments of the tokenizer's "
+                              f"apply_chat_template, which the server sets; chat_template_kwargs are the "
+                              f"template's own variables (e.g. enable_thinking)", param="chat_template_kwargs")
         try:
             ids = tokenizer.apply_chat_template([_template_message(m) for m in messages], chat_template=template,
                                                 tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,

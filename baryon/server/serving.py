@@ -8,8 +8,9 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -27,6 +28,7 @@ _json = msgspec.json.Encoder()
 # How a request can fail once in the engine (see failure()).
 _REQUEST_FAILURES = (EngineDeadError, RequestRejectedError, OutputProcessingError)
 SSE_DONE = b"data: [DONE]\n\n"
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -38,6 +40,11 @@ class ServerContext:
     model_names: list[str]  # the first is the one responses name
     reasoning_parser: str | None = None  # chat replies split into reasoning and content (reasoning/)
     tool_parser: str | None = None  # tool calls found in chat replies (tool_parsers/)
+    # Requests are prepared (tokenized, chat templates rendered, output constraints checked) on
+    # this thread, not the event loop: a 10 MB prompt or a slow schema must not stall /health and
+    # every stream. One thread: a fast tokenizer is not to be called from two threads at once.
+    preparer: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="baryon-inputs"))
 
     @property
     def model_name(self) -> str:
@@ -51,6 +58,10 @@ class ServerContext:
     def check_alive(self) -> None:
         if self.client.dead_reason is not None:
             raise engine_unavailable(self.client.dead_reason)
+
+    async def prepare(self, work: Callable[..., _T], *args: Any) -> _T:
+        """work(*args) on the preparing thread (its APIError is raised here)."""
+        return await asyncio.get_running_loop().run_in_executor(self.preparer, work, *args)
 
 
 def engine_unavailable(reason: str) -> APIError:

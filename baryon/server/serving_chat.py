@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.server.errors import bad_request
+from baryon.server.inputs import check_unicode
 from baryon.server.logprobs import chat_logprobs
 from baryon.server.protocol import ChatCompletionRequest
 from baryon.server.reasoning import reasoning_stream, split_reasoning
@@ -49,6 +50,7 @@ class _Plan:
 def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
     ctx.check_model(request.model)
     ctx.check_alive()
+    check_unicode(request.model_dump(exclude_none=True, by_alias=True))
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
     if request.max_tokens is not None and request.max_completion_tokens is not None:
@@ -87,7 +89,7 @@ def _prompt_opens_reasoning(ctx: ServerContext, ids: list[int]) -> bool:
 
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request) -> Response:
-    plan = _plan(ctx, request)
+    plan = await ctx.prepare(_plan, ctx, request)
     outputs = generate_merged(ctx, plan.request_id, [(None, plan.prompt_token_ids)], [plan.params])
     if request.stream:
         return streaming_response(_stream(ctx, plan, outputs))

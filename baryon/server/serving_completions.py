@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from baryon.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.server.errors import bad_request
-from baryon.server.inputs import Prompt
+from baryon.server.inputs import Prompt, check_unicode
 from baryon.server.logprobs import CompletionLogprobs
 from baryon.server.protocol import CompletionRequest
 from baryon.server.sampling import build_sampling_params
@@ -55,6 +55,7 @@ class _Plan:
 def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
     ctx.check_model(request.model)
     ctx.check_alive()
+    check_unicode(request.model_dump(exclude_none=True, by_alias=True))
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
     prompts = ctx.inputs.completion_prompts(request.prompt)
@@ -74,7 +75,7 @@ def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
 
 
 async def create_completion(ctx: ServerContext, request: CompletionRequest, raw_request: Request) -> Response:
-    plan = _plan(ctx, request)
+    plan = await ctx.prepare(_plan, ctx, request)
     outputs = generate_merged(ctx, plan.request_id, plan.prompts, plan.params)
     if request.stream:
         return streaming_response(_stream(ctx, plan, outputs))

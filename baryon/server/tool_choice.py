@@ -41,7 +41,8 @@ class ToolPlan:
 
 
 def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
-    """400 for a tool_choice without tools or naming an unknown function."""
+    """400 for a tool_choice without tools or naming an unknown function, and for tools that
+    share a name."""
     choice = request.tool_choice
     if not request.tools:
         if choice not in (None, "none"):
@@ -49,6 +50,11 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
         return ToolPlan(None, "none")
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     schemas = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in request.tools}
+    if len(schemas) < len(request.tools):
+        names = [tool.function.name for tool in request.tools]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise bad_request(f"tools name the function(s) {twice} more than once; each function needs a name of its own",
+                          param="tools")
     if choice == "none":
         return ToolPlan(tools, "none")
     if choice is None or choice == "auto":

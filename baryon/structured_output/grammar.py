@@ -34,10 +34,61 @@ def _ebnf(spec: StructuredOutputsParams) -> str:
     return spec.grammar
 
 
+# JSON schemas nested deeper than this are refused: xgrammar's conversion grows faster than
+# their size (0.1 s at 128 levels, minutes at 900 on the 2-core VM), and real schemas stay far
+# below it.
+MAX_SCHEMA_DEPTH = 64
+# Keywords xgrammar 0.2.8 accepts but does not enforce (its grammar is the same without them):
+# refused, so that a schema is either followed or rejected, never followed in part.
+_UNENFORCED_KEYWORDS = {"uniqueItems": "items that differ from each other",
+                        "dependentRequired": "properties required by others",
+                        "dependentSchemas": "schemas that apply when a property is present"}
+# Where a schema holds subschemas: one, a list, or a dict of them.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def check_schema_support(schema: str) -> None:
+    """Raise ValueError for a JSON schema (text) this engine would not follow exactly: one nested
+    past MAX_SCHEMA_DEPTH, or using a keyword xgrammar does not enforce."""
+    try:
+        root = json.loads(schema)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not a valid JSON schema: it does not parse as JSON ({e})") from None
+    pending = [(root, "the schema", 1)]
+    while pending:
+        node, where, depth = pending.pop()
+        if not isinstance(node, dict):
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON schema nests subschemas more than {MAX_SCHEMA_DEPTH} levels deep; at most "
+                             f"{MAX_SCHEMA_DEPTH} are accepted")
+        for keyword, meaning in _UNENFORCED_KEYWORDS.items():
+            if keyword in node and node[keyword] not in (False, {}, None):
+                raise ValueError(f"the JSON schema keyword {keyword!r} ({meaning}, at {where}) is not supported: "
+                                 f"the structured-output backend (xgrammar) cannot enforce it; remove it")
+        for key in _SUBSCHEMA:
+            pending.append((node.get(key), f"{where}.{key}", depth + 1))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                pending.extend((item, f"{where}.{key}[{i}]", depth + 1) for i, item in enumerate(node[key]))
+        for key in _SUBSCHEMA_DICTS:
+            if isinstance(node.get(key), dict):
+                pending.extend((item, f"{where}.{key}.{name}", depth + 1) for name, item in node[key].items())
+
+
 def check_spec(spec: StructuredOutputsParams) -> None:
-    """Raise ValueError, naming the field and the problem, when the spec does not parse."""
+    """Raise ValueError, naming the field and the problem, when the spec does not parse (or, for a
+    JSON schema, would not be followed exactly: see check_schema_support)."""
     import xgrammar as xgr
 
+    if spec.json is not None:
+        try:
+            check_schema_support(spec.json)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json: {e}") from None
     if spec.json is not None or spec.json_object:
         field, parse = "json", lambda: xgr.Grammar.from_json_schema(_json_schema(spec), strict_mode=True)
     elif spec.regex is not None:
