@@ -590,3 +590,23 @@ def test_fuzzed_requests_never_get_a_5xx(server, seed):
     assert len(statuses) >= 50
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert scrape(server)["baryon:engine_alive"] == 1
+
+
+def test_an_unexpected_error_mid_stream_ends_the_stream_with_an_error_event():
+    """A failure that is not the engine's (a bug of ours) after the stream started: the client
+    gets an error event and [DONE], not a connection cut mid-stream."""
+    import asyncio
+
+    from baryon.server.serving import streaming_response
+
+    async def events():
+        yield b"data: {}\n\n"
+        raise KeyError("boom")
+
+    async def collect() -> list[bytes]:
+        return [chunk async for chunk in streaming_response(events()).body_iterator]
+
+    chunks = asyncio.run(collect())
+    assert chunks[0] == b"data: {}\n\n" and chunks[-1] == b"data: [DONE]\n\n" and len(chunks) == 3
+    error = json.loads(chunks[1].decode().removeprefix("data: "))["error"]
+    assert error["status"] == 500 and "KeyError" in error["message"], error

@@ -20,10 +20,12 @@ from baryon.config import EngineConfig
 from baryon.engine.core_client import AsyncEngineClient, EngineDeadError, OutputProcessingError, RequestRejectedError
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
+from baryon.logger import get_logger
 from baryon.server.errors import APIError, error_body
 from baryon.server.inputs import InputProcessor, Prompt
 from baryon.server.metrics import ServerMetrics
 
+logger = get_logger(__name__)
 _json = msgspec.json.Encoder()
 # How a request can fail once in the engine (see failure()).
 _REQUEST_FAILURES = (EngineDeadError, RequestRejectedError, OutputProcessingError)
@@ -168,6 +170,11 @@ def streaming_response(events: AsyncIterator[bytes]) -> StreamingResponse:
                 yield event
         except _REQUEST_FAILURES as e:
             yield error_event(e)
+        except Exception as e:  # a bug of ours: the client still gets an error and the stream's end
+            logger.exception("unexpected error while streaming a response")
+            body = error_body(500, f"internal server error: {type(e).__name__}: {e}")
+            body["error"]["status"] = 500
+            yield sse(body)
         yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream",
