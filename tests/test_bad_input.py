@@ -363,9 +363,10 @@ def stories_reference(stories_path):
     return texts, [(o.outputs[0].token_ids, o.outputs[0].text) for o in fresh]
 
 
-@pytest.mark.parametrize("prompt", ["", {"prompt": ""}, "long", {"prompt_token_ids": [512]}, {"prompt": 3}],
+@pytest.mark.parametrize("prompt", ["", {"prompt": ""}, "long", {"prompt_token_ids": [512]}, {"prompt": 3},
+                                    "Once \ud800upon"],
                          ids=["empty-string", "empty-prompt-dict", "too-long-text", "id-outside-vocab",
-                              "non-text-prompt"])
+                              "non-text-prompt", "half-a-surrogate-pair"])
 def test_bad_prompts_with_a_tokenizer(stories_llm, stories_reference, seed, prompt):
     rng = random.Random(seed)
     if prompt == "long":
@@ -374,6 +375,8 @@ def test_bad_prompts_with_a_tokenizer(stories_llm, stories_reference, seed, prom
         stories_llm.generate(prompt, GREEDY, use_tqdm=False)
     if prompt in ("", {"prompt": ""}):
         assert "empty" in str(e.value)
+    elif isinstance(prompt, str) and "\ud800" in prompt:
+        assert "U+D800" in str(e.value) and "character 5" in str(e.value)
     elif isinstance(prompt, str):
         assert f"max_model_len={STORIES_LEN}" in str(e.value)
     elif "prompt_token_ids" in prompt:

@@ -81,6 +81,12 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt'/'prompt_token_ids'; got {type(prompt).__name__}")
         if prompt == "":
             raise ValueError("the prompt is empty; give some text or token ids")
+        if not prompt.isascii():
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt holds an unpaired UTF-16 surrogate (U+{ord(prompt[e.start]):04X}) at "
+                                 f"character {e.start}; give valid Unicode text") from None
         if self.tokenizer is None:
             raise ValueError("this engine was built with skip_tokenizer_init=True: give prompts as "
                              "{'prompt_token_ids': [...]} instead of text")
