@@ -86,8 +86,9 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     # the earlier reducers freed and a new one made for the exchanges, the exchanges' first gather
     # on two H200s waited for its peer's rows until it gave up (a trap), while the same kernel
     # passed the two-GPU tests, whose reducers stay alive; a freed symmetric-memory block coming
-    # back with its old peers' addresses is the suspicion, not confirmed. The exchanges now use
-    # the candidates' own fused reducer.
+    # back with its old peers' addresses is the suspicion (torch's rendezvous cache, keyed by
+    # address before 2026-07), not confirmed; kernels/all_reduce.py now never frees a symmetric
+    # buffer. The exchanges use the candidates' own fused reducer.
     reducers = []
     for cls in candidates("all_reduce"):
         if cls.unsupported_reason(device) or cls.cannot_implement_reason(world_size=world):

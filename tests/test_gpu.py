@@ -505,6 +505,17 @@ def _all_reduce_rank(rank: int, world: int, init_method: str, seed: int) -> None
             expected_out, expected_residual = all_reduce_add_rms_norm_reference(parts, residual, weight, eps)
             torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0, msg=lambda m: f"call {call}: {m}")
             torch.testing.assert_close(out, expected_out, msg=lambda m: f"call {call}: {m}")
+        # Reducers dropped and made again in one process (an engine after an engine): each new
+        # one's buffers pair with the peers' new ones, not with memory a dropped one used.
+        for _ in range(3):
+            del reducer32
+            torch.cuda.synchronize()
+            reducer32 = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.float32)
+            x = torch.randn(5, hidden, generator=generator).to(device)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            torch.testing.assert_close(reducer32(x.clone()), all_reduce_reference(parts), rtol=0, atol=0)
+            torch.testing.assert_close(reducer32.gather(x), torch.cat(parts), rtol=0, atol=0)
     finally:
         for graph in graphs:
             graph.reset()

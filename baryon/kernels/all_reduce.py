@@ -43,12 +43,24 @@ ONE_SHOT_MAX_BYTES = 4 << 20
 _rendezvous_count = 0
 
 
+# Every symmetric buffer this process made, never freed: torch (before its 2026-07 change to the
+# CUDA backend's rendezvous cache, so in the 2.11 of the GPU hosts) keyed that cache by address,
+# and a buffer allocated where a freed one was got the freed one's peer addresses back, so pushes
+# to peers went to memory they no longer read (the likely cause of the exchange kernel giving up
+# in a process that had freed three reducers, session 29; not confirmed on a GPU since). Kept,
+# their addresses are never handed out again; each reducer
+# holds a few to a few tens of MB, once per engine a process starts.
+_SYMMETRIC_BUFFERS: list[torch.Tensor] = []
+
+
 def rendezvous(tensor: torch.Tensor, group_name: str):
-    """torch's symmetric-memory rendezvous of `tensor` over the group, counted for this process."""
+    """torch's symmetric-memory rendezvous of `tensor` (from symm_mem.empty) over the group,
+    counted for this process; the tensor is kept for the process's lifetime (see above)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     global _rendezvous_count
     _rendezvous_count += 1
+    _SYMMETRIC_BUFFERS.append(tensor)
     return symm_mem.rendezvous(tensor, group_name)
 
 
