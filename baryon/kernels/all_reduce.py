@@ -19,6 +19,7 @@ all-reduce of decode rows.
 
 from __future__ import annotations
 
+import atexit
 import warnings
 
 import torch
@@ -51,6 +52,7 @@ _rendezvous_count = 0
 # their addresses are never handed out again; each reducer
 # holds a few to a few tens of MB, once per engine a process starts.
 _SYMMETRIC_BUFFERS: list[torch.Tensor] = []
+atexit.register(_SYMMETRIC_BUFFERS.clear)  # freed while CUDA is still up, not in the interpreter's teardown
 
 
 def rendezvous(tensor: torch.Tensor, group_name: str):
