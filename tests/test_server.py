@@ -494,6 +494,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**OK, "stream": True, "stop": ["x", "\udfff"]}, 400, "stop[1]"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi \ud800"}]}, 400,
      "messages[0].content"),
+    ("/v1/completions", {**OK, "prompt": [[1]] * 65}, 400, "prompt"),  # more prompts than --max-num-seqs 64
     # values float32 cannot hold, which the sampler computes in
     ("/v1/completions", {**OK, "temperature": 1e39}, 400, "temperature"),
     ("/v1/completions", {**OK, "repetition_penalty": 1e-46}, 400, "repetition_penalty"),

@@ -217,6 +217,14 @@ DEEP_SCHEMA = _nested_arrays(900)  # xgrammar would take minutes on it
     ("chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}}}},
      "response_format", "'uniqueItems'"),
+    # xgrammar 0.2.8 allows only null under allOf with two schemas, and ignores contains and not
+    ("completions", {"prompt": "a", "structured_outputs": {"json": {"allOf": [{"type": "integer"}, {"minimum": 5}]}}},
+     "structured_outputs", "'allOf'"),
+    ("completions", {"prompt": "a", "structured_outputs": {"json": {"type": "array", "contains": {"const": 7}}}},
+     "structured_outputs", "'contains'"),
+    ("completions", {"prompt": "a", "structured_outputs": {"json": {"not": {}}}}, "structured_outputs", "'not'"),
+    ("completions", {"prompt": "a", "structured_outputs": {"choice": [f"c{i}" for i in range(1025)]}},
+     "structured_outputs", "at most 1024"),
 ])
 def test_bad_specs_are_400s(server, route, body, param, words):
     response = _post(server, route, body)

@@ -96,6 +96,10 @@ class InputProcessor:
             prompts = [prompt]
         else:
             prompts = prompt
+        limit = self.config.scheduler.max_num_seqs
+        if len(prompts) > limit:  # before tokenizing a million of them
+            raise bad_request(f"{len(prompts)} prompts are more than this server runs at once (--max-num-seqs "
+                              f"{limit})", param="prompt")
         result = []
         for item in prompts:
             if isinstance(item, str):

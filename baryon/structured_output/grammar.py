@@ -38,11 +38,18 @@ def _ebnf(spec: StructuredOutputsParams) -> str:
 # their size (0.1 s at 128 levels, minutes at 900 on the 2-core VM), and real schemas stay far
 # below it.
 MAX_SCHEMA_DEPTH = 64
-# Keywords xgrammar 0.2.8 accepts but does not enforce (its grammar is the same without them):
-# refused, so that a schema is either followed or rejected, never followed in part.
+# Keywords xgrammar 0.2.8 accepts but does not enforce (its grammar is the same without them, or
+# its output breaks them: two fuzzing passes of the server): refused, so that a schema is either
+# followed or rejected, never followed in part. (`oneOf` is followed as `anyOf`, as elsewhere:
+# the alternatives of the unions that schema generators write exclude each other anyway.)
 _UNENFORCED_KEYWORDS = {"uniqueItems": "items that differ from each other",
                         "dependentRequired": "properties required by others",
-                        "dependentSchemas": "schemas that apply when a property is present"}
+                        "dependentSchemas": "schemas that apply when a property is present",
+                        "not": "a schema the value must not match",
+                        "contains": "an item the array must hold",
+                        "minContains": "how many items must match `contains`",
+                        "maxContains": "how many items may match `contains`",
+                        "$dynamicRef": "a dynamic reference"}
 # Where a schema holds subschemas: one, a list, or a dict of them.
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
               "unevaluatedItems", "unevaluatedProperties", "additionalItems")
@@ -66,9 +73,12 @@ def check_schema_support(schema: str) -> None:
             raise ValueError(f"the JSON schema nests subschemas more than {MAX_SCHEMA_DEPTH} levels deep; at most "
                              f"{MAX_SCHEMA_DEPTH} are accepted")
         for keyword, meaning in _UNENFORCED_KEYWORDS.items():
-            if keyword in node and node[keyword] not in (False, {}, None):
+            if keyword in node and (node[keyword] not in (False, None) or keyword == "not"):
                 raise ValueError(f"the JSON schema keyword {keyword!r} ({meaning}, at {where}) is not supported: "
                                  f"the structured-output backend (xgrammar) cannot enforce it; remove it")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:  # xgrammar then allows only null
+            raise ValueError(f"'allOf' with more than one schema (at {where}) is not supported by the "
+                             f"structured-output backend (xgrammar); merge them into one schema")
         for key in _SUBSCHEMA:
             pending.append((node.get(key), f"{where}.{key}", depth + 1))
         for key in _SUBSCHEMA_LISTS:
