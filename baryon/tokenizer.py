@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 from baryon.hub import is_gguf
@@ -52,3 +53,40 @@ def eos_token_ids(model_path: str, hf_config: Any, tokenizer: Any | None) -> fro
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+class TokenTexts:
+    """Each token's text as it reads inside a text, cached. Decoded alone, a SentencePiece token
+    loses its leading space ("▁there" is "there" at the start of a text and " there" after another
+    token), which made the tokens of a reply not add up to its text (nor text_offset point into
+    it): a token is decoded after an anchor token and the anchor's text cut off."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        anchor = tokenizer.encode("a", add_special_tokens=False)
+        self.anchor = anchor[-1:] if anchor else []
+        self.anchor_text = self._decode(self.anchor)
+        self.texts: dict[int, str] = {}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def __call__(self, token_id: int) -> str:
+        text = self.texts.get(token_id)
+        if text is None:
+            both = self._decode(self.anchor + [token_id])
+            alone = self._decode([token_id])
+            text = both[len(self.anchor_text):] if both.startswith(self.anchor_text) else alone
+            self.texts[token_id] = text
+        return text
+
+
+_TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its TokenTexts
+
+
+def token_texts(tokenizer: Any) -> TokenTexts:
+    """The tokenizer's TokenTexts (one per tokenizer, made at the first call)."""
+    texts = _TOKEN_TEXTS.get(tokenizer)
+    if texts is None:
+        texts = _TOKEN_TEXTS[tokenizer] = TokenTexts(tokenizer)
+    return texts

@@ -265,6 +265,11 @@ def test_completion_logprobs_match_the_engine(client, llm):
                                               logprobs.top_logprobs):
         assert value == pytest.approx(position[token_id].logprob, abs=1e-5)
         assert len(top) <= 3 and max(top.values()) == pytest.approx(value, abs=1e-5)  # greedy: the top token
+    # the tokens add up to the text (a SentencePiece token keeps its leading space) and each
+    # offset points at its token in it
+    text = result.choices[0].text
+    assert "".join(logprobs.tokens) == text == reference.text
+    assert all(text[offset:].startswith(token) for offset, token in zip(logprobs.text_offset, logprobs.tokens))
     assert logprobs.text_offset == sorted(logprobs.text_offset)
 
 
@@ -288,6 +293,7 @@ def test_chat_logprobs_shape(client, llm):
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy
         assert entry.bytes == list(entry.token.encode("utf-8"))
+    assert "".join(entry.token for entry in content) == result.choices[0].message.content
 
 
 def test_stop_strings_cut_the_text_streaming_or_not(client, llm):

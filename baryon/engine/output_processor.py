@@ -12,6 +12,7 @@ from baryon.engine.detokenizer import IncrementalDetokenizer
 from baryon.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from baryon.runner.model_runner import RawLogprobs
 from baryon.sampling_params import SamplingParams
+from baryon.tokenizer import token_texts
 
 
 @dataclass
@@ -173,6 +174,6 @@ class OutputProcessor:
         for j, (token_id, value) in enumerate(zip(ids, values)):
             if token_id in result:
                 continue
-            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+            text = token_texts(self.tokenizer)(token_id) if self.tokenizer is not None else None
             result[token_id] = Logprob(value, first_rank if j == 0 else j, text)
         return result

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baryon.outputs import PositionLogprobs
+from baryon.tokenizer import token_texts
 
 
 def token_text(token_id: int, entry: PositionLogprobs | None, tokenizer: Any | None) -> str:
@@ -19,8 +20,9 @@ def token_text(token_id: int, entry: PositionLogprobs | None, tokenizer: Any | N
     if logprob is not None and logprob.decoded_token is not None:
         return logprob.decoded_token
     if tokenizer is not None:
-        return tokenizer.decode([token_id])
+        return token_texts(tokenizer)(token_id)
     return f"token_id:{token_id}"
+
 
 
 def top_alternatives(entry: PositionLogprobs, top_n: int) -> list[tuple[int, float]]:
