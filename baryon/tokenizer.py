@@ -75,8 +75,7 @@ class TokenTexts:
         text = self.texts.get(token_id)
         if text is None:
             both = self._decode(self.anchor + [token_id])
-            alone = self._decode([token_id])
-            text = both[len(self.anchor_text):] if both.startswith(self.anchor_text) else alone
+            text = both[len(self.anchor_text):] if both.startswith(self.anchor_text) else self._decode([token_id])
             self.texts[token_id] = text
         return text
 

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from baryon.config import EngineConfig
 from baryon.engine.core_client import AsyncEngineClient, EngineDeadError, OutputProcessingError, RequestRejectedError
+from baryon.logger import get_logger
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
-from baryon.logger import get_logger
 from baryon.server.errors import APIError, error_body
 from baryon.server.inputs import InputProcessor, Prompt
 from baryon.server.metrics import ServerMetrics
