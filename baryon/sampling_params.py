@@ -7,6 +7,8 @@ import json as json_module
 from dataclasses import dataclass, field
 from typing import Any
 
+from baryon.tokenizer import unpaired_surrogate
+
 # Temperatures below this are treated as greedy decoding (argmax).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -72,13 +74,6 @@ MAX_CHOICES = 1024
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass
@@ -171,7 +166,7 @@ class SamplingParams:
             raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise bad("stop", "it must be a non-empty string or a list of non-empty strings")
-        if not all(_is_unicode(s) for s in self.stop_strings):
+        if any(unpaired_surrogate(s) is not None for s in self.stop_strings):
             raise bad("stop", "its strings must be valid Unicode (an unpaired UTF-16 surrogate is not)")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "it must be a list of non-negative integer token ids")

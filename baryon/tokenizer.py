@@ -55,6 +55,18 @@ def eos_token_ids(model_path: str, hf_config: Any, tokenizer: Any | None) -> fro
     return frozenset(ids)
 
 
+def unpaired_surrogate(text: str) -> int | None:
+    """Where `text` holds half a UTF-16 surrogate pair (JSON may escape one: "\\ud800"), which no
+    tokenizer or UTF-8 encoder takes; None for valid Unicode."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 class TokenTexts:
     """Each token's text as it reads inside a text, cached. Decoded alone, a SentencePiece token
     loses its leading space ("▁there" is "there" at the start of a text and " there" after another

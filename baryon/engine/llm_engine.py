@@ -13,7 +13,7 @@ from baryon.engine.output_processor import OutputProcessor
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.structured_output.grammar import check_spec
-from baryon.tokenizer import eos_token_ids, load_tokenizer
+from baryon.tokenizer import eos_token_ids, load_tokenizer, unpaired_surrogate
 
 # A prompt: text, {"prompt": text}, or {"prompt_token_ids": [ids]}.
 PromptType = str | dict[str, Any]
@@ -81,12 +81,9 @@ class LLMEngine:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt'/'prompt_token_ids'; got {type(prompt).__name__}")
         if prompt == "":
             raise ValueError("the prompt is empty; give some text or token ids")
-        if not prompt.isascii():
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"the prompt holds an unpaired UTF-16 surrogate (U+{ord(prompt[e.start]):04X}) at "
-                                 f"character {e.start}; give valid Unicode text") from None
+        if (at := unpaired_surrogate(prompt)) is not None:
+            raise ValueError(f"the prompt holds an unpaired UTF-16 surrogate (U+{ord(prompt[at]):04X}) at character "
+                             f"{at}; give valid Unicode text")
         if self.tokenizer is None:
             raise ValueError("this engine was built with skip_tokenizer_init=True: give prompts as "
                              "{'prompt_token_ids': [...]} instead of text")

@@ -15,6 +15,7 @@ from baryon.config import EngineConfig
 from baryon.engine.core import check_prompt
 from baryon.server.errors import bad_request
 from baryon.server.protocol import ChatMessage
+from baryon.tokenizer import unpaired_surrogate
 
 # A prompt for the engine: its text (None when given as token ids) and its token ids.
 Prompt = tuple[str | None, list[int]]
@@ -46,15 +47,10 @@ def check_unicode(value: Any, path: str = "") -> None:
     JSON may escape one half of a UTF-16 surrogate pair ("\\ud800"), which no tokenizer or UTF-8
     encoder takes."""
     if isinstance(value, str):
-        if value.isascii():
-            return
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            where = path or "the request"
-            raise bad_request(f"{where}: the text holds an unpaired UTF-16 surrogate (U+{ord(value[e.start]):04X}) "
-                              f"at character {e.start}; send valid Unicode", param=path or None,
-                              code="invalid_unicode") from None
+        if (at := unpaired_surrogate(value)) is not None:
+            raise bad_request(f"{path or 'the request'}: the text holds an unpaired UTF-16 surrogate "
+                              f"(U+{ord(value[at]):04X}) at character {at}; send valid Unicode", param=path or None,
+                              code="invalid_unicode")
     elif isinstance(value, dict):
         for key, item in value.items():
             check_unicode(key, path)

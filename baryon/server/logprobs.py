@@ -24,7 +24,6 @@ def token_text(token_id: int, entry: PositionLogprobs | None, tokenizer: Any | N
     return f"token_id:{token_id}"
 
 
-
 def top_alternatives(entry: PositionLogprobs, top_n: int) -> list[tuple[int, float]]:
     """The top_n most likely (token id, logprob) of a position, most likely first."""
     ranked = sorted(entry.items(), key=lambda item: item[1].rank)

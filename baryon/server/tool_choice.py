@@ -16,6 +16,7 @@ otherwise spend their tokens on it), read as JSON whatever the model's own tool-
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +52,8 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
     schemas = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in request.tools}
     if len(schemas) < len(request.tools):
-        names = [tool.function.name for tool in request.tools]
-        twice = sorted({name for name in names if names.count(name) > 1})
+        counts = Counter(tool.function.name for tool in request.tools)
+        twice = sorted(name for name, count in counts.items() if count > 1)
         raise bad_request(f"tools name the function(s) {twice} more than once; each function needs a name of its own",
                           param="tools")
     if choice == "none":

@@ -7,6 +7,7 @@ spec before submitting its request: an invalid schema, regex or grammar is the r
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import TYPE_CHECKING
@@ -92,6 +93,27 @@ def check_schema_support(schema: str) -> None:
 def check_spec(spec: StructuredOutputsParams) -> None:
     """Raise ValueError, naming the field and the problem, when the spec does not parse (or, for a
     JSON schema, would not be followed exactly: see check_schema_support)."""
+    problem = _spec_problem(spec.key)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_problem(key: tuple) -> str | None:
+    """check_spec's verdict on the spec of this key (StructuredOutputsParams.key), kept: the server
+    checks a request's spec twice (for its error message, then with the other parameters), and
+    clients send the same specs again."""
+    json_schema, regex, choice, grammar, json_object, _ = key
+    spec = StructuredOutputsParams(json=json_schema, regex=regex, choice=None if choice is None else list(choice),
+                                   grammar=grammar, json_object=json_object)
+    try:
+        _check(spec)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _check(spec: StructuredOutputsParams) -> None:
     import xgrammar as xgr
 
     if spec.json is not None:
