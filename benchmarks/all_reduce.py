@@ -70,6 +70,13 @@ def _time_graph(fn, replays: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * GRAPH_CALLS)
 
 
+def _record(rows: list[dict], rank: int, row: dict) -> None:
+    """Keep a row for the table; rank 0 also prints it at once (a run cut short still tells)."""
+    rows.append(row)
+    if rank == 0:
+        print(json.dumps({"bench": "all_reduce", "world_size": dist.get_world_size(), **row}), flush=True)
+
+
 def _rank_main(rank: int, world: int, port: int, args, results) -> None:
     from baryon.kernels.all_reduce import SymmMemOneShotAllReduce, all_reduce_reference
     from baryon.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm_reference
@@ -114,9 +121,10 @@ def _rank_main(rank: int, world: int, port: int, args, results) -> None:
             expected, _ = all_reduce_add_rms_norm_reference(parts, residual, weight, 1e-6)
             error = max(error, (normed.float() - expected.float()).abs().max().item())
             with_norm = _time_graph(lambda: reducer.add_rms_norm(work, residual, weight, 1e-6))
-            rows.append({"impl": reducer.name, "tokens": tokens, "bytes": x.numel() * x.element_size(),
-                         "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2),
-                         "with_norm_graph_us": round(with_norm, 2)})
+            _record(rows, rank, {"impl": reducer.name, "hidden": args.hidden, "tokens": tokens,
+                                 "bytes": x.numel() * x.element_size(),
+                                 "max_abs_error": error, "eager_us": round(eager, 2), "graph_us": round(graphed, 2),
+                                 "with_norm_graph_us": round(with_norm, 2)})
     rows += _exchanges(rank, world, group, device, dtype, args, reducers)
     if rank == 0:
         results.put(rows)
@@ -172,9 +180,10 @@ def _exchanges(rank: int, world: int, group, device: torch.device, dtype: torch.
             if name in with_norm:
                 error = max(error, (with_norm[name]()[1].float() - expected_residual.float()).abs().max().item())
                 norm_us = round(_time_graph(with_norm[name]), 2)
-            rows.append({"impl": name, "tokens": tokens, "bytes": sent.numel() * sent.element_size(),
-                         "max_abs_error": error, "eager_us": round(_time_eager(fn), 2),
-                         "graph_us": round(_time_graph(fn), 2), "with_norm_graph_us": norm_us})
+            _record(rows, rank, {"impl": name, "hidden": args.hidden, "tokens": tokens,
+                                 "bytes": sent.numel() * sent.element_size(),
+                                 "max_abs_error": error, "eager_us": round(_time_eager(fn), 2),
+                                 "graph_us": round(_time_graph(fn), 2), "with_norm_graph_us": norm_us})
     return rows
 
 
@@ -206,9 +215,8 @@ def main() -> None:
     rows = results.get(timeout=600)
     for p in processes:
         p.join()
-    for row in rows:
-        print(json.dumps({"bench": "all_reduce", "world_size": args.world_size, "hidden": args.hidden, **row}))
-    print(f"\n{'impl':<32}{'tokens':>8}{'KiB':>8}{'eager us':>10}{'graph us':>10}{'+norm us':>10}{'max err':>10}")
+    print(f"\nworld size {args.world_size}, hidden {args.hidden}")
+    print(f"{'impl':<32}{'tokens':>8}{'KiB':>8}{'eager us':>10}{'graph us':>10}{'+norm us':>10}{'max err':>10}")
     for row in rows:
         norm = row["with_norm_graph_us"]
         print(f"{row['impl']:<32}{row['tokens']:>8}{row['bytes'] / 1024:>8.0f}{row['eager_us']:>10.2f}"

@@ -61,7 +61,8 @@ def start_server(model: str, extra: list[str], timeout: int, process: dict) -> s
            "--uvicorn-log-level", "warning", *extra]
     if model in PRESETS:  # random weights; the context length of the other workloads
         cmd += ["--load-format", "dummy", "--max-model-len", "4096"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **process)
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              **process)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -70,7 +71,7 @@ def start_server(model: str, extra: list[str], timeout: int, process: dict) -> s
                     return server
         except OSError:
             time.sleep(1)
-    server.kill()
+    kill_group(server)
     raise RuntimeError("the server did not come up")
 
 
@@ -79,7 +80,18 @@ def stop_server(server: subprocess.Popen) -> None:
     try:
         server.wait(timeout=15)
     except subprocess.TimeoutExpired:
-        server.kill()
+        pass
+    kill_group(server)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """Kill a benchmark process with every process it started (engine processes, DP replicas),
+    so that none is left holding a GPU's memory for the next variant."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def tree_process(tree: str) -> dict:
@@ -109,16 +121,22 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
         cmd = [sys.executable, "-m", module, *flags]
     else:
         cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **process)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **process)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"model": model, "workload": workload, "error": f"timed out after {timeout} s"}
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        return {"model": model, "workload": workload, "error": f"timed out after {timeout} s",
+                "stderr_tail": stderr.strip().splitlines()[-5:]}
     finally:
+        kill_group(proc)  # what the benchmark left running
         if server is not None:
             stop_server(server)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"model": model, "workload": workload, "error": proc.stderr.strip().splitlines()[-1:]}
+        return {"model": model, "workload": workload, "error": stderr.strip().splitlines()[-1:]}
     result = json.loads(lines[-1])
     result.update(workload=workload, model=model)
     return result
