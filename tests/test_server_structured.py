@@ -6,6 +6,7 @@ non-streamed reply, and bad specs are 400s that name the field."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import httpx
@@ -132,16 +133,93 @@ def test_required_calls_are_an_array_of_the_tools_calls():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 2})]
     assert len({c.id for c in calls}) == 2
-    assert constrained_calls(plan, text[:-5]) == []  # cut by max_tokens: no calls
+    # Cut by max_tokens: the calls closed before the cut (a stream has sent them already).
+    assert [(c.name, json.loads(c.arguments)) for c in constrained_calls(plan, text[:-5])] == [("get_time", {"zone": "UTC"})]
+    assert constrained_calls(plan, text[:20]) == []
+
+
+def _streamed(plan, text: str, rng: random.Random) -> tuple[list[list[dict]], list[int]]:
+    """ConstrainedCallStream fed `text` in random pieces: each step's delta entries, and where each step ended."""
+    from baryon.server.tool_choice import ConstrainedCallStream
+
+    stream, steps, ends, end = ConstrainedCallStream(plan), [], [], 0
+    while end < len(text):
+        end = min(len(text), end + rng.randint(1, 6))
+        steps.append(stream.advance(text[:end]))
+        ends.append(end)
+    return steps, ends
+
+
+def _reassembled(steps: list[list[dict]]) -> dict[int, dict]:
+    """OpenAI's client's reading of tool_calls deltas: fields by index, arguments appended."""
+    calls: dict[int, dict] = {}
+    for entries in steps:
+        for entry in entries:
+            call = calls.setdefault(entry["index"], {"id": None, "name": None, "arguments": ""})
+            if "id" in entry:
+                assert call["id"] is None and entry["type"] == "function"  # the id and name come once
+                call["id"], call["name"] = entry["id"], entry["function"]["name"]
+            assert call["id"] is not None  # an entry's first delta opens the call
+            call["arguments"] += entry["function"]["arguments"]
+    return calls
+
+
+def test_constrained_calls_stream_as_they_are_written(seed):
+    """A named call opens with the reply's first text and its arguments follow piece by piece; each
+    call of a required array goes out once its object closes; both reassemble to the whole reply's calls."""
+    from baryon.server.protocol import ChatCompletionRequest
+    from baryon.server.tool_choice import constrained_calls, plan_tools
+
+    rng = random.Random(seed)
+    named = plan_tools(ChatCompletionRequest(messages=USER, tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}), "hermes")
+    arguments = json.dumps({"city": rng.choice(["Paris", "Oslo", "Lima"]), "days": rng.randint(1, 7)},
+                           separators=(",", ":"))
+    steps, ends = _streamed(named, arguments, rng)
+    assert all(steps), "every piece of the arguments is sent as it comes"
+    (call,) = _reassembled(steps).values()
+    assert (call["name"], call["arguments"]) == ("get_weather", arguments)
+    (whole,) = constrained_calls(named, arguments)
+    assert (whole.name, whole.arguments) == ("get_weather", arguments)
+    cut = arguments[:rng.randint(1, len(arguments) - 1)]  # max_tokens: the arguments as far as written
+    assert [(c.name, c.arguments) for c in constrained_calls(named, cut)] == [("get_weather", cut)]
+
+    required = plan_tools(ChatCompletionRequest(messages=USER, tools=TOOLS, tool_choice="required"), "hermes")
+    values = [{"name": "get_time", "parameters": {"zone": "".join(rng.choices("ABCDEFGHIJ", k=3))}}
+              for _ in range(rng.randint(2, 4))]
+    text = json.dumps(values, separators=(",", ":"))
+    steps, ends = _streamed(required, text, rng)
+    closes, position = [], 1
+    for value in values:  # where each call's object ends in the text
+        position += len(json.dumps(value, separators=(",", ":")))
+        closes.append(position)
+        position += 1
+    sent_at = {entry["index"]: end for entries, end in zip(steps, ends) for entry in entries}
+    assert [sent_at[i] for i in range(len(values))] == [min(e for e in ends if e >= c) for c in closes]
+    calls = _reassembled(steps)
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
+        [(v["name"], v["parameters"]) for v in values]
+    assert [(c.name, c.arguments) for c in constrained_calls(required, text)] == \
+        [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
 
 
 def test_named_tool_choice(client, seed):
-    reply = client.chat.completions.create(
-        model=MODEL, messages=USER, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=80,
-        tool_choice={"type": "function", "function": {"name": "get_time"}})
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=80,
+                  tool_choice={"type": "function", "function": {"name": "get_time"}})
+    reply = client.chat.completions.create(**kwargs)
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_time" and reply.choices[0].finish_reason == "tool_calls"
     _check_calls([call])
+    # Streamed (the same seed, the same reply): the call opens at once, its arguments follow in pieces.
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    entries = [entry for chunk in chunks for entry in chunk.choices[0].delta.tool_calls or []]
+    assert entries[0].id and entries[0].function.name == "get_time"
+    assert all(entry.index == 0 and entry.id is None for entry in entries[1:])
+    assert len(entries) > 1, "the arguments came whole, not as they were written"
+    assert "".join(entry.function.arguments for entry in entries) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    for chunk in chunks[1:-1]:  # after the role's chunk, none is empty
+        assert chunk.choices[0].delta.tool_calls or chunk.choices[0].delta.content, chunk
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -6,9 +6,10 @@ choice has new tokens, the last one carrying its finish_reason. With a reasoning
 (`--reasoning-parser`, GPT-OSS by default) replies carry `reasoning_content` beside `content`,
 and stream deltas carry either. With `tools`, replies carry `tool_calls` (tool_choice.py says
 how they are found) and end with finish_reason "tool_calls"; streams send each call as a
-`tool_calls` delta. A reply constrained by response_format, structured_outputs or a required /
-named tool choice is read whole as content (no reasoning split: the constraint starts at its
-first token).
+`tool_calls` delta (a required / named tool choice's calls as tool_choice.py says). A reply
+constrained by response_format, structured_outputs or a required / named tool choice has no
+reasoning split: the constraint starts at its first token. A chunk that would carry nothing (an
+empty delta, no logprobs, no finish) is not sent.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from baryon.server.reasoning import reasoning_stream, split_reasoning
 from baryon.server.sampling import build_sampling_params, requested_structure
 from baryon.server.serving import (ChoiceCursor, ServerContext, generate_merged, json_response, new_id, now,
                                    stop_string_holdback, stream_chunk, streaming_response, unless_disconnected, usage)
-from baryon.server.tool_choice import ToolPlan, constrained_calls, plan_tools
+from baryon.server.tool_choice import ConstrainedCallStream, ToolPlan, constrained_calls, plan_tools
 from baryon.server.tool_parsers import ToolCall
 
 
@@ -183,8 +184,10 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
             stream = streams.setdefault(sample.index, _ChoiceStream(plan))
             fields = stream.advance(sample.text[:cursor.text_sent], cursor.finished)
             finish_reason = _finish_reason(sample, stream.num_calls > 0) if cursor.finished else None
-            yield chunk([{"index": sample.index, "delta": fields,
-                          "logprobs": _logprobs(ctx, plan, sample, start, end),
+            logprobs = _logprobs(ctx, plan, sample, start, end)
+            if not fields and logprobs is None and finish_reason is None:
+                continue  # text a parser holds back (a call not closed yet)
+            yield chunk([{"index": sample.index, "delta": fields, "logprobs": logprobs,
                           "finish_reason": finish_reason, "stop_reason": sample.stop_reason}])
     if plan.include_usage:
         yield chunk([], usage=usage(len(plan.prompt_token_ids), completion_tokens))
@@ -192,13 +195,14 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
 
 class _ChoiceStream:
     """One streamed choice's delta fields: the text so far split into reasoning and content,
-    the content read for tool calls (by the parser, or whole at the end when constrained)."""
+    the content read for tool calls (by the parser, or as a constrained reply's calls)."""
 
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
         self.reasoning = reasoning_stream(plan.reasoning_parser, plan.prompt_ends_in_reasoning) \
             if plan.reasoning_parser is not None else None
         self.tool_parser = plan.tools.new_parser()
+        self.constrained_calls = ConstrainedCallStream(plan.tools) if plan.tools.structure is not None else None
         self.content = ""  # the content so far (what the tool parser reads)
         self.num_calls = 0
 
@@ -208,13 +212,14 @@ class _ChoiceStream:
         else:
             fields = self.reasoning.advance(text, finished)
         self.content += fields.get("content", "")
-        if self.plan.tools.structure is not None:  # a constrained call: sent whole at the end
+        if self.constrained_calls is not None:
             fields.pop("content", None)
-            if finished:
-                content, calls = _calls(self.plan, self.content, text)
-                fields.update(self._calls_delta(calls))
-                if content:
-                    fields["content"] = content
+            entries = self.constrained_calls.advance(self.content)
+            if entries:
+                fields["tool_calls"] = entries
+            self.num_calls = len(self.constrained_calls.calls)
+            if finished and not self.num_calls and self.content:  # no call at all: the text, as _calls gives it
+                fields["content"] = self.content
         elif self.tool_parser is not None:
             fields.pop("content", None)
             parsed = self.tool_parser.stream(text if self.tool_parser.reads_whole_reply else self.content, finished)
@@ -224,9 +229,3 @@ class _ChoiceStream:
                 fields["tool_calls"] = parsed["tool_calls"]
                 self.num_calls = max(self.num_calls, 1 + max(call["index"] for call in parsed["tool_calls"]))
         return fields
-
-    def _calls_delta(self, calls: list[ToolCall]) -> dict:
-        self.num_calls = len(calls)
-        if not calls:
-            return {}
-        return {"tool_calls": [{"index": i, **_tool_call_json(call)} for i, call in enumerate(calls)]}

@@ -11,6 +11,10 @@ tool calls.
 
 Constrained replies are compact JSON (no free whitespace: a call needs none, and small models
 otherwise spend their tokens on it), read as JSON whatever the model's own tool-call format.
+Streamed as OpenAI streams calls: a named function's call opens with the reply's first text (its
+id and name) and its arguments follow as they are written; each call of a `required` array goes
+out whole once its object closes. A reply cut short (max_tokens) keeps what was sent: the named
+call's arguments as written so far, the array's closed calls.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from baryon.sampling_params import StructuredOutputsParams
 from baryon.server.errors import bad_request
 from baryon.server.protocol import ChatCompletionRequest
 from baryon.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
+from baryon.server.tool_parsers.base import decode_json
 
 # The arguments of a function that declares no parameters: any object.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -76,13 +81,56 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
 
 
 def constrained_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
-    """The calls of a reply constrained by `required` or a named function (none where the text
-    is not the complete JSON: a reply cut by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    if plan.mode == "named":
-        return [ToolCall(name=plan.function, arguments=json.dumps(value, ensure_ascii=False))]
-    return [ToolCall(name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False))
-            for call in value]
+    """The calls of a whole reply constrained by `required` or a named function (the same the
+    stream of it sends)."""
+    calls = ConstrainedCallStream(plan)
+    calls.advance(text)
+    return calls.calls
+
+
+class ConstrainedCallStream:
+    """The tool_calls delta entries of a reply constrained by `required` or a named function, as
+    its text grows (one instance per streamed choice)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.calls: list[ToolCall] = []  # every call so far (a named call's arguments as sent)
+        self._position = 0  # required: where the array's next call may start
+
+    def advance(self, text: str) -> list[dict]:
+        """`text`: the reply so far -> the delta entries new since the last call."""
+        return self._named(text) if self.plan.mode == "named" else self._array(text)
+
+    def _named(self, text: str) -> list[dict]:
+        if not self.calls:
+            if not text:
+                return []
+            self.calls.append(ToolCall(self.plan.function, text))
+            call = self.calls[0]
+            return [{"index": 0, "id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": text}}]
+        call = self.calls[0]
+        new = text[len(call.arguments):]
+        if not new:
+            return []
+        call.arguments = text
+        return [{"index": 0, "function": {"arguments": new}}]
+
+    def _array(self, text: str) -> list[dict]:
+        entries = []
+        position = self._position
+        while True:
+            while position < len(text) and text[position] in "[, \t\r\n":
+                position += 1
+            decoded = decode_json(text, position) if text[position:position + 1] == "{" else None
+            if decoded is None:  # the next call is not closed yet (or the array is)
+                break
+            value, position = decoded
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                break  # not a call (the grammar allows none; nothing is guessed)
+            call = ToolCall(value["name"], json.dumps(value.get("parameters", {}), ensure_ascii=False))
+            entries.append({"index": len(self.calls), "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}})
+            self.calls.append(call)
+        self._position = position
+        return entries
