@@ -79,6 +79,11 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def drop_last_output_token(self) -> None:
+        """Take back the last recorded token (one the output's grammar refused)."""
+        self.output_token_ids.pop()
+        self.all_token_ids.pop()
+
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None

@@ -130,6 +130,11 @@ def test_constrained_requests_with_ngram_speculation(random_stories, seed):
     ({"json": {"type": "objectx"}}, "structured_outputs.json: not a valid JSON schema"),
     ({"regex": "a(b"}, "structured_outputs.regex: not a valid regular expression"),
     ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar: not a valid EBNF grammar"),
+    ({"regex": r"[^\s\S]"}, "structured_outputs.regex: the regular expression matches no text"),
+    ({"grammar": r"root ::= [^\x00-\U0010FFFF]"}, "structured_outputs.grammar: the EBNF grammar matches no text"),
+    # xgrammar 0.2.8 parses this schema but cannot compile it (a pattern's {1,400} repeat)
+    ({"json": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z ]{1,400}$"}}}},
+     "structured_outputs.json: the structured-output backend (xgrammar) cannot compile this JSON schema"),
 ])
 def test_invalid_specs_are_refused_by_name(llm, fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -202,9 +207,11 @@ def test_chat_renders_tools_and_template_kwargs(llm):
     assert "[get_weather] hi FLAG" in decode(more.prompt_token_ids)
 
 
-def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm):
-    """xgrammar 0.2.8 parses this schema but cannot compile it (a pattern's {1,400} repeat): the
-    request ends with finish_reason "abort" (logged), its neighbour is served."""
+def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm, monkeypatch):
+    """xgrammar 0.2.8 parses this schema but cannot compile it (a pattern's {1,400} repeat). The
+    frontend's check refuses it (above); past the check (here skipped), the engine's compilation
+    fails: the request ends with finish_reason "abort" (logged), its neighbour is served."""
+    monkeypatch.setattr("baryon.engine.llm_engine.check_spec", lambda spec: None)
     broken = StructuredOutputsParams(json={"type": "object", "properties": {"s": {"type": "string",
                                                                                  "pattern": "^[a-z ]{1,400}$"}}})
     outs = llm.generate(["Once", "Lily"], [SamplingParams(max_tokens=8, structured_outputs=broken),
@@ -212,6 +219,23 @@ def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm):
                         use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("dead_end, text", [({"regex": r"ab[^\s\S]"}, "ab"),
+                                             ({"json": {"type": "string", "pattern": r"^x[^\s\S]"}}, '"x')])
+def test_a_dead_end_of_the_grammar_stops_its_request_without_a_stray_token(llm, seed, dead_end, text):
+    """A spec that allows a start but nothing past it (the frontend's check sees only the start):
+    where the grammar allows no token the engine has none to sample; the request stops with what
+    the grammar allowed, not with a token drawn from a row masked whole. Its neighbour is served."""
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.8, seed=seed, max_tokens=16,
+                                 structured_outputs=StructuredOutputsParams(**dead_end))
+    outs = llm.generate(["Once", "Lily"], [constrained, free], use_tqdm=False)
+    out, decode = outs[0].outputs[0], llm.get_tokenizer().decode
+    assert out.finish_reason == "stop" and out.text == text
+    # every token is the grammar's (not the all-masked row's argmax, token 0: <unk>, a special token)
+    assert decode(out.token_ids, skip_special_tokens=False) == text, out.token_ids
+    assert outs[1].outputs[0].token_ids == llm.generate(["Lily"], free, use_tqdm=False)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("fields", [{"choice": ["ünïcode", "yes"]}, {"grammar": 'root ::= "ünïcode" | "yes"'},

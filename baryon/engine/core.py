@@ -331,6 +331,9 @@ class EngineCore:
                 request.append_output_token(token)
                 status = self._finish_status(request, token)
                 if status is not None:
+                    if request.grammar is not None and request.grammar.refused(request.num_output_tokens - 1):
+                        request.drop_last_output_token()  # the grammar allowed no token here: none is output
+                        n -= 1
                     tokens, logprobs = tokens[:n], logprobs[:n] if logprobs is not None else None
                     break
             self.block_manager.cache_full_blocks(request)

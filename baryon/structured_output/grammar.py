@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 # fits; a model cannot loop on newlines forever, which small models otherwise do).
 JSON_MAX_WHITESPACE = 16
 # xgrammar's errors start with a log prefix: "[08:04:30] /project/cpp/regex_converter.cc:83: ".
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false:\s*)?")
 
 
 def _json_schema(spec: StructuredOutputsParams) -> str:
@@ -127,13 +127,54 @@ def _check(spec: StructuredOutputsParams) -> None:
         field, parse = "regex", lambda: xgr.Grammar.from_regex(spec.regex)
     else:
         field, parse = ("choice" if spec.choice is not None else "grammar"), lambda: xgr.Grammar.from_ebnf(_ebnf(spec))
+    what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
+            "choice": "choice list"}[field]
     try:
         parse()
     except (RuntimeError, ValueError) as e:
-        message = _LOG_PREFIX.sub("", str(e).strip()).splitlines()[0]
-        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
-                "choice": "choice list"}[field]
-        raise ValueError(f"structured_outputs.{field}: not a valid {what}: {message}") from None
+        raise ValueError(f"structured_outputs.{field}: not a valid {what}: {_xgrammar_message(e)}") from None
+    try:
+        empty = _matches_nothing(spec)
+    except (RuntimeError, ValueError) as e:  # parsed, yet xgrammar cannot compile it
+        raise ValueError(f"structured_outputs.{field}: the structured-output backend (xgrammar) cannot compile "
+                         f"this {what}: {_xgrammar_message(e)}") from None
+    if empty:
+        raise ValueError(f"structured_outputs.{field}: the {what} matches no text (not even an empty "
+                         f"output): no token could begin a reply under it")
+
+
+def _xgrammar_message(error: Exception) -> str:
+    """The first line of an xgrammar error, without its log prefix."""
+    lines = _LOG_PREFIX.sub("", str(error).strip()).splitlines()
+    return lines[0] if lines and lines[0] else "an internal check failed"
+
+
+def _matches_nothing(spec: StructuredOutputsParams) -> bool:
+    """Whether the spec allows neither a first byte nor an empty output, found by compiling it
+    over a vocabulary of the 256 bytes and a stop token (~1 ms; xgrammar's own checks pass specs
+    such as the regex `[^\\s\\S]`, under which the engine would have no token to sample).
+    A spec that allows a start but no end past it is found only while generating: the engine stops
+    the request where its grammar allows no token."""
+    import xgrammar as xgr
+
+    compiled = compile_spec(_byte_compiler(), spec)
+    bitmask = xgr.allocate_token_bitmask(1, _BYTE_VOCAB_SIZE)  # int32 [1, 9]: bit t of word t // 32
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    words = bitmask[0].tolist()
+    return not any(words[:8]) and not words[8] & 1  # no byte (tokens 0-255) and no stop token (256)
+
+
+_BYTE_VOCAB_SIZE = 257  # the 256 bytes, then a stop token
+
+
+@functools.cache
+def _byte_compiler() -> xgrammar.GrammarCompiler:
+    import xgrammar as xgr
+
+    vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=_BYTE_VOCAB_SIZE,
+                             stop_token_ids=[_BYTE_VOCAB_SIZE - 1])
+    return xgr.GrammarCompiler(info, max_threads=1)
 
 
 def compile_spec(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:

@@ -76,12 +76,18 @@ class RequestGrammar:
         """Record what the matcher answered to accept_token(token)."""
         if not accepted:
             self.rejected_token = token
-            logger.warning("token %d does not follow the request's grammar", token)
+            logger.warning("token %d does not follow the request's grammar (sampled where it allowed none): "
+                           "the request stops before it", token)
             return
         self.num_accepted += 1
         # A matcher ends only on accepting a stop token (it is made without
         # terminate_without_stop_token), so the others need no call into xgrammar.
         self._ended = token in self._stop_token_set and self.matcher.is_terminated()
+
+    def refused(self, index: int) -> bool:
+        """The matcher refused the output's token at `index` (one sampled where the grammar
+        allowed no token at all: a dead end of a grammar that matches no text past it)."""
+        return self.rejected_token is not None and self.num_accepted == index
 
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted, or a token broke it."""
