@@ -296,6 +296,13 @@ DEEP_SCHEMA = _nested_arrays(900)  # xgrammar would take minutes on it
     ("chat/completions", {"messages": USER, "chat_template_kwargs": {"truncation": True, "max_length": 1}},
      "chat_template_kwargs", "truncation"),
     ("chat/completions", {"messages": USER, "tools": TOOLS + TOOLS[:1]}, "tools", "more than once"),
+    ("chat/completions", {"messages": USER, "tool_choice": "required", "tools": TOOLS[:1] + [{"type": "function",
+     "function": {"name": "f", "parameters": {"type": "objectx"}}}]}, "tools",
+     "tools[1].function.parameters: not a valid JSON schema"),
+    ("chat/completions", {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}},
+                          "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                              "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]},
+     "tools", "tools[0].function.parameters: the JSON schema keyword 'uniqueItems'"),
     ("completions", {"prompt": "a", "structured_outputs": {"json": DEEP_SCHEMA}}, "structured_outputs", "levels deep"),
     ("chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}}}},

@@ -29,6 +29,7 @@ from baryon.server.errors import bad_request
 from baryon.server.protocol import ChatCompletionRequest
 from baryon.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
 from baryon.server.tool_parsers.base import decode_json
+from baryon.structured_output.grammar import check_spec
 
 # The arguments of a function that declares no parameters: any object.
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -66,6 +67,7 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if choice is None or choice == "auto":
         return ToolPlan(tools, "auto", parser=parser)
     if choice == "required":
+        _check_parameters(request, schemas)
         call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                            "required": ["name", "parameters"]} for name, schema in schemas.items()]}
         array = {"type": "array", "items": call, "minItems": 1}
@@ -76,8 +78,22 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if name not in schemas:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
                           f"({', '.join(map(repr, schemas))})", param="tool_choice")
+    _check_parameters(request, {name: schemas[name]})
     return ToolPlan(tools, "named", function=name,
                     structure=StructuredOutputsParams(json=schemas[name], disable_any_whitespace=True))
+
+
+def _check_parameters(request: ChatCompletionRequest, schemas: dict[str, Any]) -> None:
+    """400, naming the tool, for a parameters schema (of the functions a required / named choice
+    constrains the reply to) that the structured-output backend would not follow."""
+    for i, tool in enumerate(request.tools):
+        if tool.function.name not in schemas:
+            continue
+        try:
+            check_spec(StructuredOutputsParams(json=schemas[tool.function.name], disable_any_whitespace=True))
+        except ValueError as e:  # "structured_outputs.json: <the problem>"
+            problem = str(e).split(": ", 1)[-1]
+            raise bad_request(f"tools[{i}].function.parameters: {problem}", param="tools") from None
 
 
 def constrained_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
