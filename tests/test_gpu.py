@@ -253,6 +253,30 @@ def test_quantized_greedy_tokens_follow_bf16(tmp_path, seed, arch, variant, over
         assert result.confident_matched / result.confident_total >= confident, f"{variant}: {result}"
 
 
+STORY_PROMPTS = ["Once upon a time, there was a little girl named Lily.", "Tom and his dog went to the park to play.",
+                 "The sun was shining and the birds were singing.", "One day, a big bear came to the forest."]
+
+
+@pytest.mark.parametrize("variant, overall, confident", [
+    ({"quantization": "fp8"}, 0.95, 0.99), ({"quantization": "w8a8"}, 0.95, 0.99), ({"kv_cache_dtype": "fp8"}, 0.9, 0.98)])
+def test_quantized_greedy_tokens_follow_bf16_on_a_trained_model(stories_path, variant, overall, confident):
+    """Issue 11's bar on a real checkpoint: stories260K (trained; the one small enough to reach
+    the GPU host) quantized at load, on the GPU kernels, against its bf16 run: >= 95% of 4 x 64
+    greedy positions agree for online FP8 (teacher forcing, tests/agreement.py). The same
+    comparison on the CPU path (2026-11-27): fp8 250/256, w8a8 255/256, fp8 KV 245/256; every
+    position where bf16 led by more than 0.5 nats agreed for fp8 and w8a8 (196/198 for the FP8 KV)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stories_path)
+    engine = dict(device="cuda", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_gib=0.25)
+    reference = bf16_reference(str(stories_path), [tokenizer(p)["input_ids"] for p in STORY_PROMPTS], engine)
+    result = greedy_agreement(str(stories_path), reference, engine, variant)
+    print(f"stories260K {variant}: {result}")
+    assert result.total == 4 * 64
+    assert result.matched / result.total >= overall, f"{variant}: {result}"
+    assert result.confident_matched / result.confident_total >= confident, f"{variant}: {result}"
+
+
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 # The two-GPU engines capture decode graphs of 1-8 sequences (1-32 tokens with drafts) and piecewise
 # graphs up to 512 tokens, enough for these tests' batches: with the defaults (up to 256 sequences,
