@@ -279,9 +279,6 @@ DEEP_SCHEMA = _nested_arrays(900)  # xgrammar would take minutes on it
      "exactly one"),
     ("completions", {"prompt": "a", "structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs",
      "matches no text"),
-    ("chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "string", "pattern": "^[a-z ]{1,400}$"}}}}, "response_format",
-     "cannot compile"),
     ("chat/completions", {"messages": USER, "response_format": {"type": "json_object"},
                           "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
     ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {

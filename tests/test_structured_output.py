@@ -132,9 +132,6 @@ def test_constrained_requests_with_ngram_speculation(random_stories, seed):
     ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar: not a valid EBNF grammar"),
     ({"regex": r"[^\s\S]"}, "structured_outputs.regex: the regular expression matches no text"),
     ({"grammar": r"root ::= [^\x00-\U0010FFFF]"}, "structured_outputs.grammar: the EBNF grammar matches no text"),
-    # xgrammar 0.2.8 parses this schema but cannot compile it (a pattern's {1,400} repeat)
-    ({"json": {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z ]{1,400}$"}}}},
-     "structured_outputs.json: the structured-output backend (xgrammar) cannot compile this JSON schema"),
 ])
 def test_invalid_specs_are_refused_by_name(llm, fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -166,6 +163,11 @@ def test_compilation_is_shared_by_equal_specs(random_stories):
         other = compiler.submit(StructuredOutputsParams(regex="[ab]+c"))
         assert first is again and other is not first
         assert first.result(timeout=60) is again.result() and other.result(timeout=60) is not first.result()
+        # What is kept is this engine's bounded table: xgrammar's own cache (unbounded by
+        # default, every distinct spec for good) holds nothing after distinct specs compiled.
+        for i in range(4):
+            compiler.submit(StructuredOutputsParams(json={"type": "object", "required": [f"k{i}"]})).result(timeout=60)
+        assert compiler._xgrammar_compiler().get_cache_size_bytes() == 0
     finally:
         compiler.shutdown()
 
@@ -207,13 +209,52 @@ def test_chat_renders_tools_and_template_kwargs(llm):
     assert "[get_weather] hi FLAG" in decode(more.prompt_token_ids)
 
 
+def test_a_spec_that_does_not_compile_is_refused_by_name(monkeypatch):
+    """A spec that parses but that xgrammar fails to compile (its errors may carry no message past
+    their log prefix) is the request's error, naming the field, not an exception from inside."""
+    from baryon.structured_output import grammar
+
+    class Failing:
+        def compile_regex(self, regex):
+            raise RuntimeError("[10:29:39] /project/cpp/grammar_functor.cc:3567: Check failed: (x) is false: ")
+
+    monkeypatch.setattr(grammar, "_byte_compiler", lambda: Failing())
+    with pytest.raises(ValueError, match=re.escape("structured_outputs.regex: the structured-output backend "
+                                                   "(xgrammar) cannot compile this regular expression: an "
+                                                   "internal check failed")):
+        grammar.check_spec(StructuredOutputsParams(regex="[xy]{2}z"))
+
+
+def test_a_long_pattern_repeat_compiles(llm, seed):
+    """A string pattern with a {1,400} repeat: xgrammar 0.2.8 failed to compile it with its own
+    cache of compiled grammars on (a check inside the cache's path), which the engine keeps off."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z ]{1,400}$"}},
+              "required": ["s"], "additionalProperties": False}
+    out = llm.generate("Once", SamplingParams(temperature=0.8, seed=seed, max_tokens=60, structured_outputs=
+                                              StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason in ("stop", "length") and out.token_ids
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), schema)
+    else:  # cut by max_tokens inside the string: what there is follows the pattern
+        assert re.fullmatch(r'\{"s": ?"[a-z ]*', out.text), out.text
+
+
 def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm, monkeypatch):
-    """xgrammar 0.2.8 parses this schema but cannot compile it (a pattern's {1,400} repeat). The
-    frontend's check refuses it (above); past the check (here skipped), the engine's compilation
-    fails: the request ends with finish_reason "abort" (logged), its neighbour is served."""
-    monkeypatch.setattr("baryon.engine.llm_engine.check_spec", lambda spec: None)
-    broken = StructuredOutputsParams(json={"type": "object", "properties": {"s": {"type": "string",
-                                                                                 "pattern": "^[a-z ]{1,400}$"}}})
+    """A compilation that fails in the engine (past the frontend's check, which compiles over a
+    byte vocabulary: here the engine's compilation is made to fail) ends only its request, with
+    finish_reason "abort" (logged); its neighbour is served."""
+    from baryon.structured_output import compiler
+
+    real_compile = compiler.compile_spec
+
+    def compile_spec(xgrammar_compiler, spec):
+        if spec.regex == "[ab]{2}broken":
+            raise RuntimeError("made to fail")
+        return real_compile(xgrammar_compiler, spec)
+
+    monkeypatch.setattr(compiler, "compile_spec", compile_spec)
+    broken = StructuredOutputsParams(regex="[ab]{2}broken")
     outs = llm.generate(["Once", "Lily"], [SamplingParams(max_tokens=8, structured_outputs=broken),
                                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)],
                         use_tqdm=False)

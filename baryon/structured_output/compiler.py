@@ -26,6 +26,9 @@ CONCURRENT_COMPILATIONS = 2
 # 151,936-token vocabulary on the 16-core H100 host: 104 ms on 2 threads, 55 on 4, 30.5 on 8)
 COMPILER_THREADS = max(2, min(8, len(os.sched_getaffinity(0)) // 2))
 MAX_CACHED_SPECS = 512  # finished compilations kept (least recently used dropped first)
+# xgrammar's own cache of compiled grammars stays off: unbounded by default, it kept every distinct
+# spec a server ever saw (~45-60 KB each for small schemas over 32k-152k-token vocabularies on the
+# VM, 2026-11-27); MAX_CACHED_SPECS above bounds what this engine keeps.
 
 
 class GrammarCompiler:
@@ -62,7 +65,7 @@ class GrammarCompiler:
 
                 tokenizer = load_tokenizer(self._tokenizer_path, self._trust_remote_code)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILER_THREADS)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILER_THREADS, cache_enabled=False)
             return self._compiler
 
     def shutdown(self) -> None:

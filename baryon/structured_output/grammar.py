@@ -174,7 +174,7 @@ def _byte_compiler() -> xgrammar.GrammarCompiler:
     vocab = [bytes([b]) for b in range(256)] + [b"</s>"]
     info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=_BYTE_VOCAB_SIZE,
                              stop_token_ids=[_BYTE_VOCAB_SIZE - 1])
-    return xgr.GrammarCompiler(info, max_threads=1)
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)  # verdicts are kept by _spec_problem
 
 
 def compile_spec(compiler: xgrammar.GrammarCompiler, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
