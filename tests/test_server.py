@@ -395,6 +395,16 @@ def test_models_health_version_tokenize_detokenize(server, client, llm):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.head(f"{server.url}/health").status_code == 200  # load balancers probe with HEAD
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for route in ("/version", "/metrics", "/v1/models"):  # every GET route answers HEAD, without a body
+        head = httpx.head(f"{server.url}{route}", headers=auth)
+        assert head.status_code == 200 and head.content == b"", (route, head.status_code)
+    # a route's other methods: 405 naming what is allowed, in the message and the Allow header
+    wrong = httpx.post(f"{server.url}/v1/models", headers=auth, json={})
+    error = assert_error_shape(wrong, 405)
+    assert set(wrong.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+    assert "POST" in error["message"] and "GET" in error["message"], error
+    assert httpx.get(f"{server.url}/v1/completions", headers=auth).headers.get("allow") == "POST"
     assert httpx.get(f"{server.url}/version").json() == {"version": "0.1.0"}
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Once upon a time"}).json()
     assert tokens["tokens"] == llm.get_tokenizer().encode("Once upon a time")

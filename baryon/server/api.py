@@ -51,15 +51,15 @@ def build_app(ctx: ServerContext, api_key: str | None) -> FastAPI:
         ctx.check_alive()
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> Response:
         return json_response({"version": baryon.__version__})
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"], summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> Response:
         cards = [{"id": name, "object": "model", "created": created, "owned_by": "baryon",
                   "root": ctx.config.model.model, "max_model_len": ctx.config.model.max_model_len,

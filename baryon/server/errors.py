@@ -40,8 +40,9 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def validation_error_response(error: RequestValidationError, content_type: str | None) -> JSONResponse:
@@ -106,11 +107,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         if error.status_code == 404:
             message = f"no route {request.url.path}"
-        elif error.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+        elif error.status_code == 405:  # Starlette's error carries the route's methods as Allow
+            allowed = (error.headers or {}).get("Allow")
+            message = f"method {request.method} is not allowed on {request.url.path}" + \
+                (f" (allowed: {allowed})" if allowed else "")
         else:
             message = str(error.detail) or HTTPStatus(error.status_code).phrase
-        return error_response(error.status_code, message)
+        return error_response(error.status_code, message, headers=error.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:
