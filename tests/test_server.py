@@ -9,6 +9,7 @@ test_server_lifecycle.py.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import random
@@ -540,6 +541,14 @@ def assert_error_shape(response: httpx.Response, status: int, param: str | None 
                          ids=[f"{i}-{r[0]}-{r[3]}" for i, r in enumerate(BAD_REQUESTS)])
 def test_bad_request_gets_an_openai_error(server, route, body, status, param):
     assert_error_shape(post(server, route, body), status, param)
+
+
+def test_a_body_that_is_not_utf8_json_is_named(server):
+    for body, headers in [(b'{"prompt": "caf\xe9"}', {}),
+                          (gzip.compress(json.dumps(OK).encode()), {"Content-Encoding": "gzip"})]:
+        error = assert_error_shape(post(server, "/v1/completions", body, headers), 400)
+        assert "not UTF-8" in error["message"] and error["code"] == "invalid_body", error
+        assert ("'gzip' is not supported" in error["message"]) == bool(headers), error
 
 
 def test_unsupported_field_is_named_in_the_message(server):

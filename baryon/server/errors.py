@@ -111,8 +111,15 @@ def install_error_handlers(app: FastAPI) -> None:
             allowed = (error.headers or {}).get("Allow")
             message = f"method {request.method} is not allowed on {request.url.path}" + \
                 (f" (allowed: {allowed})" if allowed else "")
+        elif isinstance(error.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            encoding = request.headers.get("content-encoding")
+            message = (f"the request body is not UTF-8 text ({error.__cause__}); send the JSON body as UTF-8"
+                       + (f", uncompressed (Content-Encoding {encoding!r} is not supported)" if encoding else ""))
+            return error_response(400, message, code="invalid_body")
         else:
             message = str(error.detail) or HTTPStatus(error.status_code).phrase
+            if error.__cause__ is not None:
+                message += f" ({type(error.__cause__).__name__}: {error.__cause__})"
         return error_response(error.status_code, message, headers=error.headers)
 
     @app.exception_handler(Exception)
