@@ -159,7 +159,7 @@ class SamplingParams:
             raise bad("repetition_penalty", f"it must be a number > 0 (1 means no penalty) that float32 holds: "
                                             f"between {FLOAT32_TINY:.4g} and {FLOAT32_MAX:.4g}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "it must be an integer >= 1, or None for 'until the context is full'")
+            raise bad("max_tokens", "it must be an integer >= 1, or unset (None offline: until the context is full)")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "it must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
