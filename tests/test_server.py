@@ -551,6 +551,21 @@ def test_a_body_that_is_not_utf8_json_is_named(server):
         assert ("'gzip' is not supported" in error["message"]) == bool(headers), error
 
 
+def test_deeply_nested_values_are_named(server):
+    """A body nested past what Python's JSON parser takes, and chat_template_kwargs nested past what
+    Jinja renders: 400s that say so (not a template error naming the messages)."""
+    deep = '{"a": ' * 5000 + '"x"' + "}" * 5000
+    body = ('{"model": "%s", "prompt": "hi", "max_tokens": 2, "stop": %s}' % (MODEL, deep)).encode()
+    error = assert_error_shape(post(server, "/v1/completions", body), 400)
+    assert "nests JSON values too deeply" in error["message"], error
+    kwargs: object = "x"
+    for _ in range(900):
+        kwargs = [kwargs]
+    error = assert_error_shape(post(server, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"k": kwargs}}),
+                               400, "chat_template_kwargs")
+    assert "levels deep" in error["message"], error
+
+
 def test_unsupported_field_is_named_in_the_message(server):
     error = assert_error_shape(post(server, "/v1/completions", {**OK, "suffix": "x"}), 400, "suffix")
     assert "suffix" in error["message"] and error["code"] == "unsupported_parameter"

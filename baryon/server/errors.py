@@ -116,6 +116,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = (f"the request body is not UTF-8 text ({error.__cause__}); send the JSON body as UTF-8"
                        + (f", uncompressed (Content-Encoding {encoding!r} is not supported)" if encoding else ""))
             return error_response(400, message, code="invalid_body")
+        elif isinstance(error.__cause__, RecursionError):
+            return error_response(400, "the request body nests JSON values too deeply to parse", code="invalid_body")
         else:
             message = str(error.detail) or HTTPStatus(error.status_code).phrase
             if error.__cause__ is not None:

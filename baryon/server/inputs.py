@@ -27,6 +27,23 @@ _APPLY_CHAT_TEMPLATE_ARGUMENTS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+# chat_template_kwargs nested deeper than this are refused: Jinja walks nested values recursively,
+# and ~900 levels exhaust Python's stack (a template variable has no use for such depth).
+MAX_TEMPLATE_KWARGS_DEPTH = 64
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deep dicts and lists nest in a parsed JSON value (a scalar: 0)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template: a file holding a Jinja template, or the template itself."""
     if value is None:
@@ -46,20 +63,21 @@ def check_unicode(value: Any, path: str = "") -> None:
     """A 400 naming the first string in a request (a parsed JSON value) that is not valid Unicode:
     JSON may escape one half of a UTF-16 surrogate pair ("\\ud800"), which no tokenizer or UTF-8
     encoder takes."""
-    if isinstance(value, str):
-        if (at := unpaired_surrogate(value)) is not None:
-            raise bad_request(f"{path or 'the request'}: the text holds an unpaired UTF-16 surrogate "
-                              f"(U+{ord(value[at]):04X}) at character {at}; send valid Unicode", param=path or None,
-                              code="invalid_unicode")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, path)
-            check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        if value and isinstance(value[0], int):  # token ids
-            return
-        for i, item in enumerate(value):
-            check_unicode(item, f"{path}[{i}]")
+    pending = [(value, path)]  # a walk without recursion: a request may nest ~1,000 levels deep
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str):
+            if (at := unpaired_surrogate(value)) is not None:
+                raise bad_request(f"{path or 'the request'}: the text holds an unpaired UTF-16 surrogate "
+                                  f"(U+{ord(value[at]):04X}) at character {at}; send valid Unicode",
+                                  param=path or None, code="invalid_unicode")
+        elif isinstance(value, dict):
+            items = list(value.items())
+            for key, item in reversed(items):  # reversed: the first offending string is reported
+                pending.append((item, f"{path}.{key}" if path else str(key)))
+                pending.append((key, path))
+        elif isinstance(value, list) and not (value and isinstance(value[0], int)):  # not token ids
+            pending.extend((item, f"{path}[{i}]") for i, item in reversed(list(enumerate(value))))
 
 
 class InputProcessor:
@@ -124,6 +142,10 @@ class InputProcessor:
             raise bad_request(f"chat_template_kwargs may not set {clash}: they are arguments of the tokenizer's "
                               f"apply_chat_template, which the server sets; chat_template_kwargs are the "
                               f"template's own variables (e.g. enable_thinking)", param="chat_template_kwargs")
+        if _nesting_depth(template_kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
+            raise bad_request(f"chat_template_kwargs nests values more than {MAX_TEMPLATE_KWARGS_DEPTH} levels deep "
+                              f"(Jinja renders nested values recursively); at most {MAX_TEMPLATE_KWARGS_DEPTH} are "
+                              f"accepted", param="chat_template_kwargs")
         try:
             ids = tokenizer.apply_chat_template([_template_message(m) for m in messages], chat_template=template,
                                                 tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
