@@ -185,13 +185,18 @@ def test_constrained_calls_stream_as_they_are_written(seed):
     assert [(c.name, c.arguments) for c in constrained_calls(named, cut)] == [("get_weather", cut)]
 
     required = plan_tools(ChatCompletionRequest(messages=USER, tools=TOOLS, tool_choice="required"), "hermes")
-    values = [{"name": "get_time", "parameters": {"zone": "".join(rng.choices("ABCDEFGHIJ", k=3))}}
-              for _ in range(rng.randint(2, 4))]
-    text = json.dumps(values, separators=(",", ":"))
+    # parameters whose strings hold JSON's own brackets, quotes and escapes, and nested values
+    tricky = ['{"a": [1, 2]}', 'x}]', '\\"]', "é ü 日本", "\n\t", "[[{", ""]
+    values = [{"name": rng.choice(["get_time", "get_weather"]), "parameters": {
+        "zone": "".join(rng.choices("ABCDEFGHIJ", k=3)), "note": rng.choice(tricky),
+        "nested": {"list": [rng.choice(tricky), {"k": rng.randint(-9, 9)}], "flag": rng.random() < 0.5}}}
+        for _ in range(rng.randint(2, 4))]
+    ascii_only = rng.random() < 0.5
+    text = json.dumps(values, separators=(",", ":"), ensure_ascii=ascii_only)
     steps, ends = _streamed(required, text, rng)
     closes, position = [], 1
     for value in values:  # where each call's object ends in the text
-        position += len(json.dumps(value, separators=(",", ":")))
+        position += len(json.dumps(value, separators=(",", ":"), ensure_ascii=ascii_only))
         closes.append(position)
         position += 1
     sent_at = {entry["index"]: end for entries, end in zip(steps, ends) for entry in entries}
