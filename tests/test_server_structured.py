@@ -130,6 +130,7 @@ def test_required_calls_are_an_array_of_the_tools_calls():
     with pytest.raises(jsonschema.ValidationError):  # a call's parameters follow its own function's schema
         jsonschema.validate([{"name": "get_time", "parameters": {"city": "Oslo", "days": 2}}], schema)
     calls = constrained_calls(plan, text)
+    assert [c.arguments for c in calls] == ['{"zone": "UTC"}', '{"city": "Oslo", "days": 2}']  # as written
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 2})]
     assert len({c.id for c in calls}) == 2
@@ -208,6 +209,23 @@ def test_constrained_calls_stream_as_they_are_written(seed):
         [(c["name"], c["arguments"]) for _, c in sorted(calls.items())]
 
 
+# A parameters schema with $defs and references, as pydantic writes them (one into $defs, one to
+# another property): the required array must keep them resolvable from its own root.
+PLACE = {"type": "object", "properties": {"home": {"$ref": "#/$defs/City"}, "away": {"$ref": "#/properties/home"}},
+         "required": ["home", "away"], "additionalProperties": False,
+         "$defs": {"City": {"enum": ["Paris", "Oslo", "Lima"]}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "trip"}}])
+def test_tool_parameters_with_defs_and_references(client, seed, tool_choice):
+    tools = TOOLS + [{"type": "function", "function": {"name": "trip", "parameters": PLACE}}]
+    reply = client.chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice=tool_choice,
+                                           temperature=0.8, seed=seed, max_tokens=120, parallel_tool_calls=False)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls", reply
+    jsonschema.validate(json.loads(call.function.arguments), {**SCHEMAS, "trip": PLACE}[call.function.name])
+
+
 def test_named_tool_choice(client, seed):
     kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=80,
                   tool_choice={"type": "function", "function": {"name": "get_time"}})
@@ -215,12 +233,13 @@ def test_named_tool_choice(client, seed):
     (call,) = reply.choices[0].message.tool_calls
     assert call.function.name == "get_time" and reply.choices[0].finish_reason == "tool_calls"
     _check_calls([call])
-    # Streamed (the same seed, the same reply): the call opens at once, its arguments follow in pieces.
+    # Streamed (the same seed, the same reply): the call opens with its first text, its arguments
+    # follow in the chunks that bring more (how many tokens a chunk holds is the server's timing;
+    # the piecewise sending itself: test_constrained_calls_stream_as_they_are_written).
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     entries = [entry for chunk in chunks for entry in chunk.choices[0].delta.tool_calls or []]
     assert entries[0].id and entries[0].function.name == "get_time"
-    assert all(entry.index == 0 and entry.id is None for entry in entries[1:])
-    assert len(entries) > 1, "the arguments came whole, not as they were written"
+    assert all(entry.index == 0 and entry.id is None and entry.function.arguments for entry in entries[1:])
     assert "".join(entry.function.arguments for entry in entries) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     for chunk in chunks[1:-1]:  # after the role's chunk, none is empty
@@ -315,6 +334,10 @@ DEEP_SCHEMA = _nested_arrays(900)  # xgrammar would take minutes on it
     ("completions", {"prompt": "a", "structured_outputs": {"json": {"type": "array", "contains": {"const": 7}}}},
      "structured_outputs", "'contains'"),
     ("completions", {"prompt": "a", "structured_outputs": {"json": {"not": {}}}}, "structured_outputs", "'not'"),
+    ("completions", {"prompt": "a", "structured_outputs": {"json": {"anyOf": []}}}, "structured_outputs",
+     "matches no value"),
+    ("chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": DEEP_SCHEMA}}}}]}, "tools", "levels deep"),
     ("completions", {"prompt": "a", "structured_outputs": {"choice": [f"c{i}" for i in range(1025)]}},
      "structured_outputs", "at most 1024"),
 ])

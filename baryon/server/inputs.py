@@ -27,9 +27,13 @@ _APPLY_CHAT_TEMPLATE_ARGUMENTS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-# chat_template_kwargs nested deeper than this are refused: Jinja walks nested values recursively,
-# and ~900 levels exhaust Python's stack (a template variable has no use for such depth).
+# chat_template_kwargs nested deeper than this are refused: the template walks nested values
+# recursively, and ~600-900 levels exhaust Python's stack (a template variable has no use for such
+# depth).
 MAX_TEMPLATE_KWARGS_DEPTH = 64
+# tools: their parameters schemas, two JSON levels a subschema level, at most 64 of those where
+# they constrain a reply (structured_output.grammar.MAX_SCHEMA_DEPTH), and the tool's own wrapping.
+MAX_TOOLS_DEPTH = 160
 
 
 def _nesting_depth(value: Any) -> int:
@@ -142,10 +146,11 @@ class InputProcessor:
             raise bad_request(f"chat_template_kwargs may not set {clash}: they are arguments of the tokenizer's "
                               f"apply_chat_template, which the server sets; chat_template_kwargs are the "
                               f"template's own variables (e.g. enable_thinking)", param="chat_template_kwargs")
-        if _nesting_depth(template_kwargs) > MAX_TEMPLATE_KWARGS_DEPTH:
-            raise bad_request(f"chat_template_kwargs nests values more than {MAX_TEMPLATE_KWARGS_DEPTH} levels deep "
-                              f"(Jinja renders nested values recursively); at most {MAX_TEMPLATE_KWARGS_DEPTH} are "
-                              f"accepted", param="chat_template_kwargs")
+        for value, name, limit in ((template_kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_DEPTH),
+                                   (tools, "tools", MAX_TOOLS_DEPTH)):
+            if _nesting_depth(value) > limit:
+                raise bad_request(f"{name} nests values more than {limit} levels deep (the chat template renders "
+                                  f"them recursively); at most {limit} are accepted", param=name)
         try:
             ids = tokenizer.apply_chat_template([_template_message(m) for m in messages], chat_template=template,
                                                 tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,

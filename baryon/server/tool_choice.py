@@ -9,8 +9,12 @@ tool calls.
   parameters to its function's schema.
 - a named function: the reply is constrained to that function's arguments object.
 
-Constrained replies are compact JSON (no free whitespace: a call needs none, and small models
-otherwise spend their tokens on it), read as JSON whatever the model's own tool-call format.
+Constrained replies are JSON without free whitespace (xgrammar's separators `, ` and `: ` only:
+a call needs no more, and small models otherwise spend their tokens on it), read as JSON whatever
+the model's own tool-call format; a call's arguments are its parameters as the reply wrote them.
+Under `required` each function's parameters schema sits in the array schema's `$defs`, its local
+`$ref`s rebased there (xgrammar resolves references from the root), so schemas with `$defs` (as
+pydantic writes them) are followed as they are under a named choice.
 Streamed as OpenAI streams calls: a named function's call opens with the reply's first text (its
 id and name) and its arguments follow as they are written; each call of a `required` array goes
 out whole once its object closes. A reply cut short (max_tokens) keeps what was sent: the named
@@ -19,7 +23,7 @@ call's arguments as written so far, the array's closed calls.
 
 from __future__ import annotations
 
-import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -67,33 +71,50 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if choice is None or choice == "auto":
         return ToolPlan(tools, "auto", parser=parser)
     if choice == "required":
-        _check_parameters(request, schemas)
-        call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                           "required": ["name", "parameters"]} for name, schema in schemas.items()]}
-        array = {"type": "array", "items": call, "minItems": 1}
-        if request.parallel_tool_calls is False:
-            array["maxItems"] = 1
+        for i, (name, schema) in enumerate(schemas.items()):  # each alone first: an error names its tool
+            _check_parameters(i, _calls_schema({name: schema}))
+        array = _calls_schema(schemas, max_items=1 if request.parallel_tool_calls is False else None)
         return ToolPlan(tools, "required", structure=StructuredOutputsParams(json=array, disable_any_whitespace=True))
     name = choice.function.name
     if name not in schemas:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
                           f"({', '.join(map(repr, schemas))})", param="tool_choice")
-    _check_parameters(request, {name: schemas[name]})
+    _check_parameters(list(schemas).index(name), schemas[name])
     return ToolPlan(tools, "named", function=name,
                     structure=StructuredOutputsParams(json=schemas[name], disable_any_whitespace=True))
 
 
-def _check_parameters(request: ChatCompletionRequest, schemas: dict[str, Any]) -> None:
-    """400, naming the tool, for a parameters schema (of the functions a required / named choice
-    constrains the reply to) that the structured-output backend would not follow."""
-    for i, tool in enumerate(request.tools):
-        if tool.function.name not in schemas:
-            continue
-        try:
-            check_spec(StructuredOutputsParams(json=schemas[tool.function.name], disable_any_whitespace=True))
-        except ValueError as e:  # "structured_outputs.json: <the problem>"
-            problem = str(e).split(": ", 1)[-1]
-            raise bad_request(f"tools[{i}].function.parameters: {problem}", param="tools") from None
+def _calls_schema(schemas: dict[str, Any], max_items: int | None = None) -> dict:
+    """The JSON array of calls `required` constrains a reply to: each element one function's name
+    and its parameters, whose schema is the root's `$defs/tool_i` (its own `#...` references
+    rebased there)."""
+    defs = {f"tool_{i}": _rebased(schema, f"#/$defs/tool_{i}") for i, schema in enumerate(schemas.values())}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+              "required": ["name", "parameters"]} for i, name in enumerate(schemas)]
+    array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "$defs": defs}
+    if max_items is not None:
+        array["maxItems"] = max_items
+    return array
+
+
+def _rebased(value: Any, base: str) -> Any:
+    """A schema with every local reference ("#", "#/...") made relative to `base` instead of its root."""
+    if isinstance(value, dict):
+        return {key: base + item[1:] if key == "$ref" and isinstance(item, str) and item.startswith("#")
+                else _rebased(item, base) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rebased(item, base) for item in value]
+    return value
+
+
+def _check_parameters(index: int, schema: Any) -> None:
+    """400 naming tools[index] when its parameters schema (as the constraint holds it) is one the
+    structured-output backend would not follow."""
+    try:
+        check_spec(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    except ValueError as e:  # "structured_outputs.json: <the problem>"
+        problem = str(e).split(": ", 1)[-1]
+        raise bad_request(f"tools[{index}].function.parameters: {problem}", param="tools") from None
 
 
 def constrained_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
@@ -141,12 +162,25 @@ class ConstrainedCallStream:
             decoded = decode_json(text, position) if text[position:position + 1] == "{" else None
             if decoded is None:  # the next call is not closed yet (or the array is)
                 break
-            value, position = decoded
-            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            value, end = decoded
+            arguments = _parameters_text(text, position, end)
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str) or arguments is None:
                 break  # not a call (the grammar allows none; nothing is guessed)
-            call = ToolCall(value["name"], json.dumps(value.get("parameters", {}), ensure_ascii=False))
+            call = ToolCall(value["name"], arguments)
             entries.append({"index": len(self.calls), "id": call.id, "type": "function",
                             "function": {"name": call.name, "arguments": call.arguments}})
             self.calls.append(call)
+            position = end
         self._position = position
         return entries
+
+
+_PARAMETERS_KEY = re.compile(r'"parameters"\s*:\s*')
+
+
+def _parameters_text(text: str, start: int, end: int) -> str | None:
+    """The value of the "parameters" key of the call object text[start:end], as written (a key
+    cannot occur inside a string value: its quotes there are escaped)."""
+    key = _PARAMETERS_KEY.search(text, start, end)
+    decoded = decode_json(text, key.end()) if key is not None else None
+    return None if decoded is None else text[key.end():decoded[1]]

@@ -77,6 +77,9 @@ def check_schema_support(schema: str) -> None:
             if keyword in node and (node[keyword] not in (False, None) or keyword == "not"):
                 raise ValueError(f"the JSON schema keyword {keyword!r} ({meaning}, at {where}) is not supported: "
                                  f"the structured-output backend (xgrammar) cannot enforce it; remove it")
+        for union in ("anyOf", "oneOf"):  # xgrammar compiles an empty one to an empty output
+            if node.get(union) == []:
+                raise ValueError(f"'{union}' with no schema (at {where}) matches no value; give at least one")
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:  # xgrammar then allows only null
             raise ValueError(f"'allOf' with more than one schema (at {where}) is not supported by the "
                              f"structured-output backend (xgrammar); merge them into one schema")
