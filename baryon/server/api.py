@@ -38,10 +38,28 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class ContentEncodingMiddleware:
+    """400 for a request body sent compressed (any Content-Encoding but identity): the server reads
+    bodies as they come, so a compressed one would otherwise fail as text that is not JSON."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            encoding = dict(scope["headers"]).get(b"content-encoding", b"").decode("latin-1").strip()
+            if encoding and encoding.lower() != "identity":
+                await error_response(400, f"Content-Encoding {encoding!r} is not supported: send the request body "
+                                          f"uncompressed", code="invalid_body")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(ctx: ServerContext, api_key: str | None) -> FastAPI:
     app = FastAPI(title="baryon", version=baryon.__version__,
                   description="OpenAI-compatible API of the baryon inference engine")
     install_error_handlers(app)
+    app.add_middleware(ContentEncodingMiddleware)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     created = int(time.time())

@@ -112,10 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}" + \
                 (f" (allowed: {allowed})" if allowed else "")
         elif isinstance(error.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
-            encoding = request.headers.get("content-encoding")
-            message = (f"the request body is not UTF-8 text ({error.__cause__}); send the JSON body as UTF-8"
-                       + (f", uncompressed (Content-Encoding {encoding!r} is not supported)" if encoding else ""))
-            return error_response(400, message, code="invalid_body")
+            return error_response(400, f"the request body is not UTF-8 text ({error.__cause__}); send the JSON "
+                                       f"body as UTF-8", code="invalid_body")
         elif isinstance(error.__cause__, RecursionError):
             return error_response(400, "the request body nests JSON values too deeply to parse", code="invalid_body")
         else:
