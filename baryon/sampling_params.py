@@ -110,11 +110,19 @@ class SamplingParams:
             self.stop_strings = [self.stop]
         elif self.stop is None:
             self.stop_strings = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop_strings = list(self.stop)
+        else:
+            raise self._invalid("stop", "it must be a non-empty string or a list of non-empty strings")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        elif not isinstance(self.stop_token_ids, (list, tuple)):
+            raise self._invalid("stop_token_ids", "it must be a list of non-negative integer token ids")
         if isinstance(self.structured_outputs, dict):
+            known = [f.name for f in dataclasses.fields(StructuredOutputsParams)]
+            unknown = sorted(set(self.structured_outputs) - set(known))
+            if unknown:
+                raise self._invalid("structured_outputs", f"unknown field(s) {unknown}; its fields are {known}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
         if self.top_k == -1:
@@ -128,9 +136,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def _invalid(self, name: str, accepted: str) -> ValueError:
+        return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {accepted}.")
+
     def _validate(self) -> None:
-        def bad(name: str, accepted: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {accepted}.")
+        bad = self._invalid
 
         def is_int(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)

@@ -156,6 +156,21 @@ def test_prompt_ending_inside_a_character(tokenizer_pair):
     assert text == "örld ok"
 
 
+@pytest.mark.parametrize("tail", [["<0xC5>", "<0xC6>", "<0xC7>", "<0xC8>", "<0xC9>", "<0xCA>"], ["<0xE9>"],
+                                  ["<0xE6>", "<0x97>"], ["<0x97>", "<0xE9>"]])
+def test_prompt_ending_in_bytes_no_character_completes(tokenizer_pair, tail):
+    """A prompt (token ids) ending in byte tokens the output does not complete into a character:
+    lone lead bytes, several of them, a character's first two of three, a stray continuation byte.
+    Those bytes are the prompt's: the output's text is its own (no prompt text, no U+FFFD)."""
+    detok_tok, tok = tokenizer_pair
+    prompt = tok.encode("Once upon") + tok.convert_tokens_to_ids(tail)
+    assert decode(tok, prompt).endswith(REPLACEMENT)
+    output = tok.encode("no more", add_special_tokens=False)
+    detok = IncrementalDetokenizer(detok_tok, prompt, skip_special_tokens=True)
+    text = "".join(detok.step(t) for t in output)
+    assert text.strip() == "no more" and "upon" not in text, text
+
+
 @pytest.mark.parametrize("prompt_text, output_text", [("a你好🙂", "你好 ok"), ("0世𝔘", "\n你好 ok")])
 def test_context_window_starting_inside_a_character(tokenizer_pair, prompt_text, output_text):
     detok_tok, tok = tokenizer_pair

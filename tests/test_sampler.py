@@ -642,7 +642,10 @@ def test_no_logprobs_when_nobody_asks(seed):
     (dict(stop=""), "stop"),
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop=["ok", "\udfff"]), "stop"),  # not Unicode: no tokenizer or UTF-8 encoder takes it
+    (dict(stop=123), "stop"),  # not a string or a list: a ValueError too, not a TypeError
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(structured_outputs={"bogus": 1}), "structured_outputs"),
     (dict(logprobs=-1), "logprobs"),
     (dict(prompt_logprobs=-3), "prompt_logprobs"),
     (dict(ignore_eos=1), "ignore_eos"),

@@ -115,3 +115,7 @@ def test_prompt_logprobs(llm):
     rest = "".join(out.prompt_logprobs[p][ids[p]].decoded_token for p in range(2, len(ids)))
     assert tokenizer.decode(ids[:2], skip_special_tokens=True) + rest == "Once upon a time"
     assert rest.startswith(" ")
+    # a one-token prompt: one entry, None (no token before the first to predict it)
+    alone = llm.generate({"prompt_token_ids": ids[:1]}, SamplingParams(max_tokens=2, prompt_logprobs=1),
+                         use_tqdm=False)[0]
+    assert alone.prompt_logprobs == [None]

@@ -21,7 +21,9 @@ _REPLACEMENT = "\ufffd"
 def split_prompt_tail(tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> tuple[list[int], list[int]]:
     """(context, pending) from the end of the prompt. `context` decodes to whole characters (it
     neither starts nor ends inside one), so it can prime the decoder; `pending` holds the last
-    prompt tokens of a character the output will complete, whose text then belongs to the output."""
+    prompt tokens of a character the output may complete, whose text then belongs to the output.
+    Bytes at the prompt's end that are not one character's beginning (several lone lead bytes,
+    say) are in neither."""
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -30,12 +32,21 @@ def split_prompt_tail(tokenizer, prompt_token_ids: list[int], skip_special_token
     while end > 0 and len(tail) - end < 4 and decode(tail[:end]).endswith(_REPLACEMENT):
         end -= 1  # a UTF-8 character spans at most 4 byte tokens
     if decode(tail[:end]).endswith(_REPLACEMENT):
-        end = len(tail)  # not a split character: invalid bytes of the prompt itself
-    context, pending = tail[:end], tail[end:]
+        # Not one split character: bytes the prompt's own text cannot decode. The context stops
+        # before them and they are no one's text (a decoder primed with them re-emits the prompt).
+        while end > 0 and decode(tail[:end]).endswith(_REPLACEMENT):
+            end -= 1
+        return _clean_start(decode, tail[:end]), []
+    return _clean_start(decode, tail[:end]), tail[end:]
+
+
+def _clean_start(decode, context: list[int]) -> list[int]:
+    """The shortest suffix of `context` of at least _MIN_CONTEXT tokens that does not start inside
+    a character (all of it when none)."""
     for start in range(max(0, len(context) - _MIN_CONTEXT), -1, -1):
         if not decode(context[start:]).startswith(_REPLACEMENT):
-            return context[start:], pending
-    return context, pending
+            return context[start:]
+    return context
 
 
 class IncrementalDetokenizer:
@@ -53,9 +64,20 @@ class IncrementalDetokenizer:
         # Every id so far (for the window method, also the stream's fallback).
         self._ids = context + pending
         self._prefix_offset, self._read_offset = 0, len(context)
+        # The prompt ends inside a character: until the output's first text, which completes it
+        # (the character is then the output's) or does not (its bytes then decode to U+FFFD,
+        # which is the prompt's and dropped).
+        self._completing = bool(pending)
 
     def step(self, token_id: int) -> str:
         """The text that token_id completes ('' while a character is still incomplete)."""
+        text = self._step(token_id)
+        if self._completing and text:
+            self._completing = False
+            text = text.lstrip(_REPLACEMENT)
+        return text
+
+    def _step(self, token_id: int) -> str:
         if self._backend is not None:
             try:
                 text = self._stream.step(self._backend, token_id) or ""

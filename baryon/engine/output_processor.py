@@ -80,6 +80,8 @@ class OutputProcessor:
             samples.append(_SampleState(i, params, detok, logprobs=[] if params.logprobs is not None else None,
                                         cumulative_logprob=0.0 if params.logprobs is not None else None))
         state = _RequestState(request_id, prompt, list(prompt_token_ids), samples)
+        if params.prompt_logprobs is not None and len(prompt_token_ids) == 1:
+            state.prompt_logprobs = [None]  # the first token has none, and no other comes from the core
         self.requests[request_id] = state
         core_ids = [sample_request_id(request_id, i, params.n) for i in range(params.n)]
         for core_id, sample in zip(core_ids, samples):
