@@ -18,6 +18,12 @@ if not torch.cuda.is_available():
 TEST_SEED = int(os.environ.get("BARYON_TEST_SEED", int.from_bytes(os.urandom(3), "little")))
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The seed again after a failed run (`-q` prints no header), so that it can be replayed."""
+    if exitstatus not in (0, 5):
+        terminalreporter.write_line(f"baryon test seed: {TEST_SEED} (replay with BARYON_TEST_SEED={TEST_SEED})")
+
+
 def pytest_report_header(config) -> str:
     return f"baryon test seed: {TEST_SEED} (replay with BARYON_TEST_SEED={TEST_SEED})"
 

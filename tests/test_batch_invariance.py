@@ -14,41 +14,43 @@ import torch
 from baryon import LLM, SamplingParams
 from baryon.engine.scheduler import Scheduler
 from baryon.kernels.attention import mla_indexer
+from baryon.kernels.moe import routing
+from baryon.layers.sampler import Sampler
 from conftest import make_checkpoint, random_prompts
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 20
-# DeepSeek-V3.2 keeps each token's `index_topk` best keys by float score. A step's matmuls round
-# differently with its number of rows (MKL takes other paths below ~12 rows on the CPU), so a score
-# moves by ~1e-6 of the largest between a batched and a lone run, and where the k-th and (k+1)-th
-# keys are that close the choice can swap and the request rightly decode differently (seen: a gap
-# of 6.6e-7). A request whose lone run met a gap under NEAR_TIE (relative; 20x that noise) is not
-# compared (~5% of them: each lone run makes ~100 choices); every other one must match to the
-# last token, and at least half of the requests are compared.
+# A step's matmuls round differently with its number of rows (MKL takes other paths below ~12 rows
+# on the CPU), so a value moves by ~1e-6 of the largest between a batched and a lone run. Where a
+# choice by float value is that close, it can swap and the request rightly decode differently:
+# DeepSeek-V3.2's indexer keeping each token's `index_topk` best keys (seen: a gap of 6.6e-7), a
+# router's top-k experts, a greedy token's argmax. A request whose lone run met a gap under
+# NEAR_TIE (relative; 20x that noise) in any of them is not compared (~5% of them); every other one
+# must match to the last token, and at least half of the requests are compared.
 NEAR_TIE = 2e-5
 
 
-class KeyChoiceGaps:
-    """The smallest relative gap between the k-th and (k+1)-th best index score over the top-k
-    choices the engine made since `reset` (DeepSeek-V3.2's indexer; inf for other models)."""
+class ChoiceGaps:
+    """The smallest relative gap between the last value kept and the first dropped over the
+    choices the engine made since `reset`: V3.2's index keys, routers' experts, greedy tokens."""
 
     def __init__(self) -> None:
         self.smallest = math.inf
-        self.choices = 0  # top-k calls that had to drop keys
+        self.key_choices = 0  # V3.2 top-k calls that had to drop keys
 
     def reset(self) -> None:
         self.smallest = math.inf
 
-    def record(self, scores: torch.Tensor, topk: int) -> None:
-        """scores [T, S] as mla_indexer.topk_indices takes them."""
-        if scores.shape[1] <= topk:
-            return
-        best = torch.topk(scores, topk + 1, dim=-1).values  # [T, topk + 1], best first
-        drops = best[:, topk] > float("-inf")  # rows with more visible keys than topk
+    def record(self, values: torch.Tensor, k: int) -> bool:
+        """values [T, N], of which each row keeps its k best: True where some row dropped one."""
+        if values.shape[-1] <= k:
+            return False
+        best = torch.topk(values.float(), k + 1, dim=-1).values  # [T, k + 1], best first
+        drops = best[:, k] > float("-inf")
         if drops.any():
-            self.choices += 1
-            gap = (best[drops, topk - 1] - best[drops, topk]) / best[drops, 0].abs().clamp_min(1e-30)
+            gap = (best[drops, k - 1] - best[drops, k]) / best[drops, 0].abs().clamp_min(1e-30)
             self.smallest = min(self.smallest, float(gap.min()))
+        return bool(drops.any())
 
     @property
     def near_tie(self) -> bool:
@@ -56,22 +58,33 @@ class KeyChoiceGaps:
 
 
 @pytest.fixture
-def key_gaps(monkeypatch) -> KeyChoiceGaps:
-    gaps = KeyChoiceGaps()
-    choose = mla_indexer.topk_indices
+def choice_gaps(monkeypatch) -> ChoiceGaps:
+    gaps = ChoiceGaps()
+    choose_keys, route, sample = mla_indexer.topk_indices, routing.route_reference, Sampler.forward
 
-    def recording(scores: torch.Tensor, topk: int) -> torch.Tensor:
-        gaps.record(scores, topk)
-        return choose(scores, topk)
+    def keys(scores: torch.Tensor, topk: int) -> torch.Tensor:
+        gaps.key_choices += gaps.record(scores, topk)
+        return choose_keys(scores, topk)
 
-    monkeypatch.setattr(mla_indexer, "topk_indices", recording)
+    def experts(logits: torch.Tensor, config: routing.RoutingConfig, correction_bias=None):
+        scores = logits.float().softmax(dim=-1) if config.scoring == "softmax" else logits.float().sigmoid()
+        gaps.record(scores if correction_bias is None else scores + correction_bias.float(), config.top_k)
+        return route(logits, config, correction_bias)
+
+    def tokens(self, logits: torch.Tensor, batch):
+        gaps.record(logits, 1)
+        return sample(self, logits, batch)
+
+    monkeypatch.setattr(mla_indexer, "topk_indices", keys)
+    monkeypatch.setattr(routing, "route_reference", experts)
+    monkeypatch.setattr(Sampler, "forward", tokens)
     return gaps
 
 
 @dataclass
 class Alone:
     tokens: list[list[int]]  # each request's greedy tokens, run by itself
-    comparable: list[bool]  # False where its lone run met a near-tie in a key choice
+    comparable: list[bool]  # False where its lone run met a near-tie in a choice
 
 
 def assert_same_as_alone(got: list[list[int]], alone: Alone) -> None:
@@ -125,18 +138,18 @@ def solo_engine(checkpoint):
 
 
 @pytest.fixture
-def alone(solo_engine, prompts, key_gaps, checkpoint):
+def alone(solo_engine, prompts, choice_gaps, checkpoint):
     """Each request run by itself, with prefix caching off so nothing is shared."""
     llm = solo_engine
     results, comparable = [], []
     for i, prompt in enumerate(prompts):
-        key_gaps.reset()
+        choice_gaps.reset()
         out = llm.generate([{"prompt_token_ids": prompt}], _params(i), use_tqdm=False)
         results.append(out[0].outputs[0].token_ids)
-        comparable.append(not key_gaps.near_tie)
+        comparable.append(not choice_gaps.near_tie)
     assert all(len(r) == MAX_TOKENS - i % 5 for i, r in enumerate(results))
     if "index_topk" in (checkpoint / "config.json").read_text():  # V3.2: tokens saw more keys than index_topk
-        assert key_gaps.choices > 0
+        assert choice_gaps.key_choices > 0
     return Alone(results, comparable)
 
 
@@ -180,22 +193,22 @@ def test_preemption_under_tiny_kv_cache(checkpoint, prompts, alone, monkeypatch)
     assert block_manager.num_free_blocks == block_manager.num_blocks
 
 
-def test_seeded_sampling_is_batch_invariant(default_engine, prompts, key_gaps):
+def test_seeded_sampling_is_batch_invariant(default_engine, prompts, choice_gaps):
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1000 + i, max_tokens=12, ignore_eos=True)
               for i in range(len(prompts))]
     batch = default_engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     compared = 0
     for i in (0, 5, 11, 14):
-        key_gaps.reset()
+        choice_gaps.reset()
         solo = default_engine.generate([{"prompt_token_ids": prompts[i]}], params[i], use_tqdm=False)
-        if key_gaps.near_tie:
+        if choice_gaps.near_tie:
             continue
         assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"
         compared += 1
     assert compared >= 2
 
 
-def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_engine, prompts, key_gaps):
+def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_engine, prompts, choice_gaps):
     """Greedy, seeded temperature, top-k and top-p requests that end at different steps: the batch's
     sampling rows are rebuilt whenever its requests change (and reused while they do not), so each
     request samples with its own parameters to its last token, as it does alone."""
@@ -209,9 +222,9 @@ def test_mixed_sampling_rows_follow_their_requests_as_the_batch_changes(default_
                                     use_tqdm=False)
     compared = 0
     for i in range(len(prompts)):
-        key_gaps.reset()
+        choice_gaps.reset()
         solo = default_engine.generate([{"prompt_token_ids": prompts[i]}], params(i), use_tqdm=False)
-        if key_gaps.near_tie:
+        if choice_gaps.near_tie:
             continue
         assert solo[0].outputs[0].token_ids == batch[i].outputs[0].token_ids, f"request {i}"
         compared += 1
