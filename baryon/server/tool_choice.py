@@ -71,9 +71,13 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if choice is None or choice == "auto":
         return ToolPlan(tools, "auto", parser=parser)
     if choice == "required":
-        for i, (name, schema) in enumerate(schemas.items()):  # each alone first: an error names its tool
-            _check_parameters(i, _calls_schema({name: schema}))
         array = _calls_schema(schemas, max_items=1 if request.parallel_tool_calls is False else None)
+        try:
+            check_spec(StructuredOutputsParams(json=array, disable_any_whitespace=True))
+        except ValueError as e:  # name the tool whose schema fails alone, else all of them
+            for i, (name, schema) in enumerate(schemas.items()):
+                _check_parameters(i, _calls_schema({name: schema}))
+            raise bad_request(f"tools: {str(e).split(': ', 1)[-1]}", param="tools") from None
         return ToolPlan(tools, "required", structure=StructuredOutputsParams(json=array, disable_any_whitespace=True))
     name = choice.function.name
     if name not in schemas:
