@@ -107,14 +107,51 @@ def test_tp2_matches_tp1(case, checkpoint, seed):
     path = checkpoint(case.split("-")[0] + ("-1kv" if overrides else ""), arch, **overrides)
     prompts = random_prompts(3, VOCAB, 3, 12, seed)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=2)
-    (ref,) = _run(path, 1, prompts, params)
-    (got,) = _run(path, 2, prompts, params, **extra)
-    for i, (a, b) in enumerate(zip(ref, got)):
+    # Greedy with nothing else asked: each rank's argmax over its vocabulary slice, exchanged.
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref, ref_plain = _run(path, 1, prompts, params, plain)
+    got, got_plain = _run(path, 2, prompts, params, plain, **extra)
+    for i, (a, b, c) in enumerate(zip(ref, got, got_plain)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt {i}: greedy tokens differ"
+        assert c.outputs[0].token_ids == a.outputs[0].token_ids, f"prompt {i}: argmax-only greedy tokens differ"
         assert len(a.outputs[0].token_ids) == 8
         la, lb = _chosen_logprobs(a.outputs[0]), _chosen_logprobs(b.outputs[0])
         assert max(abs(x - y) for x, y in zip(la, lb)) < LOGPROB_TOL, f"prompt {i}: logprobs {la} vs {lb}"
         _assert_prompt_logprobs_match(a.prompt_logprobs, b.prompt_logprobs, k=2)
+
+
+def _argmax_rank(rank: int, world: int, init_method: str, vocab: int, seed: int) -> dict:
+    """A spawned gloo rank: ParallelLMHead.argmax over this rank's slice of shared random logits
+    with many ties (values from {0, 1, 2, 3}) and the padding columns past the vocabulary holding
+    the largest value; per dtype, the ids it found."""
+    from baryon.distributed.parallel_state import destroy_distributed, init_distributed
+    from baryon.layers.embedding import ParallelLMHead
+
+    torch.set_num_threads(1)
+    init_distributed(world, rank, init_method, "gloo", expert_parallel=False, dtype=torch.float32)
+    try:
+        head = ParallelLMHead(vocab, 8)
+        full = torch.randint(0, 4, (33, vocab), generator=torch.Generator().manual_seed(seed)).float()
+        local = torch.full((33, head.rows_per_rank), 9.0)
+        local[:, : head.vocab_end - head.vocab_start] = full[:, head.vocab_start:head.vocab_end]
+        return {str(dtype): head.argmax(local.to(dtype)).numpy() for dtype in (torch.float32, torch.bfloat16)}
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("vocab", [37, 40])
+def test_vocab_parallel_argmax_matches_the_gathered_one(seed, vocab):
+    """Two ranks find the first id of each row's largest logit, as an argmax over the whole row
+    does: ties inside a rank's slice and across the ranks, and the last rank's padding ignored."""
+    results = run_in_ranks(_argmax_rank, 2, vocab, seed)
+    full = torch.randint(0, 4, (33, vocab), generator=torch.Generator().manual_seed(seed)).float()
+    expected = full.argmax(dim=-1).numpy()
+    top = full == full.max(dim=-1, keepdim=True).values  # [33, vocab]
+    half = -(-vocab // 2)
+    assert (top[:, :half].any(dim=-1) & top[:, half:].any(dim=-1)).any()  # some rows tie across the ranks
+    for rank in (0, 1):
+        for ids in results[rank].values():
+            assert ids.tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True),

@@ -303,7 +303,8 @@ def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
     # Repetitive prompts give n-gram drafts to verify.
     prompts = [p * 3 for p in random_prompts(6, 128, 4, 12, seed)]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
-    results = {}
+    plain = SamplingParams(temperature=0, max_tokens=24)  # argmax only: each rank's slice, exchanged
+    results, plain_tokens = {}, {}
     if extra.get("speculative_config", {}).get("model") == "SELF":
         extra = {"speculative_config": {**extra["speculative_config"], "model": str(path)}}
     for tp in (1, 2):
@@ -311,13 +312,15 @@ def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
         with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
                  tensor_parallel_size=tp, **SMALL_GRAPHS, **kwargs) as llm:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            plain_tokens[tp] = [o.outputs[0].token_ids for o in
+                                llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)]
             if tp == 2:
                 assert llm.engine.core.runner.graph_runner is not None  # decode steps replayed graphs
         results[tp] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                                  o.outputs[0].token_ids)])
                        for o in outs]
-    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(results[1], results[2]):
-        assert tokens2 == tokens1
+    for (tokens1, logprobs1), (tokens2, logprobs2), plain1, plain2 in zip(results[1], results[2], *plain_tokens.values()):
+        assert tokens2 == tokens1 and plain1 == tokens1 and plain2 == tokens1
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
 
 

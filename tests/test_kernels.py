@@ -182,7 +182,7 @@ def test_every_decode_batch_size_maps_to_a_captured_graph(max_num_seqs):
     sizes = default_capture_sizes(max_num_seqs)
     assert sizes[-1] == max_num_seqs and sizes == sorted(set(sizes))
     assert all(s in sizes for s in (1, 2, 4, 8, 16, 32, 48) if s < max_num_seqs)
-    runner = CUDAGraphRunner(torch.nn.Identity(), lambda hidden, out: None, vocab_size=32,
+    runner = CUDAGraphRunner(torch.nn.Identity(), lambda hidden, out: None, logits_width=32,
                              logits_dtype=torch.float32, capture_sizes=sizes, max_blocks_per_seq=4,
                              device=torch.device("cpu"))
     for n in range(1, max_num_seqs + 1):  # every batch the scheduler can form (<= max_num_seqs)

@@ -206,6 +206,19 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(gathered.unbind(0), dim=dim)
 
 
+def tp_gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """Every tensor-parallel rank's x [rows, width] (the same shape on each) stacked in rank order
+    [world * rows, width]: for a few rows of the model's dtype through the fused all-reduce's
+    exchange kernel (GPUs), else the process group's all-gather."""
+    world = tp_world_size()
+    if world == 1:
+        return x
+    x = x.contiguous()
+    if (gathered := _TP_ALL_REDUCE.gather(x)) is not None:
+        return gathered
+    return _gather_rows(x, _TP_GROUP, world)
+
+
 def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
     """Every rank's `x` (the same shape on each) stacked along dim 0, in rank order."""
     x = x.contiguous()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_world_size
+from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_gather_rows, tp_rank, tp_world_size
 from baryon.layers.linear import copy_checked
 from baryon.quantization.base import DENSE, LinearMethod
 
@@ -60,6 +60,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits. Tied models share the embedding's weight."""
 
+    ARGMAX_MAX_VOCAB = 1 << 24  # `argmax` sends an id as three base-256 digits
+
     def logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
         """The dense LM head into a preallocated buffer (CUDA graphs): hidden_states [n, hidden]
         -> out [n, vocab_size] in the model dtype (every rank's vocabulary slice, gathered)."""
@@ -69,8 +71,50 @@ class ParallelLMHead(VocabParallelEmbedding):
         local = torch.mm(hidden_states, self.weight.t())  # [n, rows_per_rank]
         out.copy_(tp_all_gather(local, dim=-1)[:, : self.vocab_size])
 
+    def local_logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's vocabulary slice of the logits into a preallocated buffer (the target's decode
+        graphs): hidden_states [n, hidden] -> out [n, rows_per_rank] in the model dtype (the last
+        rank's columns past the vocabulary are padding). `gather_logits` or `argmax` takes it on."""
+        torch.mm(hidden_states, self.weight.t(), out=out)
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's `local_logits_into` slice of n rows -> [n, vocab_size] float32."""
+        if self.tp_size == 1:
+            return local.float()
+        return tp_all_gather(local, dim=-1)[:, : self.vocab_size].float()
+
+    def argmax(self, local: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row, the same on every rank: `local_logits_into`'s slice [n,
+        rows_per_rank] -> [n] int64, the first id of the row's largest logit, as an argmax over
+        `gather_logits` picks it. Under tensor parallelism each rank takes its slice's best and the
+        ranks exchange [n, 4] rows (the logit and the id in three base-256 digits, exact in the
+        model's float dtype: vocabularies below ARGMAX_MAX_VOCAB) instead of n x vocab logits; the
+        lowest rank wins a tie (its ids are lower)."""
+        local = local[:, : self.vocab_end - self.vocab_start]  # [n, ids of this rank]
+        if self.tp_size == 1:
+            return local.argmax(dim=-1)
+        value, best = local.max(dim=-1, keepdim=True)  # [n, 1] each: the first largest of the slice
+        places = self._digit_places(best.device)
+        digits = ((best + self.vocab_start) // places % 256).to(local.dtype)  # [n, 3]
+        every = tp_gather_rows(torch.cat((value, digits), dim=1)).view(self.tp_size, -1, 4)  # [tp, n, 4]
+        winner = every[:, :, 0].argmax(dim=0)  # [n]: the first rank holding the row's largest logit
+        chosen = every.gather(0, winner.view(1, -1, 1).expand(1, -1, 4))[0, :, 1:]  # [n, 3]
+        return (chosen.long() * places).sum(dim=1)
+
+    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [n, hidden] -> this rank's vocabulary slice of the logits [n, rows_per_rank]
+        (as local_logits_into, through the weight's method: eager steps)."""
+        return self.method.apply(self, hidden_states, None)
+
+    def _digit_places(self, device: torch.device) -> torch.Tensor:
+        """[1, 256, 65536] on `device`, made once: the places of an id's three base-256 digits."""
+        places = self.__dict__.get("_places")
+        if places is None or places.device != device:
+            places = self._places = torch.tensor([1, 256, 65536], device=device)
+        return places
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->
         [num_sampled, vocab_size] float32 logits."""
-        logits = self.method.apply(self, hidden_states, None)
-        return tp_all_gather(logits, dim=-1)[:, : self.vocab_size].float()
+        return self.gather_logits(self.local_logits(hidden_states))
+

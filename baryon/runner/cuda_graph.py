@@ -4,7 +4,8 @@ One graph per batch-size bucket (1, 2, 4, 8, then every 16 up to max_num_seqs, o
 list), captured largest first into one shared memory pool, over static input buffers. A decode
 step of n requests copies its inputs into the buffers, pads to the next captured size (padding
 rows: token 0, slot -1 so nothing is stored, sequence length 0 so nothing is attended) and replays.
-Every graph writes its logits into one shared static buffer, so the pool holds no per-graph output;
+Every graph writes its logits (the LM head function's output: the whole vocabulary, or the target's
+vocabulary slice of this rank) into one shared static buffer, so the pool holds no per-graph output;
 with `features` (a draft that reads the target's hidden states) also what that function makes of
 the hidden states, into a second static buffer.
 """
@@ -32,11 +33,11 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CUDAGraphRunner:
     def __init__(self, forward: ModelForward, logits_into: Callable[[torch.Tensor, torch.Tensor], None],
-                 vocab_size: int, logits_dtype: torch.dtype, capture_sizes: list[int],
+                 logits_width: int, logits_dtype: torch.dtype, capture_sizes: list[int],
                  max_blocks_per_seq: int, device: torch.device,
                  features: Callable[[torch.Tensor], torch.Tensor] | None = None, features_dim: int = 0) -> None:
         self.forward = forward  # the model's forward, compiled or not
-        self.logits_into = logits_into  # (hidden [n, hidden], out [n, vocab]): the LM head
+        self.logits_into = logits_into  # (hidden [n, hidden], out [n, logits_width]): the LM head
         self.features_of = features  # hidden [n, hidden] -> [n, features_dim], kept in self.features
         self.sizes = sorted(set(capture_sizes))
         largest = self.sizes[-1]
@@ -46,7 +47,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.logits = torch.empty(largest, vocab_size, dtype=logits_dtype, device=device)  # [largest, vocab]
+        self.logits = torch.empty(largest, logits_width, dtype=logits_dtype, device=device)  # [largest, width]
         self.features = torch.empty(largest, features_dim, dtype=logits_dtype, device=device) if features else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -99,7 +100,8 @@ class CUDAGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
             size: int | None = None) -> torch.Tensor:
         """Replay the decode step of metadata.num_seqs sequences in the graph of `size` (default:
-        the smallest that holds them); returns logits [num_seqs, vocab] float32."""
+        the smallest that holds them); returns the LM head's output [num_seqs, logits_width] as it
+        wrote it (the model's dtype; valid until the next replay)."""
         n = metadata.num_seqs
         size = self.padded_size(n) if size is None else size
         graph = self.graphs[size]
@@ -113,4 +115,4 @@ class CUDAGraphRunner:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()
         graph.replay()
-        return self.logits[:n].float()
+        return self.logits[:n]

@@ -24,6 +24,7 @@ from baryon.distributed.worker_group import WorkerGroup
 from baryon.request import Request
 from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata, host_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
+from baryon.layers.embedding import ParallelLMHead
 from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.layers.fused_decoder_layer import fuse_decoder_layers
@@ -195,7 +196,8 @@ class ModelRunner:
         decode = piecewise = None
         if decode_sizes:
             features = getattr(self.proposer, "target_features", None)
-            decode = CUDAGraphRunner(self.forward, self.model.lm_head.logits_into, self.vocab_size,
+            lm_head = self.model.lm_head
+            decode = CUDAGraphRunner(self.forward, lm_head.local_logits_into, lm_head.rows_per_rank,
                                      self.config.model.dtype, decode_sizes, self.max_blocks_per_seq, self.device,
                                      features, self.proposer.features_dim if features else 0)
             decode.capture()
@@ -305,10 +307,16 @@ class ModelRunner:
         # The decode graph this step replays (None: it runs eagerly); with DP attention the agreed one.
         graph_size = dp_step.graph_size if dp_step is not None else \
             self.graph_runner.padded_size(batch.metadata.num_seqs) if self._can_replay(batch) else None
+        greedy_ids = None  # [num_sampling]: an argmax-only step's tokens, found on every rank
         if graph_size is not None:
-            # The graph computes logits of every row; a decode step usually samples every row.
-            all_logits = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata, size=graph_size)
-            logits = all_logits if len(rows) == batch.metadata.num_seqs else all_logits[self._index(rows)]
+            # The graph computes every row's logits, this rank's vocabulary slice [num_seqs, vocab /
+            # tp] in the model's dtype; a decode step usually samples every row.
+            local = self.graph_runner.run(batch.input_ids, batch.positions, batch.metadata, size=graph_size)
+            local = local if len(rows) == batch.metadata.num_seqs else local[self._index(rows)]
+            if plan.argmax_only:
+                greedy_ids = self.model.lm_head.argmax(local)
+            else:
+                logits = self.model.lm_head.gather_logits(local)  # [rows, vocab] float32
             if observe is not None:
                 observe(scheduled, batch.query_start, self.graph_runner.features[:batch.metadata.num_tokens])
         else:
@@ -317,10 +325,20 @@ class ModelRunner:
             else:
                 with forward_context(batch.metadata, dp_step and dp_step.padded_tokens):
                     hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[self._index(rows)]) if len(rows) else None  # [rows, vocab]
+            if plan.argmax_only:
+                lm_head = self.model.lm_head
+                greedy_ids = lm_head.argmax(lm_head.local_logits(hidden[self._index(rows)]))
+            else:
+                logits = self.model.compute_logits(hidden[self._index(rows)]) if len(rows) else None  # [rows, vocab]
             if observe is not None:
                 observe(scheduled, batch.query_start, self.proposer.target_features(hidden))
         previous, self.last_launch = self.last_launch, step
+        if greedy_ids is not None:  # every rank has the tokens: nothing to sample or broadcast
+            step.sampled_device = greedy_ids
+            if self.is_first_rank:
+                step.copy_to_host("sampled", greedy_ids)
+            step.finish_launch(self.device)
+            return step
         num_sampled = plan.num_sampled_rows
         if not self.is_first_rank:
             if plan.num_sampling:  # what rank 0 samples: the next step's pending inputs
@@ -406,11 +424,14 @@ class ModelRunner:
         logit_rows = list(sample_rows)
         for _, start, count in spans:
             logit_rows.extend(range(start, start + count))
+        argmax_only = (bool(sampling_requests) and not spans and self.rejection_sampler is None
+                       and self.vocab_size < ParallelLMHead.ARGMAX_MAX_VOCAB
+                       and all(_takes_argmax(r) for r in sampling_requests))
         plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
                         pending_index=np.array(pending_index, dtype=np.int64),
                         pending_source=np.array(pending_source, dtype=np.int64),
                         logit_rows=np.array(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
-                        num_sampling=len(sampling_requests), per_token=per_token)
+                        num_sampling=len(sampling_requests), per_token=per_token, argmax_only=argmax_only)
         return plan, _Sampling(sample_rows, sampling_requests, num_drafts, spans)
 
     def _upload(self, plan: StepPlan) -> _Batch:
@@ -575,6 +596,13 @@ def _block_tables(block_ids: list[list[int]]) -> np.ndarray:
     tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(block_ids), dtype=np.int32, count=int(lengths.sum()))
     return tables
+
+
+def _takes_argmax(request: Request) -> bool:
+    """Whether the request's next token is the argmax of its raw logits: greedy, without
+    logprobs, penalties, a grammar or min_tokens still to reach."""
+    params = request.sampling_params
+    return params.is_greedy and params.logprobs is None and not _position_dependent(request)
 
 
 def _position_dependent(request: Request) -> bool:

@@ -4,7 +4,8 @@ Rank 0 builds it from the scheduled requests; with tensor parallelism it is also
 every other rank receives (a few small arrays, encoded once with msgspec), so that all ranks run
 the same forward pass, collectives in the same order. Only rank 0 knows the requests: it samples,
 and the ids it sampled reach the other ranks over the device (`broadcast_from_first`), where a
-pending token's slot of the next step's `input_ids` reads them.
+pending token's slot of the next step's `input_ids` reads them; a step whose rows all take the
+argmax (`argmax_only`) finds the same ids on every rank instead.
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ class StepPlan:
     num_sampled_rows: int  # the first rows of logit_rows that are sampled (or verified)
     num_sampling: int  # requests that get new tokens: the length of the sampled ids rank 0 broadcasts
     per_token: bool  # a verification step run as one decode per token
+    # Every sampled row takes its logits' argmax (runner's _takes_argmax): a decode graph's step
+    # then finds the tokens on every rank from its vocabulary slice (ParallelLMHead.argmax), with
+    # no sampling on rank 0 and no broadcast of the ids.
+    argmax_only: bool
 
     def encode(self) -> bytes:
         arrays = [_WireArray(str(a.dtype), list(a.shape), a.tobytes()) for a in (getattr(self, n) for n in _ARRAYS)]
-        return _encoder.encode(_WirePlan(arrays, self.num_sampled_rows, self.num_sampling, self.per_token))
+        return _encoder.encode(_WirePlan(arrays, self.num_sampled_rows, self.num_sampling, self.per_token,
+                                         self.argmax_only))
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> StepPlan:
@@ -40,7 +46,7 @@ class StepPlan:
         arrays = {name: np.frombuffer(a.data, dtype=a.dtype).reshape(a.shape).copy()  # writable
                   for name, a in zip(_ARRAYS, wire.arrays)}
         return cls(**arrays, num_sampled_rows=wire.num_sampled_rows, num_sampling=wire.num_sampling,
-                   per_token=wire.per_token)
+                   per_token=wire.per_token, argmax_only=wire.argmax_only)
 
 
 class _WireArray(msgspec.Struct, array_like=True):
@@ -54,6 +60,7 @@ class _WirePlan(msgspec.Struct, array_like=True):
     num_sampled_rows: int
     num_sampling: int
     per_token: bool
+    argmax_only: bool
 
 
 _encoder = msgspec.msgpack.Encoder()

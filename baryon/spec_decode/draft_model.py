@@ -136,7 +136,7 @@ class DraftModelProposer:
         if self.graph_runner is not None and self.graph_runner.padded_size(len(layout.positions)):
             metadata = build_metadata(layout, block_tables, self.device, per_token=True)
             logits = self.graph_runner.run(input_ids, positions, metadata)
-            return logits[to_device(torch.from_numpy(last), self.device)]
+            return logits[to_device(torch.from_numpy(last), self.device)].float()
         metadata = build_metadata(layout, block_tables, self.device)
         with forward_context(metadata):
             hidden = self.model(input_ids, positions)

@@ -109,7 +109,7 @@ class HiddenStateProposer(DraftModelProposer):
         if runner is not None and runner.padded_size(rows):
             self.hidden_in[:rows].copy_(hidden)
             metadata = build_metadata(layout, tables, self.device, per_token=True)
-            logits = runner.run(input_ids, positions_device, metadata)
+            logits = runner.run(input_ids, positions_device, metadata).float()
             return runner.features[:rows], logits
         with forward_context(build_metadata(layout, tables, self.device)):
             return self._layer_forward(input_ids, positions_device, hidden, layer), None
