@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -70,6 +70,9 @@ def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> Non
     per_row = torch.full((rows,), 0.5, device=device)
     top_k = torch.full((rows,), 50, device=device)
     top_p = torch.full((rows,), 0.9, device=device)
+    temperature = torch.full((rows,), 0.7, device=device)
+    greedy = torch.zeros(rows, dtype=torch.bool, device=device)
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen).to(device)
     shape = f"rows={rows} vocab={vocab}"
     for impl in selector.candidates("sampling"):
         if impl.unsupported_reason(device) is not None:
@@ -81,6 +84,13 @@ def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> Non
         record(name, f"top_p=0.9 {shape}", lambda: impl.apply_top_k_top_p(logits, None, top_p))
         record(name, f"top_k=50 top_p=0.9 {shape}", lambda: impl.apply_top_k_top_p(logits, top_k, top_p))
         record(name, f"min_p=0.5 {shape}", lambda: impl.apply_min_p(probs, per_row))
+        # The draw: each row's token from its seed (reference: a generator per row, host-bound)
+        record(name, f"exponential_race T=0.7 {shape}", lambda: impl.exponential_race(logits, temperature, greedy,
+                                                                                      seeds))
+    # The draw as the sampler made it before the race (softmax, stored noise, divide, argmax)
+    record("sampling.softmax_noise_argmax", f"T=0.7 {shape}",
+           lambda: ((logits / temperature.unsqueeze(1)).softmax(dim=-1)
+                    / torch.empty_like(logits).exponential_()).argmax(dim=-1))
 
 
 def token_bitmask_kernels(record, device: torch.device, vocab: int) -> None:
@@ -462,7 +472,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch",
-                                           "token_bitmask", "long_context"],
+                                           "token_bitmask", "long_context", "sampling"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
@@ -498,6 +508,10 @@ def main() -> None:
         return
     if args.only == "token_bitmask":
         token_bitmask_kernels(record, device, vocab)
+        return
+    if args.only == "sampling":  # a decode step's batch sizes
+        for rows in (1, 64, 256):
+            sampling_kernels(record, device, rows // scale or 1, vocab // scale)
         return
     if args.only == "spec":
         rejection_sampling_kernels(record, device, vocab, args.small)

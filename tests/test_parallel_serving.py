@@ -83,6 +83,27 @@ def test_worker_that_dies_before_joining_is_named(llama_path, tmp_path, monkeypa
     assert time.monotonic() - start < 30
 
 
+def test_worker_that_refuses_the_configuration_raises_its_error(llama_path, tmp_path, monkeypatch):
+    """A worker that fails at start-up with a ValueError (a configuration it refuses, as every
+    rank would) has that error raised by the engine, whatever rank 0 was doing when the worker's
+    exit aborted the process group (CI once saw rank 0 report the missing process group)."""
+    import sys
+    from datetime import timedelta
+
+    import baryon.distributed.parallel_state as parallel_state
+    import baryon.distributed.worker_group as worker_group
+
+    refuses = tmp_path / "refuses"
+    refuses.write_text(f"#!{sys.executable}\nimport sys\nfrom baryon.distributed.worker_group import report_failure\n"
+                       f"report_failure(sys.argv[6], ValueError('rank {{}} refuses this checkpoint'.format(sys.argv[3])))\n"
+                       f"sys.exit(1)\n")
+    refuses.chmod(0o755)
+    monkeypatch.setattr(parallel_state, "JOIN_TIMEOUT", timedelta(seconds=3))
+    monkeypatch.setattr(worker_group.sys, "executable", str(refuses))
+    with pytest.raises(ValueError, match="^rank 1 refuses this checkpoint$"):
+        LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True)
+
+
 def test_shutdown_stops_every_worker(llama_path):
     llm = LLM(str(llama_path), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True)
     pids = [p.pid for p in llm.engine.core.workers.processes]

@@ -205,12 +205,15 @@ def _sampler_step(kernel: str, logits: torch.Tensor, configs: list, step_seed: i
 
 def test_sampler_gives_the_same_tokens_with_either_kernel(seed, monkeypatch):
     """Greedy, seeded and unseeded rows with every logit processor: the Triton kernels keep the
-    same tokens as torch, so the exponential race picks the same ones."""
+    same tokens as torch, so the same race (the reference's on both sides: the Triton race draws
+    from Philox streams of its own, tested below) picks the same ones."""
+    from baryon.kernels.sampling import exponential_race
     from baryon.kernels.triton_utils import INTERPRETED
     from baryon.sampling_params import SamplingParams
 
     if not CUDA and not INTERPRETED:
         pytest.skip("forcing Triton on CPU needs the interpreter (TRITON_INTERPRET=1 before import)")
+    monkeypatch.setattr(TritonSampling, "exponential_race", staticmethod(exponential_race))
     gen = torch.Generator().manual_seed(seed)
     rows, vocab = (ROWS, VOCAB) if CUDA else (10, 200)
     for step in range(2 if CUDA else 1):
@@ -239,3 +242,60 @@ def test_sampler_gives_the_same_tokens_with_either_kernel(seed, monkeypatch):
         triton_tokens = _sampler_step("triton", logits, configs, seed + step, monkeypatch)
         differing = (triton_tokens != torch_tokens).nonzero().flatten().tolist()
         assert not differing, f"step {step}: rows {differing} sampled other tokens"
+
+
+def _race_inputs(gen: torch.Generator, rows: int, vocab: int):
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.empty(rows).uniform_(0.3, 2.0, generator=gen)
+    greedy = torch.rand(rows, generator=gen) < 0.3
+    temperature[greedy] = 1.0
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen)
+    return [t.to(DEVICE) for t in (logits, temperature, greedy, seeds)]
+
+
+def test_race_greedy_rows_take_the_argmax_and_draws_follow_their_seeds(seed, monkeypatch):
+    """The Triton race: greedy rows give the argmax (first of a tie); a row's draw depends on its
+    seed and logits only, not on the other rows, its place in the batch or the split layout; a row
+    whose every other token is -inf gives that token, a row of -inf only token 0 (as argmax)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 12, 700
+    logits, temperature, greedy, seeds = _race_inputs(gen, rows, vocab)
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie on a greedy row
+    greedy[0] = True
+    logits[1] = float("-inf")
+    logits[1, 333] = 0.0
+    logits[2] = float("-inf")
+    drawn = TritonSampling.exponential_race(logits, temperature, greedy, seeds)
+    assert drawn[0] == 5 and drawn[1] == 333 and drawn[2] == 0
+    assert torch.equal(drawn[greedy], logits[greedy].argmax(dim=-1))
+    order = torch.randperm(rows, generator=gen).to(DEVICE)
+    shuffled = TritonSampling.exponential_race(logits[order], temperature[order], greedy[order], seeds[order])
+    assert torch.equal(shuffled, drawn[order])
+    alone = TritonSampling.exponential_race(logits[3:4], temperature[3:4], greedy[3:4], seeds[3:4])
+    assert alone.item() == drawn[3].item()
+    # another split layout (more, shorter splits) draws the same tokens
+    monkeypatch.setattr(sampling_triton, "_split_layout", lambda r, v, d: (64, 128, -(-v // 128)))
+    assert torch.equal(TritonSampling.exponential_race(logits, temperature, greedy, seeds), drawn)
+    reseeded = TritonSampling.exponential_race(logits, temperature, torch.zeros_like(greedy), seeds + 1)
+    assert not torch.equal(reseeded, TritonSampling.exponential_race(logits, temperature,
+                                                                     torch.zeros_like(greedy), seeds))
+
+
+@pytest.mark.parametrize("race", ["triton", "torch"])
+def test_race_draws_follow_the_softmax(seed, race):
+    """Many rows of one distribution, each with its own seed: the tokens' frequencies match
+    softmax(logits / temperature) within five standard deviations (the reference and the kernel)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab, temperature = 800, 6, 0.7
+    base = torch.randn(vocab, generator=gen)
+    base[2] = float("-inf")  # never drawn
+    logits = base.expand(rows, vocab).contiguous().to(DEVICE)
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen).to(DEVICE)
+    kernel = TritonSampling if race == "triton" else TorchSampling
+    drawn = kernel.exponential_race(logits, torch.full((rows,), temperature, device=DEVICE),
+                                    torch.zeros(rows, dtype=torch.bool, device=DEVICE), seeds)
+    counts = torch.bincount(drawn.cpu(), minlength=vocab).double()
+    p = torch.softmax(base.double() / temperature, dim=0)
+    sigma = (rows * p * (1 - p)).sqrt()
+    assert counts[2] == 0
+    assert ((counts - rows * p).abs() <= 5 * sigma + 1e-9).all(), (counts.tolist(), (rows * p).tolist())

@@ -45,6 +45,22 @@ class WorkerDiedError(RuntimeError):
     """A worker process of a tensor-parallel engine exited; the engine cannot continue."""
 
 
+def _failure_path(step_address: str) -> str:
+    """Where the worker pulling steps from `step_address` (ipc://PATH) leaves its error."""
+    return step_address.removeprefix("ipc://") + ".error"
+
+
+def report_failure(step_address: str, error: Exception) -> None:
+    """A worker's last act when it fails: its exception, for rank 0 to raise in its name (the
+    same problem on every rank, a checkpoint rank 0 has not reached yet, must not surface on rank
+    0 as the process group it aborted on seeing the worker exit)."""
+    try:
+        with open(_failure_path(step_address), "wb") as f:
+            pickle.dump((type(error).__name__, str(error)), f)
+    except OSError:
+        pass
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -56,6 +72,7 @@ class WorkerGroup:
         self._sockets: list[zmq.Socket] = []
         self.processes: list[subprocess.Popen] = []
         self.failure: str | None = None
+        self.worker_error: tuple[str, str] | None = None  # (type, message) a failed worker reported
         self._stopping = False
         self._monitor: threading.Thread | None = None
 
@@ -92,7 +109,7 @@ class WorkerGroup:
         except BaseException as e:
             try:
                 if isinstance(e, Exception):  # the join timed out: a worker that died is the reason to give
-                    group.check(wait_s=1.0)
+                    group.check(wait_s=1.0, starting=True)
             finally:
                 group.shutdown()
             raise
@@ -106,22 +123,38 @@ class WorkerGroup:
                 code = process.poll()
                 if code is not None and not self._stopping:
                     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                    self.worker_error = self._reported_error(rank)
+                    why = (f": {self.worker_error[0]}: {self.worker_error[1]}" if self.worker_error else
+                           " (its log above says why, if it failed itself)")
                     self.failure = (f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}; the engine "
-                                    f"cannot continue without it (its log above says why, if it failed itself)")
+                                    f"cannot continue without it{why}")
                     logger.error(self.failure)
                     release_tp_waits()
                     abort_distributed()
                     return
             time.sleep(_MONITOR_INTERVAL_S)
 
-    def check(self, wait_s: float = 0.0) -> None:
+    def _reported_error(self, rank: int) -> tuple[str, str] | None:
+        """(exception type, message) a worker that failed left behind (`report_failure`), if any."""
+        try:
+            with open(_failure_path(f"{self._socket_dir}/rank{rank}"), "rb") as f:
+                return pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError):
+            return None
+
+    def check(self, wait_s: float = 0.0, starting: bool = False) -> None:
         """Raise WorkerDiedError if a worker has exited (waiting up to wait_s for the monitor to
-        notice one: after a collective failed, the death is usually a moment from being seen)."""
+        notice one: after a collective failed, the death is usually a moment from being seen).
+        starting: the engine is starting, and a worker that refused the configuration with a
+        ValueError has it raised here as one rank would raise it."""
         deadline = time.monotonic() + wait_s
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(_MONITOR_INTERVAL_S / 2)
-        if self.failure is not None:
-            raise WorkerDiedError(self.failure)
+        if self.failure is None:
+            return
+        if starting and self.worker_error is not None and self.worker_error[0] == "ValueError":
+            raise ValueError(self.worker_error[1])
+        raise WorkerDiedError(self.failure)
 
     def send_step(self, payload: bytes) -> None:
         for sock in self._sockets:

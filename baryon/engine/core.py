@@ -128,8 +128,10 @@ class EngineCore:
             self.runner = ModelRunner(config, self.workers)
         except Exception as e:
             try:
-                if self.workers is not None and isinstance(e, RuntimeError):  # a collective failed:
-                    self.workers.check(wait_s=1.0)  # a worker that died is the reason to give
+                # A worker that died is the reason to give (a collective failed, or the process
+                # group its death aborted was gone; waited for only after a failed collective).
+                if self.workers is not None:
+                    self.workers.check(wait_s=1.0 if isinstance(e, RuntimeError) else 0.0, starting=True)
             finally:
                 self.shutdown()
             raise

@@ -1,4 +1,5 @@
-"""Logit processing for sampling (penalties, top-k, top-p, min-p): torch reference.
+"""Logit processing and drawing for sampling (penalties, top-k, top-p, min-p, the exponential
+race): torch reference.
 
 All functions work on the whole batch at once ([num_rows, vocab] tensors with per-row
 parameters); none loops over requests or the vocabulary in Python.
@@ -56,8 +57,32 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+def exponential_race(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                     seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row: logits [B, V] (-inf where a token may not be drawn), temperature [B],
+    greedy [B] bool, seeds [B] int64 -> [B] int64. A greedy row takes its argmax; any other row
+    draws from softmax(logits / temperature) as argmax(logits / temperature - log q) with q ~
+    Exp(1) for every token (the exponential race in log space, which needs no softmax), its noise
+    from a generator seeded with the row's seed alone, so that a row's draw does not depend on
+    the rest of the batch. A row with no finite logit gets token 0."""
+    keys = logits / temperature.unsqueeze(1)
+    drawn = (keys - race_noise(seeds, keys.shape[1]).log()).nan_to_num(nan=float("-inf")).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
+def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """seeds [B] int64 -> the noise exponential_race draws with them, [B, vocab] float32 ~ Exp(1)
+    (the rejection sampler's rows share it with their request's draw)."""
+    noise = torch.empty(len(seeds), vocab, device=seeds.device)
+    for row, seed in enumerate(seeds.tolist()):
+        noise[row].exponential_(generator=torch.Generator(seeds.device).manual_seed(seed))
+    return noise
+
+
 class TorchSampling(Kernel):
     name = "torch"
     apply_penalties = staticmethod(apply_penalties)
     apply_top_k_top_p = staticmethod(apply_top_k_top_p)
     apply_min_p = staticmethod(apply_min_p)
+    exponential_race = staticmethod(exponential_race)
+    race_noise = staticmethod(race_noise)

@@ -1,4 +1,5 @@
-"""Logit processing for sampling as Triton kernels: penalties, top-k/top-p without a sort, min-p.
+"""Logit processing for sampling as Triton kernels: penalties, top-k/top-p without a sort, min-p,
+and the draw itself (the exponential race, one pass over the logits).
 
 The torch functions in sampling.py stay the reference and the CPU path; these kernels keep their
 semantics (differences on exact ties and float rounding below).
@@ -440,6 +441,55 @@ if triton is not None:
         tl.store(out + row * stride_out + cols, kept.to(out.dtype.element_ty), mask=cols < VOCAB)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _race_split_kernel(logits, stride_logits, temperature, greedy, seeds, split_key, split_id,
+                           VOCAB: tl.constexpr, SPLIT_LEN: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        """Per (row, split): the split's largest key and the first id holding it, key = logit /
+        temperature - log(q) with q = -log(u), u uniform from Philox keyed by the row's seed and the
+        token id (the same draw whatever the split layout or the batch); greedy rows: key = logit.
+        An empty or fully masked split reports (-inf, VOCAB)."""
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        t = tl.load(temperature + row)
+        is_greedy = tl.load(greedy + row) != 0
+        seed = tl.load(seeds + row)
+        best_key = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_id = tl.full([BLOCK], VOCAB, tl.int32)
+        for start in range(split * SPLIT_LEN, (split + 1) * SPLIT_LEN, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(logits + row * stride_logits + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
+            u = tl.rand(seed, cols)
+            key = tl.where(is_greedy, x, x / t - tl.log(-tl.log(u)))
+            better = key > best_key  # strict: each lane keeps its first id of a tie (NaN never wins)
+            best_key = tl.where(better, key, best_key)
+            best_id = tl.where(better, cols, best_id)
+        top = tl.max(best_key, axis=0)
+        tl.store(split_key + row * SPLITS + split, top)
+        tl.store(split_id + row * SPLITS + split, tl.min(tl.where(best_key == top, best_id, VOCAB), axis=0))
+
+    @triton.jit
+    def _race_noise_kernel(seeds, out, stride_out, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+        """out[row, id] = -log(u): the Exp(1) noise _race_split_kernel draws for that row and id."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        u = tl.rand(tl.load(seeds + row), cols)
+        tl.store(out + row * stride_out + cols, -tl.log(u), mask=cols < VOCAB)
+
+    @triton.jit
+    def _race_pick_kernel(split_key, split_id, out, VOCAB: tl.constexpr, SPLITS: tl.constexpr,
+                          SPLITS_PADDED: tl.constexpr):
+        """Per row: the id of the first split holding the largest key (ids grow with the splits, so
+        the first id of a tie); 0 for a row with no finite key, as an argmax over -inf gives."""
+        row = tl.program_id(0)
+        splits = tl.arange(0, SPLITS_PADDED)
+        keys = tl.load(split_key + row * SPLITS + splits, mask=splits < SPLITS, other=float("-inf"))
+        ids = tl.load(split_id + row * SPLITS + splits, mask=splits < SPLITS, other=VOCAB)
+        first = tl.min(tl.where(keys == tl.max(keys, axis=0), ids, VOCAB), axis=0)
+        tl.store(out + row, tl.where(first < VOCAB, first, 0).to(tl.int64))
+
+
 def _split_layout(rows: int, vocab: int, device: torch.device) -> tuple[int, int, int]:
     """(block, split_len, splits) for the split passes: on a GPU up to PROGRAMS_PER_SM programs
     per SM (a power of two splits per row, none under MIN_SPLIT logits); in the interpreter
@@ -525,6 +575,37 @@ class TritonSampling(TritonKernel):
             NUM_LEVELS=NUM_LEVELS, NUM_PIVOTS=NUM_PIVOTS, BLOCK=min(SEARCH_BLOCK, block), num_warps=8, **flags)
         _mask_below_kernel[(rows, triton.cdiv(vocab, block))](logits, threshold, out, logits.stride(0),
                                                               out.stride(0), vocab, BLOCK=block)
+        return out
+
+    @staticmethod
+    def exponential_race(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                         seeds: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> [B] int64 drawn as sampling.exponential_race draws them, in one pass
+        over the logits (the noise made in registers, never stored), then one small kernel. Its
+        draws follow the same distribution as the reference's, from Philox streams of its own."""
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        if not rows:
+            return out
+        logits = _unit_column_stride(logits)
+        block, split_len, splits = _split_layout(rows, vocab, logits.device)
+        split_key = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+        split_id = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+        _race_split_kernel[(rows, splits)](logits, logits.stride(0), temperature, greedy.view(torch.uint8), seeds,
+                                           split_key, split_id, VOCAB=vocab, SPLIT_LEN=split_len, SPLITS=splits,
+                                           BLOCK=block)
+        _race_pick_kernel[(rows,)](split_key, split_id, out, VOCAB=vocab, SPLITS=splits,
+                                   SPLITS_PADDED=next_power_of_2(splits))
+        return out
+
+    @staticmethod
+    def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+        """seeds [B] -> [B, vocab] float32: the Exp(1) noise exponential_race draws with them."""
+        out = torch.empty(len(seeds), vocab, dtype=torch.float32, device=seeds.device)
+        if len(seeds) and vocab:
+            block = min(ROW_BLOCK, next_power_of_2(vocab))
+            _race_noise_kernel[(len(seeds), triton.cdiv(vocab, block))](seeds, out, out.stride(0), VOCAB=vocab,
+                                                                        BLOCK=block)
         return out
 
     @staticmethod

@@ -72,6 +72,32 @@ def sampling_probs(kernel, logits: torch.Tensor, batch: SamplingBatch, rows: tor
     return probs
 
 
+def row_seeds(generator: torch.Generator, batch: SamplingBatch) -> torch.Tensor:
+    """[B] int64: each row's seed for this step's noise, drawn from the request's own generator
+    where it has a seed (its draws then do not depend on the batch), else from `generator`."""
+    seeds = torch.randint(1 << 62, batch.greedy.shape, generator=generator, device=batch.greedy.device)
+    for row, request_generator in batch.generators.items():
+        seeds[row] = torch.randint(1 << 62, (1,), generator=request_generator, device=request_generator.device)[0]
+    return seeds
+
+
+def draw_tokens(kernel, logits: torch.Tensor, batch: SamplingBatch, seeds: torch.Tensor) -> torch.Tensor:
+    """(Penalised) logits [B, V] -> each row's token [B]: greedy rows their argmax, the others a
+    draw by the exponential race in log space with the row's seed (kernel.exponential_race), over
+    the logits (top-k / top-p leave -inf on the tokens they drop; they need the temperature
+    applied first) or, with min-p, which works on probabilities, over the log of the distribution
+    sampling_probs makes. kernel: the "sampling" selector choice."""
+    temperature = batch.temperature
+    if batch.min_p is not None:
+        log_probs = sampling_probs(kernel, logits, batch).log()
+        drawn = kernel.exponential_race(log_probs, torch.ones_like(temperature), batch.greedy, seeds)
+        return torch.where(batch.greedy, logits.argmax(dim=-1), drawn)  # rounded probabilities may tie
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = kernel.apply_top_k_top_p(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p)
+        temperature = torch.ones_like(temperature)  # greedy rows' are 1: their argmax is unchanged
+    return kernel.exponential_race(logits, temperature, batch.greedy, seeds)
+
+
 class Sampler(nn.Module):
     def __init__(self, device: torch.device, seed: int) -> None:
         super().__init__()
@@ -84,21 +110,12 @@ class Sampler(nn.Module):
         distribution (before penalties, temperature and truncation), as vLLM reports them."""
         raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
         logits = penalised_logits(self.kernel, logits, batch)
-        sampled = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            sampled = torch.where(batch.greedy, sampled, self._sample(logits, batch))
+        sampled = logits.argmax(dim=-1) if batch.all_greedy else \
+            draw_tokens(self.kernel, logits, batch, row_seeds(self.generator, batch))
         output = SamplerOutput(sampled=sampled)
         if raw_logprobs is not None:
             self._gather_logprobs(raw_logprobs, batch.num_logprobs, output)
         return output
-
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        probs = sampling_probs(self.kernel, logits, batch)
-        # Exponential race: argmax(p / q) with q ~ Exp(1) draws a token with probability p.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in batch.generators.items():
-            noise[row].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, k: int, output: SamplerOutput) -> None:

@@ -21,7 +21,7 @@ import zmq
 
 from baryon.config import EngineConfig
 from baryon.distributed.parallel_state import destroy_distributed, init_distributed
-from baryon.distributed.worker_group import PROPOSE, STEP, STOP, backend_for
+from baryon.distributed.worker_group import PROPOSE, STEP, STOP, backend_for, report_failure
 from baryon.logger import get_logger
 from baryon.runner.model_runner import ModelRunner
 from baryon.runner.propose_plan import ProposePlan
@@ -85,8 +85,9 @@ def main(argv: list[str]) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a worker waits
     try:
         return run_worker(config, int(argv[0]), int(argv[1]), argv[2], argv[3], int(argv[4]))
-    except Exception:
+    except Exception as e:
         logger.exception("tensor-parallel worker %s failed", argv[0])
+        report_failure(argv[3], e)
         return 1
 
 

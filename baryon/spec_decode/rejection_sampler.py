@@ -13,11 +13,13 @@ draft model's distribution, or one-hot at the draft for deterministic drafts); a
 draft the bonus token is drawn from p. The emitted tokens then follow the processed target
 distribution exactly, and a request with no drafts is sampled exactly as Sampler samples it.
 
-Randomness: per request one Exp(1) noise row over the vocabulary (an exponential race, as
-Sampler's) serves its recovered tokens and its bonus token alike - a request emits only one of
-them, at a position fixed by its uniforms, so sharing the noise changes no distribution - and one
-uniform per draft. A request with its own generator (batch.generators) draws both from it, noise
-first, so its tokens do not depend on the rest of the batch; the others draw from the sampler's.
+Randomness: per request one seed (drawn as Sampler draws a row's, `row_seeds`) whose Exp(1)
+noise row over the vocabulary (the sampling kernel's `race_noise`, the noise of its exponential
+race) serves its recovered tokens and its bonus token alike - a request emits only one of them, at
+a position fixed by its uniforms, so sharing the noise changes no distribution - and one uniform
+per draft. The bonus token is drawn by Sampler's own `draw_tokens` with that seed. A request with
+its own generator (batch.generators) draws both from it, seed first, so its tokens do not depend
+on the rest of the batch; the others draw from the sampler's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from torch import nn
 
 from baryon.kernels.selector import select
-from baryon.layers.sampler import Sampler, SamplerOutput, SamplingBatch, penalised_logits, sampling_probs
+from baryon.layers.sampler import (Sampler, SamplerOutput, SamplingBatch, draw_tokens, penalised_logits, row_seeds,
+                                   sampling_probs)
 
 
 @dataclass
@@ -108,29 +111,28 @@ class RejectionSampler(nn.Module):
             output.sampled_rank = row_output.sampled_rank
         return output
 
-    def _draw(self, batch: SamplingBatch, vocab: int, layout: _Layout,
+    def _draw(self, batch: SamplingBatch, layout: _Layout,
               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> noise [B, V] ~ Exp(1) (one race per request) and uniforms [num_drafts] ~ U[0, 1).
-        The noise is drawn as Sampler draws it, so a request with no drafts samples as there."""
+        """-> each request's seed [B] (drawn as Sampler draws them, so a request with no drafts
+        samples as there) and uniforms [num_drafts] ~ U[0, 1)."""
         cu = layout.cu_num_drafts_cpu
-        noise = torch.empty(len(cu) - 1, vocab, device=device).exponential_(generator=self.generator)
-        for request, generator in batch.generators.items():
-            noise[request].exponential_(generator=generator)
+        seeds = row_seeds(self.generator, batch)
         uniforms = torch.empty(cu[-1], device=device)
         if cu[-1]:  # an empty draw is not made at all: it might still advance a generator
             uniforms.uniform_(generator=self.generator)
             for request, generator in batch.generators.items():
                 if cu[request + 1] > cu[request]:
                     uniforms[cu[request]:cu[request + 1]].uniform_(generator=generator)
-        return noise, uniforms
+        return seeds, uniforms
 
     def _sample(self, logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                 batch: SamplingBatch, layout: _Layout):
         """-> (p of each draft [num_drafts], q of each draft [num_drafts] or None, uniforms
         [num_drafts], recovered token per draft [num_drafts], bonus token per request [B])."""
         probs = sampling_probs(self.sampling_kernel, logits, batch, layout.row_request)  # [num_rows, V], unnormalised after min-p
-        noise, uniforms = self._draw(batch, probs.shape[1], layout, probs.device)
-        bonus_token_ids = (probs[layout.last_row] / noise).argmax(dim=-1)  # [B], as Sampler draws it
+        seeds, uniforms = self._draw(batch, layout, probs.device)
+        bonus_token_ids = draw_tokens(self.sampling_kernel, logits[layout.last_row], batch, seeds)  # [B], as Sampler
+        noise = self.sampling_kernel.race_noise(seeds, probs.shape[1])  # [B, V]: the bonus draw's noise
         draft_rows = probs[layout.draft_row]  # [num_drafts, V]
         draft_rows = draft_rows / draft_rows.sum(dim=-1, keepdim=True)  # p, compared with q
         drafts = draft_token_ids.unsqueeze(1)  # [num_drafts, 1]
