@@ -85,7 +85,7 @@ def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> Non
         record(name, f"top_k=50 top_p=0.9 {shape}", lambda: impl.apply_top_k_top_p(logits, top_k, top_p))
         record(name, f"min_p=0.5 {shape}", lambda: impl.apply_min_p(probs, per_row))
         # The draw: each row's token from its seed (reference: a generator per row, host-bound)
-        record(name, f"exponential_race T=0.7 {shape}", lambda: impl.exponential_race(logits, temperature, greedy,
+        record(name, f"sample_rows T=0.7 {shape}", lambda: impl.sample_rows(logits, temperature, greedy,
                                                                                       seeds))
     # The draw as the sampler made it before the race (softmax, stored noise, divide, argmax)
     record("sampling.softmax_noise_argmax", f"T=0.7 {shape}",

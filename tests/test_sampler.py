@@ -689,3 +689,54 @@ def test_for_sample_seeds(seed):
     assert p.n == 4 and p.seed == seed  # the original is untouched
     unseeded = SamplingParams(n=2).for_sample(1)
     assert unseeded.seed is None and unseeded.n == 1
+
+
+def assert_draws_follow_the_softmax(sample_rows, seed: int, rows: int, device=CPU) -> None:
+    """`rows` rows of one distribution, each with its own seed: the tokens' frequencies match
+    softmax(logits / temperature) within five standard deviations; a -inf token is never drawn."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, temperature = 6, 0.7
+    base = torch.randn(vocab, generator=gen)
+    base[2] = float("-inf")
+    logits = base.expand(rows, vocab).contiguous().to(device)
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen).to(device)
+    drawn = sample_rows(logits, torch.full((rows,), temperature, device=device),
+                        torch.zeros(rows, dtype=torch.bool, device=device), seeds)
+    counts = torch.bincount(drawn.cpu(), minlength=vocab).double()
+    p = torch.softmax(base.double() / temperature, dim=0)
+    sigma = (rows * p * (1 - p)).sqrt()
+    assert counts[2] == 0
+    assert ((counts - rows * p).abs() <= 5 * sigma + 1e-9).all(), (counts.tolist(), (rows * p).tolist())
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpu"])
+def test_sample_rows_follow_the_softmax_and_their_seeds(seed, impl):
+    """The draw of each CPU implementation (torch: the exponential race, cpu: inverse CDF): the
+    softmax's frequencies; greedy rows' argmax (first of a tie); a row with one finite logit
+    gives it, one with none token 0; a row's token depends on its seed and logits only (not on
+    the other rows or its place), and other seeds draw other tokens."""
+    from baryon.kernels.sampling import TorchSampling
+    from baryon.kernels.sampling_cpu import CpuSampling
+
+    sample_rows = {"torch": TorchSampling, "cpu": CpuSampling}[impl].sample_rows
+    assert_draws_follow_the_softmax(sample_rows, seed, rows=4000)
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = 16, 300
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.empty(rows).uniform_(0.3, 2.0, generator=gen)
+    greedy = torch.rand(rows, generator=gen) < 0.3
+    greedy[0] = True
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1
+    logits[1] = float("-inf")
+    logits[1, 123] = 0.0
+    logits[2] = float("-inf")
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen)
+    drawn = sample_rows(logits, temperature, greedy, seeds)
+    assert drawn[0] == 5 and drawn[1] == 123 and drawn[2] == 0
+    assert torch.equal(drawn[greedy], logits[greedy].argmax(dim=-1))
+    order = torch.randperm(rows, generator=gen)
+    assert torch.equal(sample_rows(logits[order], temperature[order], greedy[order], seeds[order]), drawn[order])
+    sampled = ~greedy
+    sampled[:3] = False
+    others = [sample_rows(logits, temperature, greedy, seeds + k)[sampled] for k in (1, 2, 3)]
+    assert any(not torch.equal(o, drawn[sampled]) for o in others)

@@ -1,5 +1,5 @@
-"""Logit processing and drawing for sampling (penalties, top-k, top-p, min-p, the exponential
-race): torch reference.
+"""Logit processing and drawing for sampling (penalties, top-k, top-p, min-p, one draw per row
+from its seed): torch reference.
 
 All functions work on the whole batch at once ([num_rows, vocab] tensors with per-row
 parameters); none loops over requests or the vocabulary in Python.
@@ -57,22 +57,23 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def exponential_race(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                     seeds: torch.Tensor) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                seeds: torch.Tensor) -> torch.Tensor:
     """One token per row: logits [B, V] (-inf where a token may not be drawn), temperature [B],
     greedy [B] bool, seeds [B] int64 -> [B] int64. A greedy row takes its argmax; any other row
-    draws from softmax(logits / temperature) as argmax(logits / temperature - log q) with q ~
-    Exp(1) for every token (the exponential race in log space, which needs no softmax), its noise
-    from a generator seeded with the row's seed alone, so that a row's draw does not depend on
-    the rest of the batch. A row with no finite logit gets token 0."""
+    draws from softmax(logits / temperature) with randomness from the row's seed alone, so that a
+    row's draw does not depend on the rest of the batch (each implementation its own way of
+    turning the seed into a draw). A row with no finite logit gets token 0. Here: the exponential
+    race in log space, argmax(logits / temperature - log q) with q ~ Exp(1) for every token from
+    a generator seeded with the row's seed (`race_noise`), which needs no softmax."""
     keys = logits / temperature.unsqueeze(1)
     drawn = (keys - race_noise(seeds, keys.shape[1]).log()).nan_to_num(nan=float("-inf")).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
 def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-    """seeds [B] int64 -> the noise exponential_race draws with them, [B, vocab] float32 ~ Exp(1)
-    (the rejection sampler's rows share it with their request's draw)."""
+    """seeds [B] int64 -> [B, vocab] float32 ~ Exp(1), each row from a generator seeded with its
+    seed: the noise of `sample_rows`' race (the rejection sampler draws its recovered tokens with it)."""
     noise = torch.empty(len(seeds), vocab, device=seeds.device)
     for row, seed in enumerate(seeds.tolist()):
         noise[row].exponential_(generator=torch.Generator(seeds.device).manual_seed(seed))
@@ -84,5 +85,5 @@ class TorchSampling(Kernel):
     apply_penalties = staticmethod(apply_penalties)
     apply_top_k_top_p = staticmethod(apply_top_k_top_p)
     apply_min_p = staticmethod(apply_min_p)
-    exponential_race = staticmethod(exponential_race)
+    sample_rows = staticmethod(sample_rows)
     race_noise = staticmethod(race_noise)

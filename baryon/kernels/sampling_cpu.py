@@ -1,5 +1,5 @@
-"""Top-k / top-p on CPU without sorting the vocabulary (the sampling family's CPU entry; the
-penalties and min-p are the torch reference's).
+"""Top-k / top-p on CPU without sorting the vocabulary, and the draw by inverse CDF (the sampling
+family's CPU entry; the penalties and min-p are the torch reference's).
 
 A full descending sort of a 49k-token row costs ~10 ms on a CPU core, as much as a decode step of
 the default model. Here each row's top CANDIDATES logits come from `torch.topk`; top-k (k up to
@@ -54,9 +54,26 @@ def apply_top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor | Non
     return torch.where(keep_all.unsqueeze(1), logits, out)
 
 
+def sample_rows_inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                            seeds: torch.Tensor) -> torch.Tensor:
+    """sampling.sample_rows by the inverse of each row's cumulative distribution: one uniform u
+    per row from a generator seeded with its seed, then the first token whose cumulative
+    probability (float64 sums) exceeds u times the row's total. One exp per logit and no noise per
+    token: a tenth of the race's time on a CPU (a 49,152-token row: ~0.1 ms against ~1 ms)."""
+    cdf = (logits / temperature.unsqueeze(1)).softmax(dim=-1).cumsum(dim=-1, dtype=torch.float64)  # [B, V]
+    total = cdf[:, -1:].nan_to_num(nan=0.0)  # [B, 1]; 0: a row with no finite logit
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+                   for seed in seeds.tolist()]) if len(seeds) else torch.empty(0, dtype=torch.float64)
+    # right=True: the first token whose cumulative sum exceeds the target, never one of probability 0
+    drawn = torch.searchsorted(cdf.nan_to_num(nan=0.0), u.unsqueeze(1) * total, right=True).squeeze(1)
+    drawn = torch.where(total.squeeze(1) > 0, drawn.clamp(max=logits.shape[1] - 1), 0)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
 class CpuSampling(TorchSampling):
     name = "cpu"
     apply_top_k_top_p = staticmethod(apply_top_k_top_p_candidates)
+    sample_rows = staticmethod(sample_rows_inverse_cdf)
 
     @classmethod
     def unsupported_reason(cls, device: torch.device) -> str | None:

@@ -578,11 +578,11 @@ class TritonSampling(TritonKernel):
         return out
 
     @staticmethod
-    def exponential_race(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+    def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
                          seeds: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> [B] int64 drawn as sampling.exponential_race draws them, in one pass
-        over the logits (the noise made in registers, never stored), then one small kernel. Its
-        draws follow the same distribution as the reference's, from Philox streams of its own."""
+        """logits [B, V] -> [B] int64 by the exponential race of sampling.sample_rows, in one pass
+        over the logits (the noise made in registers from Philox streams, never stored), then one
+        small kernel: the reference's distribution, not its draws."""
         rows, vocab = logits.shape
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
         if not rows:
@@ -600,7 +600,7 @@ class TritonSampling(TritonKernel):
 
     @staticmethod
     def race_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
-        """seeds [B] -> [B, vocab] float32: the Exp(1) noise exponential_race draws with them."""
+        """seeds [B] -> [B, vocab] float32: the Exp(1) noise sample_rows draws with them."""
         out = torch.empty(len(seeds), vocab, dtype=torch.float32, device=seeds.device)
         if len(seeds) and vocab:
             block = min(ROW_BLOCK, next_power_of_2(vocab))

@@ -83,19 +83,19 @@ def row_seeds(generator: torch.Generator, batch: SamplingBatch) -> torch.Tensor:
 
 def draw_tokens(kernel, logits: torch.Tensor, batch: SamplingBatch, seeds: torch.Tensor) -> torch.Tensor:
     """(Penalised) logits [B, V] -> each row's token [B]: greedy rows their argmax, the others a
-    draw by the exponential race in log space with the row's seed (kernel.exponential_race), over
-    the logits (top-k / top-p leave -inf on the tokens they drop; they need the temperature
-    applied first) or, with min-p, which works on probabilities, over the log of the distribution
-    sampling_probs makes. kernel: the "sampling" selector choice."""
+    draw with the row's seed (kernel.sample_rows: on GPUs the exponential race in one pass, on
+    CPU by inverse CDF) over the logits (top-k / top-p leave -inf on the tokens they drop; they
+    need the temperature applied first) or, with min-p, which works on probabilities, over the
+    log of the distribution sampling_probs makes. kernel: the "sampling" selector choice."""
     temperature = batch.temperature
     if batch.min_p is not None:
         log_probs = sampling_probs(kernel, logits, batch).log()
-        drawn = kernel.exponential_race(log_probs, torch.ones_like(temperature), batch.greedy, seeds)
+        drawn = kernel.sample_rows(log_probs, torch.ones_like(temperature), batch.greedy, seeds)
         return torch.where(batch.greedy, logits.argmax(dim=-1), drawn)  # rounded probabilities may tie
     if batch.top_k is not None or batch.top_p is not None:
         logits = kernel.apply_top_k_top_p(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p)
         temperature = torch.ones_like(temperature)  # greedy rows' are 1: their argmax is unchanged
-    return kernel.exponential_race(logits, temperature, batch.greedy, seeds)
+    return kernel.sample_rows(logits, temperature, batch.greedy, seeds)
 
 
 class Sampler(nn.Module):

@@ -13,13 +13,13 @@ draft model's distribution, or one-hot at the draft for deterministic drafts); a
 draft the bonus token is drawn from p. The emitted tokens then follow the processed target
 distribution exactly, and a request with no drafts is sampled exactly as Sampler samples it.
 
-Randomness: per request one seed (drawn as Sampler draws a row's, `row_seeds`) whose Exp(1)
-noise row over the vocabulary (the sampling kernel's `race_noise`, the noise of its exponential
-race) serves its recovered tokens and its bonus token alike - a request emits only one of them, at
-a position fixed by its uniforms, so sharing the noise changes no distribution - and one uniform
-per draft. The bonus token is drawn by Sampler's own `draw_tokens` with that seed. A request with
-its own generator (batch.generators) draws both from it, seed first, so its tokens do not depend
-on the rest of the batch; the others draw from the sampler's.
+Randomness: per request one seed (drawn as Sampler draws a row's, `row_seeds`): its bonus token
+is drawn by Sampler's own `draw_tokens` with it, and its recovered tokens by an exponential race
+over the Exp(1) noise row the sampling kernel makes from it (`race_noise`: on GPUs the very noise
+of the bonus draw's race) - a request emits only one of them, at a position fixed by its
+uniforms, so drawing them from one seed changes no distribution - and one uniform per draft. A
+request with its own generator (batch.generators) draws both from it, seed first, so its tokens
+do not depend on the rest of the batch; the others draw from the sampler's.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class RejectionSampler(nn.Module):
         probs = sampling_probs(self.sampling_kernel, logits, batch, layout.row_request)  # [num_rows, V], unnormalised after min-p
         seeds, uniforms = self._draw(batch, layout, probs.device)
         bonus_token_ids = draw_tokens(self.sampling_kernel, logits[layout.last_row], batch, seeds)  # [B], as Sampler
-        noise = self.sampling_kernel.race_noise(seeds, probs.shape[1])  # [B, V]: the bonus draw's noise
+        noise = self.sampling_kernel.race_noise(seeds, probs.shape[1])  # [B, V], from the bonus draw's seeds
         draft_rows = probs[layout.draft_row]  # [num_drafts, V]
         draft_rows = draft_rows / draft_rows.sum(dim=-1, keepdim=True)  # p, compared with q
         drafts = draft_token_ids.unsqueeze(1)  # [num_drafts, 1]
