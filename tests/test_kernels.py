@@ -191,6 +191,12 @@ def test_every_decode_batch_size_maps_to_a_captured_graph(max_num_seqs):
     assert runner.padded_size(max_num_seqs + 1) is None  # larger batches run eagerly
 
 
+def test_capture_times_name_the_total_and_the_slowest_size():
+    from baryon.runner.cuda_graph import capture_times
+
+    assert capture_times({256: 0.5, 8: 2.0, 1: 0.25}) == "2.8 s (slowest: size 8, 2.0 s)"
+
+
 @pytest.mark.parametrize("kind", ["mixed", "decode"])
 def test_paged_attention_with_sinks_matches_dense(seed, kind):
     gen = torch.Generator().manual_seed(seed)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import time
 from collections.abc import Callable
 
 import torch
@@ -24,6 +25,12 @@ from baryon.logger import get_logger
 from baryon.runner.compilation import ModelForward
 
 logger = get_logger(__name__)
+
+
+def capture_times(seconds: dict[int, float]) -> str:
+    """'12.3 s (slowest: size 256, 1.2 s)' for the wall time each captured size took."""
+    slowest = max(seconds, key=seconds.get)
+    return f"{sum(seconds.values()):.1f} s (slowest: size {slowest}, {seconds[slowest]:.1f} s)"
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -67,10 +74,12 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
+        seconds = {}  # size -> its warm-up and capture, wall time (start-up diagnosis)
         gc.collect()
         gc.disable()  # a collection during capture could free tensors the graph uses
         try:
             for size in reversed(self.sizes):
+                start = time.perf_counter()
                 with forward_context(self._metadata(size)):
                     self._step(size)  # warm-up (autotune, allocations)
                     graph = torch.cuda.CUDAGraph()
@@ -78,10 +87,11 @@ class CUDAGraphRunner:
                         self._step(size)
                 pool = graph.pool()
                 self.graphs[size] = graph
+                seconds[size] = time.perf_counter() - start
         finally:
             gc.enable()
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %s", self.sizes, capture_times(seconds))
 
     def release(self) -> None:
         """Free the captured graphs. NCCL's process-group teardown waits forever on a graph that

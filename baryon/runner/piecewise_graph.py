@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.layers.attention import Attention, intercept_attention
 from baryon.layers.forward_context import forward_context
 from baryon.logger import get_logger
+from baryon.runner.cuda_graph import capture_times
 
 logger = get_logger(__name__)
 
@@ -92,20 +94,23 @@ class PiecewiseGraphRunner:
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        seconds = {}  # size -> its warm-up and capture, wall time (start-up diagnosis)
         gc.collect()
         gc.disable()  # a collection during capture could free tensors the graphs use
         try:
             for size in reversed(self.sizes):
+                start = time.perf_counter()
                 with forward_context(self._warmup_metadata(size)):
                     self.model(self.input_ids[:size], self.positions[:size])  # warm-up
                 torch.cuda.synchronize(self.device)
                 with torch.cuda.stream(stream):
                     self.captured[size] = self._capture_size(size, pool)
                 torch.cuda.synchronize(self.device)
+                seconds[size] = time.perf_counter() - start
         finally:
             gc.enable()
-        logger.info("captured piecewise CUDA graphs for steps of up to %s tokens (%d pieces each)",
-                    self.sizes, len(next(iter(self.captured.values())).graphs))
+        logger.info("captured piecewise CUDA graphs for steps of up to %s tokens (%d pieces each) in %s",
+                    self.sizes, len(next(iter(self.captured.values())).graphs), capture_times(seconds))
 
     def _capture_size(self, size: int, pool) -> _Captured:
         graphs, calls = [torch.cuda.CUDAGraph()], []
