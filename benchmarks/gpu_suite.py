@@ -9,6 +9,10 @@ in flight) and stops the server with SIGTERM.
     python benchmarks/gpu_suite.py --models qwen3-8b --variants bf16 "fp8:--quantization fp8" \
         "w4a16:--quantization w4a16" "fp8kv:--kv-cache-dtype fp8 --kv-cache-memory-gib 4.5"
 
+`--log-dir DIR` keeps every benchmark process's whole output (with BARYON_LOG_LEVEL=INFO, the
+engine's start-up lines: how long loading and each graph capture took); on the device machine
+`--log-dir $OUT/logs` brings them back even when the call is cut short.
+
 A variant is NAME[@TREE][:ENGINE FLAGS]: each model runs once per variant, labelled model/NAME;
 with @TREE its processes import baryon from the folder TREE (an older tree unpacked there, say by
 `git archive COMMIT baryon | tar -x -C before`), for A/B runs on one machine. `--repeats N` runs
@@ -108,8 +112,10 @@ def tree_process(tree: str) -> dict:
     return {"env": env, "cwd": tree}
 
 
-def run_one(model: str, workload: str, extra: list[str], timeout: int, process: dict | None = None) -> dict:
-    """One benchmark process (process: subprocess arguments of a variant's tree, tree_process)."""
+def run_one(model: str, workload: str, extra: list[str], timeout: int, process: dict | None = None,
+            log_path: str | None = None) -> dict:
+    """One benchmark process (process: subprocess arguments of a variant's tree, tree_process;
+    log_path: where its whole stdout and stderr go too)."""
     process = process or {}
     module, *flags = WORKLOADS[workload]
     server = None
@@ -123,6 +129,7 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
         cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **process)
+    stdout = stderr = ""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -134,6 +141,9 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
         kill_group(proc)  # what the benchmark left running
         if server is not None:
             stop_server(server)
+        if log_path is not None:
+            with open(log_path, "w") as log:
+                log.write(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"model": model, "workload": workload, "error": stderr.strip().splitlines()[-1:]}
@@ -152,6 +162,9 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=[""],
                         help="NAME[@TREE][:ENGINE FLAGS] each: run every model once per variant")
     parser.add_argument("--repeats", type=int, default=1, help="run the whole list this many times in turn")
+    parser.add_argument("--log-dir", default=None,
+                        help="keep each benchmark process's output in DIR/<model>-<variant>-<workload>-<repeat>.log "
+                             "(on the device: $OUT/logs; BARYON_LOG_LEVEL=INFO for the engine's start-up lines)")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     variants = []
@@ -164,7 +177,11 @@ def main() -> None:
         for model in args.models:
             for name, process, flags in variants:
                 for workload in args.workloads:
-                    result = run_one(model, workload, extra + flags, args.timeout, process)
+                    log_path = None
+                    if args.log_dir:
+                        os.makedirs(args.log_dir, exist_ok=True)
+                        log_path = os.path.join(args.log_dir, f"{model}-{name or 'default'}-{workload}-{repeat}.log")
+                    result = run_one(model, workload, extra + flags, args.timeout, process, log_path)
                     result["model"] = f"{model}/{name}" if name else model
                     result["repeat"] = repeat
                     print(json.dumps(result), flush=True)
