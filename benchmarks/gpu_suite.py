@@ -67,6 +67,7 @@ def start_server(model: str, extra: list[str], timeout: int, process: dict) -> s
         cmd += ["--load-format", "dummy", "--max-model-len", "4096"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                               **process)
+    _RUNNING.add(server)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -88,6 +89,17 @@ def stop_server(server: subprocess.Popen) -> None:
     kill_group(server)
 
 
+# The benchmark (and server) processes running now: each runs in a session of its own, so a
+# signal to the suite's process group does not reach them; the suite kills them when it is killed.
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def _stop_running(signum, frame) -> None:
+    for process in list(_RUNNING):
+        kill_group(process)
+    sys.exit(128 + signum)
+
+
 def kill_group(process: subprocess.Popen) -> None:
     """Kill a benchmark process with every process it started (engine processes, DP replicas),
     so that none is left holding a GPU's memory for the next variant."""
@@ -96,6 +108,7 @@ def kill_group(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait()
+    _RUNNING.discard(process)
 
 
 def tree_process(tree: str) -> dict:
@@ -129,6 +142,7 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
         cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **process)
+    _RUNNING.add(proc)
     stdout = stderr = ""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -166,6 +180,8 @@ def main() -> None:
                         help="keep each benchmark process's output in DIR/<model>-<variant>-<workload>-<repeat>.log "
                              "(on the device: $OUT/logs; BARYON_LOG_LEVEL=INFO for the engine's start-up lines)")
     args, extra = parser.parse_known_args()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a call cut short: leave no GPU held
+        signal.signal(signum, _stop_running)
     extra = [a for a in extra if a != "--"]
     variants = []
     for variant in args.variants:
