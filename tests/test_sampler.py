@@ -709,34 +709,42 @@ def assert_draws_follow_the_softmax(sample_rows, seed: int, rows: int, device=CP
     assert ((counts - rows * p).abs() <= 5 * sigma + 1e-9).all(), (counts.tolist(), (rows * p).tolist())
 
 
+def assert_draws_follow_their_seeds(sample_rows, seed: int, rows: int, vocab: int, device=CPU):
+    """Greedy rows give their argmax (first of a tie); a row with one finite logit gives it, one
+    with none token 0; a row's token depends on its seed and logits only (not on the other rows,
+    its place or its batch), and other seeds draw other tokens. Returns the inputs and the draw."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    temperature = torch.empty(rows).uniform_(0.3, 2.0, generator=gen)
+    greedy = torch.rand(rows, generator=gen) < 0.3
+    temperature[greedy] = 1.0
+    greedy[0] = True
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1
+    logits[1] = float("-inf")
+    logits[1, vocab // 2] = 0.0
+    logits[2] = float("-inf")
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen)
+    logits, temperature, greedy, seeds = (t.to(device) for t in (logits, temperature, greedy, seeds))
+    drawn = sample_rows(logits, temperature, greedy, seeds)
+    assert drawn[0] == 5 and drawn[1] == vocab // 2 and drawn[2] == 0
+    assert torch.equal(drawn[greedy], logits[greedy].argmax(dim=-1))
+    order = torch.randperm(rows, generator=gen).to(device)
+    assert torch.equal(sample_rows(logits[order], temperature[order], greedy[order], seeds[order]), drawn[order])
+    assert sample_rows(logits[3:4], temperature[3:4], greedy[3:4], seeds[3:4]).item() == drawn[3].item()
+    sampled = ~greedy
+    sampled[:3] = False
+    others = [sample_rows(logits, temperature, greedy, seeds + k)[sampled] for k in (1, 2, 3)]
+    assert any(not torch.equal(o, drawn[sampled]) for o in others)
+    return (logits, temperature, greedy, seeds), drawn
+
+
 @pytest.mark.parametrize("impl", ["torch", "cpu"])
 def test_sample_rows_follow_the_softmax_and_their_seeds(seed, impl):
     """The draw of each CPU implementation (torch: the exponential race, cpu: inverse CDF): the
-    softmax's frequencies; greedy rows' argmax (first of a tie); a row with one finite logit
-    gives it, one with none token 0; a row's token depends on its seed and logits only (not on
-    the other rows or its place), and other seeds draw other tokens."""
+    softmax's frequencies, and the seeds' and greedy rows' properties above."""
     from baryon.kernels.sampling import TorchSampling
     from baryon.kernels.sampling_cpu import CpuSampling
 
     sample_rows = {"torch": TorchSampling, "cpu": CpuSampling}[impl].sample_rows
     assert_draws_follow_the_softmax(sample_rows, seed, rows=4000)
-    gen = torch.Generator().manual_seed(seed)
-    rows, vocab = 16, 300
-    logits = torch.randn(rows, vocab, generator=gen) * 3
-    temperature = torch.empty(rows).uniform_(0.3, 2.0, generator=gen)
-    greedy = torch.rand(rows, generator=gen) < 0.3
-    greedy[0] = True
-    logits[0, 5] = logits[0, 9] = logits[0].max() + 1
-    logits[1] = float("-inf")
-    logits[1, 123] = 0.0
-    logits[2] = float("-inf")
-    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen)
-    drawn = sample_rows(logits, temperature, greedy, seeds)
-    assert drawn[0] == 5 and drawn[1] == 123 and drawn[2] == 0
-    assert torch.equal(drawn[greedy], logits[greedy].argmax(dim=-1))
-    order = torch.randperm(rows, generator=gen)
-    assert torch.equal(sample_rows(logits[order], temperature[order], greedy[order], seeds[order]), drawn[order])
-    sampled = ~greedy
-    sampled[:3] = False
-    others = [sample_rows(logits, temperature, greedy, seeds + k)[sampled] for k in (1, 2, 3)]
-    assert any(not torch.equal(o, drawn[sampled]) for o in others)
+    assert_draws_follow_their_seeds(sample_rows, seed, rows=16, vocab=300)

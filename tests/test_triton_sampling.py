@@ -244,41 +244,15 @@ def test_sampler_gives_the_same_tokens_with_either_kernel(seed, monkeypatch):
         assert not differing, f"step {step}: rows {differing} sampled other tokens"
 
 
-def _race_inputs(gen: torch.Generator, rows: int, vocab: int):
-    logits = torch.randn(rows, vocab, generator=gen) * 3
-    temperature = torch.empty(rows).uniform_(0.3, 2.0, generator=gen)
-    greedy = torch.rand(rows, generator=gen) < 0.3
-    temperature[greedy] = 1.0
-    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen)
-    return [t.to(DEVICE) for t in (logits, temperature, greedy, seeds)]
-
-
 def test_race_greedy_rows_take_the_argmax_and_draws_follow_their_seeds(seed, monkeypatch):
-    """The Triton race: greedy rows give the argmax (first of a tie); a row's draw depends on its
-    seed and logits only, not on the other rows, its place in the batch or the split layout; a row
-    whose every other token is -inf gives that token, a row of -inf only token 0 (as argmax)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows, vocab = 12, 700
-    logits, temperature, greedy, seeds = _race_inputs(gen, rows, vocab)
-    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie on a greedy row
-    greedy[0] = True
-    logits[1] = float("-inf")
-    logits[1, 333] = 0.0
-    logits[2] = float("-inf")
-    drawn = TritonSampling.sample_rows(logits, temperature, greedy, seeds)
-    assert drawn[0] == 5 and drawn[1] == 333 and drawn[2] == 0
-    assert torch.equal(drawn[greedy], logits[greedy].argmax(dim=-1))
-    order = torch.randperm(rows, generator=gen).to(DEVICE)
-    shuffled = TritonSampling.sample_rows(logits[order], temperature[order], greedy[order], seeds[order])
-    assert torch.equal(shuffled, drawn[order])
-    alone = TritonSampling.sample_rows(logits[3:4], temperature[3:4], greedy[3:4], seeds[3:4])
-    assert alone.item() == drawn[3].item()
-    # another split layout (more, shorter splits) draws the same tokens
+    """The Triton race has the seeds' and greedy rows' properties (tests/test_sampler.py), and
+    another split layout (more, shorter splits) draws the same tokens."""
+    from test_sampler import assert_draws_follow_their_seeds
+
+    inputs, drawn = assert_draws_follow_their_seeds(TritonSampling.sample_rows, seed, rows=12, vocab=700,
+                                                    device=DEVICE)
     monkeypatch.setattr(sampling_triton, "_split_layout", lambda r, v, d: (64, 128, -(-v // 128)))
-    assert torch.equal(TritonSampling.sample_rows(logits, temperature, greedy, seeds), drawn)
-    reseeded = TritonSampling.sample_rows(logits, temperature, torch.zeros_like(greedy), seeds + 1)
-    assert not torch.equal(reseeded, TritonSampling.sample_rows(logits, temperature,
-                                                                     torch.zeros_like(greedy), seeds))
+    assert torch.equal(TritonSampling.sample_rows(*inputs), drawn)
 
 
 def test_race_draws_follow_the_softmax(seed):

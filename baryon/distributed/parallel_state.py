@@ -211,12 +211,16 @@ def tp_gather_rows(x: torch.Tensor) -> torch.Tensor:
     [world * rows, width]: for a few rows of the model's dtype through the fused all-reduce's
     exchange kernel (GPUs), else the process group's all-gather."""
     world = tp_world_size()
-    if world == 1:
-        return x
+    return x if world == 1 else _gather(x, _TP_ALL_REDUCE, _TP_GROUP, world)
+
+
+def _gather(x: torch.Tensor, reducer: Kernel | None, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """Every rank's `x` stacked along dim 0 in rank order: in the reducer's one-kernel gather where
+    it serves x (decode rows on GPUs), else the group's all-gather."""
     x = x.contiguous()
-    if (gathered := _TP_ALL_REDUCE.gather(x)) is not None:
+    if reducer is not None and (gathered := reducer.gather(x)) is not None:
         return gathered
-    return _gather_rows(x, _TP_GROUP, world)
+    return _gather_rows(x, group, world)
 
 
 def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
@@ -251,10 +255,7 @@ def dp_rank() -> int:
 def dp_all_gather(x: torch.Tensor) -> torch.Tensor:
     """x: [tokens, hidden], the same shape on every replica -> [replicas * tokens, hidden],
     replica r's rows at r * tokens."""
-    x = x.contiguous()
-    if _DP_ALL_REDUCE is not None and (gathered := _DP_ALL_REDUCE.gather(x)) is not None:
-        return gathered
-    return _gather_rows(x, _DP_GROUP, dp_world_size())
+    return _gather(x, _DP_ALL_REDUCE, _DP_GROUP, dp_world_size())
 
 
 def dp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ class WorkerGroup:
         payload = pickle.dumps(config)
         try:
             for rank in range(1, world_size):
-                address = f"ipc://{group._socket_dir}/rank{rank}"
+                address = group._step_address(rank)
                 sock = group._context.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDHWM, 0)
                 sock.bind(address)
@@ -134,10 +134,14 @@ class WorkerGroup:
                     return
             time.sleep(_MONITOR_INTERVAL_S)
 
+    def _step_address(self, rank: int) -> str:
+        """The ZMQ address rank `rank` pulls its step plans from."""
+        return f"ipc://{self._socket_dir}/rank{rank}"
+
     def _reported_error(self, rank: int) -> tuple[str, str] | None:
         """(exception type, message) a worker that failed left behind (`report_failure`), if any."""
         try:
-            with open(_failure_path(f"{self._socket_dir}/rank{rank}"), "rb") as f:
+            with open(_failure_path(self._step_address(rank)), "rb") as f:
                 return pickle.load(f)
         except (OSError, pickle.UnpicklingError, EOFError):
             return None

@@ -68,8 +68,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size == 1:
             torch.mm(hidden_states, self.weight.t(), out=out)
             return
-        local = torch.mm(hidden_states, self.weight.t())  # [n, rows_per_rank]
-        out.copy_(tp_all_gather(local, dim=-1)[:, : self.vocab_size])
+        out.copy_(self._gathered(torch.mm(hidden_states, self.weight.t())))
 
     def local_logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's vocabulary slice of the logits into a preallocated buffer (the target's decode
@@ -79,9 +78,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's `local_logits_into` slice of n rows -> [n, vocab_size] float32."""
-        if self.tp_size == 1:
-            return local.float()
-        return tp_all_gather(local, dim=-1)[:, : self.vocab_size].float()
+        return self._gathered(local).float()
+
+    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
+        """[n, rows_per_rank] slices of every rank -> [n, vocab_size] (padding cut), their dtype."""
+        return local if self.tp_size == 1 else tp_all_gather(local, dim=-1)[:, : self.vocab_size]
 
     def argmax(self, local: torch.Tensor) -> torch.Tensor:
         """The greedy token of each row, the same on every rank: `local_logits_into`'s slice [n,

@@ -90,8 +90,8 @@ def draw_tokens(kernel, logits: torch.Tensor, batch: SamplingBatch, seeds: torch
     temperature = batch.temperature
     if batch.min_p is not None:
         log_probs = sampling_probs(kernel, logits, batch).log()
-        drawn = kernel.sample_rows(log_probs, torch.ones_like(temperature), batch.greedy, seeds)
-        return torch.where(batch.greedy, logits.argmax(dim=-1), drawn)  # rounded probabilities may tie
+        drawn = kernel.sample_rows(log_probs, torch.ones_like(temperature), torch.zeros_like(batch.greedy), seeds)
+        return torch.where(batch.greedy, logits.argmax(dim=-1), drawn)  # (rounded probabilities may tie)
     if batch.top_k is not None or batch.top_p is not None:
         logits = kernel.apply_top_k_top_p(logits / temperature.unsqueeze(1), batch.top_k, batch.top_p)
         temperature = torch.ones_like(temperature)  # greedy rows' are 1: their argmax is unchanged
