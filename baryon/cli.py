@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from baryon.engine_flags import add_engine_args, engine_kwargs
+from baryon.logger import dump_stacks_on_sigusr1
 
 # `baryon chat` samples like a chat UI by default (llama.cpp's temperature; nucleus 0.9); every
 # value can be overridden with the sampling flags.
@@ -153,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    dump_stacks_on_sigusr1()
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

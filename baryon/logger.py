@@ -1,7 +1,9 @@
 """The package logger: `baryon` messages go to stderr at INFO unless BARYON_LOG_LEVEL says otherwise."""
 
+import faulthandler
 import logging
 import os
+import signal
 
 _root = logging.getLogger("baryon")
 if not _root.handlers:
@@ -14,3 +16,9 @@ if not _root.handlers:
 
 def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name.startswith("baryon") else f"baryon.{name}")
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's Python stack to stderr (where a process waits:
+    start-up or step hangs; `benchmarks/gpu_suite.py --stack-dump-after` sends it)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

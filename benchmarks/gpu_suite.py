@@ -126,9 +126,10 @@ def tree_process(tree: str) -> dict:
 
 
 def run_one(model: str, workload: str, extra: list[str], timeout: int, process: dict | None = None,
-            log_path: str | None = None) -> dict:
+            log_path: str | None = None, stack_dump_after: int | None = None) -> dict:
     """One benchmark process (process: subprocess arguments of a variant's tree, tree_process;
-    log_path: where its whole stdout and stderr go too)."""
+    log_path: where its whole stdout and stderr go too; stack_dump_after: seconds after which a
+    process still running gets SIGUSR1, so that its processes print their Python stacks)."""
     process = process or {}
     module, *flags = WORKLOADS[workload]
     server = None
@@ -145,7 +146,14 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
     _RUNNING.add(proc)
     stdout = stderr = ""
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        if stack_dump_after is not None and stack_dump_after < timeout:
+            try:
+                stdout, stderr = proc.communicate(timeout=stack_dump_after)
+            except subprocess.TimeoutExpired:  # still running: every baryon process prints its stacks
+                os.killpg(proc.pid, signal.SIGUSR1)
+                stdout, stderr = proc.communicate(timeout=timeout - stack_dump_after)
+        else:
+            stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(proc)
         stdout, stderr = proc.communicate()
@@ -179,6 +187,9 @@ def main() -> None:
     parser.add_argument("--log-dir", default=None,
                         help="keep each benchmark process's output in DIR/<model>-<variant>-<workload>-<repeat>.log "
                              "(on the device: $OUT/logs; BARYON_LOG_LEVEL=INFO for the engine's start-up lines)")
+    parser.add_argument("--stack-dump-after", type=int, default=None,
+                        help="seconds: a benchmark still running then gets SIGUSR1 in its whole process group, "
+                             "and every baryon process prints its threads' stacks to stderr (see --log-dir)")
     args, extra = parser.parse_known_args()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a call cut short: leave no GPU held
         signal.signal(signum, _stop_running)
@@ -196,8 +207,10 @@ def main() -> None:
                     log_path = None
                     if args.log_dir:
                         os.makedirs(args.log_dir, exist_ok=True)
-                        log_path = os.path.join(args.log_dir, f"{model}-{name or 'default'}-{workload}-{repeat}.log")
-                    result = run_one(model, workload, extra + flags, args.timeout, process, log_path)
+                        label = os.path.basename(model.rstrip("/"))  # a preset, or a checkpoint folder's name
+                        log_path = os.path.join(args.log_dir, f"{label}-{name or 'default'}-{workload}-{repeat}.log")
+                    result = run_one(model, workload, extra + flags, args.timeout, process, log_path,
+                                     args.stack_dump_after)
                     result["model"] = f"{model}/{name}" if name else model
                     result["repeat"] = repeat
                     print(json.dumps(result), flush=True)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from baryon.bench.presets import PRESETS, resolve_model
+from baryon.logger import dump_stacks_on_sigusr1
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +34,7 @@ def build_llm(args: argparse.Namespace) -> tuple[Any, float]:
         if spec.get("model") in PRESETS:
             spec["model"] = resolve_model(spec["model"])
         kwargs["speculative_config"] = spec
+    dump_stacks_on_sigusr1()  # the suite's --stack-dump-after: where a slow start-up waits
     start = time.perf_counter()
     llm = LLM(**kwargs)
     return llm, time.perf_counter() - start

@@ -31,7 +31,7 @@ from baryon.config import EngineConfig
 from baryon.engine.core import EngineCore
 from baryon.engine.messages import (AbortRequests, AddRequests, EngineFailed, EngineOutputs, EngineReady,
                                     EngineStats, Shutdown, client_message_decoder, encoder)
-from baryon.logger import get_logger
+from baryon.logger import dump_stacks_on_sigusr1, get_logger
 
 logger = get_logger(__name__)
 
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers.configuration_utils  # noqa: F401
     import transformers.modeling_rope_utils  # noqa: F401
 
+    dump_stacks_on_sigusr1()
     pickled = sys.stdin.buffer.read()  # waits while the parent resolves the configuration
     if not pickled:
         return 0  # the server gave up before configuring the engine

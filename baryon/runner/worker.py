@@ -10,10 +10,8 @@ until told to stop. It exits by itself when the engine's process is gone.
 from __future__ import annotations
 
 import dataclasses
-import faulthandler
 import os
 import pickle
-import signal
 import sys
 
 import torch
@@ -22,7 +20,7 @@ import zmq
 from baryon.config import EngineConfig
 from baryon.distributed.parallel_state import destroy_distributed, init_distributed
 from baryon.distributed.worker_group import PROPOSE, STEP, STOP, backend_for, report_failure
-from baryon.logger import get_logger
+from baryon.logger import dump_stacks_on_sigusr1, get_logger
 from baryon.runner.model_runner import ModelRunner
 from baryon.runner.propose_plan import ProposePlan
 from baryon.runner.step_plan import StepPlan
@@ -82,7 +80,7 @@ def main(argv: list[str]) -> int:
               "(pickled EngineConfig on stdin)", file=sys.stderr)
         return 2
     config = pickle.loads(sys.stdin.buffer.read())
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where a worker waits
+    dump_stacks_on_sigusr1()
     try:
         return run_worker(config, int(argv[0]), int(argv[1]), argv[2], argv[3], int(argv[4]))
     except Exception as e:
