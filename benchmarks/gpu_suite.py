@@ -33,8 +33,10 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+import uuid
 
 WORKLOADS = {
     "latency-bs1": ["baryon.bench.latency", "--batch-size", "1"],
@@ -65,9 +67,7 @@ def start_server(model: str, extra: list[str], timeout: int, process: dict) -> s
            "--uvicorn-log-level", "warning", *extra]
     if model in PRESETS:  # random weights; the context length of the other workloads
         cmd += ["--load-format", "dummy", "--max-model-len", "4096"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                              **process)
-    _RUNNING.add(server)
+    server = launch(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **process)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and server.poll() is None:
         try:
@@ -100,15 +100,68 @@ def _stop_running(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
+# Every process a benchmark starts inherits this variable with the run's own value, so the suite
+# finds them all even after their parent died (an orphaned tensor-parallel worker is reparented,
+# and the engine-core processes run in sessions of their own).
+_MARK = "BARYON_GPU_SUITE_RUN"
+
+
+_MARKS: dict[subprocess.Popen, str] = {}
+
+
+def launch(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """Popen in a session of its own, marked (see _MARK) and counted as running."""
+    mark = uuid.uuid4().hex
+    env = dict(kwargs.pop("env", None) or os.environ)
+    env[_MARK] = mark
+    process = subprocess.Popen(cmd, start_new_session=True, env=env, **kwargs)
+    _MARKS[process] = mark
+    _RUNNING.add(process)
+    return process
+
+
+def marked(process: subprocess.Popen) -> list[int]:
+    """The benchmark process and every live process started under it (by their environment)."""
+    if process not in _MARKS:  # killed already
+        return []
+    mark = f"{_MARK}={_MARKS[process]}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
 def kill_group(process: subprocess.Popen) -> None:
-    """Kill a benchmark process with every process it started (engine processes, DP replicas),
-    so that none is left holding a GPU's memory for the next variant."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """Kill a benchmark process with every process it started (engine processes, DP replicas,
+    tensor-parallel workers), so that none is left holding a GPU's memory for the next variant."""
+    for pid in {process.pid, *marked(process)}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     process.wait()
     _RUNNING.discard(process)
+    _MARKS.pop(process, None)
+
+
+def dump_stacks(process: subprocess.Popen) -> None:
+    """SIGUSR1 to the benchmark and every process under it that handles it: each baryon process
+    prints its threads' Python stacks to stderr (baryon.logger.dump_stacks_on_sigusr1). Others
+    (one still importing, a compiler) are left alone: SIGUSR1 would end them."""
+    for pid in marked(process):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+            if caught >> (signal.SIGUSR1 - 1) & 1:
+                os.kill(pid, signal.SIGUSR1)
+        except (OSError, StopIteration):
+            pass
 
 
 def tree_process(tree: str) -> dict:
@@ -141,31 +194,35 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
         cmd = [sys.executable, "-m", module, *flags]
     else:
         cmd = [sys.executable, "-m", module, "--model", model, *flags, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            **process)
-    _RUNNING.add(proc)
-    stdout = stderr = ""
-    try:
-        if stack_dump_after is not None and stack_dump_after < timeout:
-            try:
-                stdout, stderr = proc.communicate(timeout=stack_dump_after)
-            except subprocess.TimeoutExpired:  # still running: every baryon process prints its stacks
-                os.killpg(proc.pid, signal.SIGUSR1)
-                stdout, stderr = proc.communicate(timeout=timeout - stack_dump_after)
-        else:
-            stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        stdout, stderr = proc.communicate()
+    # Output to files, not pipes: a process the benchmark left behind (an orphaned worker) would
+    # hold a pipe open, and reading it to its end would wait for that process.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = launch(cmd, stdout=out, stderr=err, text=True, **process)
+        timed_out = False
+        try:
+            if stack_dump_after is not None and stack_dump_after < timeout:
+                try:
+                    proc.wait(timeout=stack_dump_after)
+                except subprocess.TimeoutExpired:  # still running: every baryon process prints its stacks
+                    dump_stacks(proc)
+                    proc.wait(timeout=timeout - stack_dump_after)
+            else:
+                proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_group(proc)  # and what the benchmark left running
+            if server is not None:
+                stop_server(server)
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            if log_path is not None:
+                with open(log_path, "w") as log:
+                    log.write(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
+    if timed_out:
         return {"model": model, "workload": workload, "error": f"timed out after {timeout} s",
                 "stderr_tail": stderr.strip().splitlines()[-5:]}
-    finally:
-        kill_group(proc)  # what the benchmark left running
-        if server is not None:
-            stop_server(server)
-        if log_path is not None:
-            with open(log_path, "w") as log:
-                log.write(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"model": model, "workload": workload, "error": stderr.strip().splitlines()[-1:]}

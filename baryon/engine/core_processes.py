@@ -107,7 +107,8 @@ class EngineCoreProcesses:
             if index is not None:
                 by_replica.setdefault(index, []).append(request_id)
         for index, ids in by_replica.items():
-            self.replicas[index].send(AbortRequests(ids))
+            if self.replicas[index].exit_code() is None:  # a replica that died has nothing to abort
+                self.replicas[index].send(AbortRequests(ids))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.load)

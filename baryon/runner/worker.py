@@ -45,6 +45,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     steps = context.socket(zmq.PULL)
     steps.connect(step_address)
     runner = None
+    stopped = False  # told to stop: leave the process group in order (else the exit skips it)
     try:
         init_distributed(world_size, rank, init_method, backend_for(device),
                          config.parallel.enable_expert_parallel, config.model.dtype)
@@ -57,6 +58,7 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
                 continue
             kind, payload = steps.recv_multipart(copy=False)
             if kind.bytes == STOP:
+                stopped = True
                 return 0
             if kind.bytes == PROPOSE:
                 runner.run_propose(ProposePlan.decode(payload.buffer))
@@ -66,12 +68,16 @@ def run_worker(config: EngineConfig, rank: int, world_size: int, init_method: st
     finally:
         steps.close(linger=0)
         context.term()
-        try:
-            if runner is not None:
-                runner.release_cuda_graphs()  # before the process group goes (see CUDAGraphRunner.release)
-            destroy_distributed()
-        except Exception:
-            pass
+        # An orderly exit only when told to stop: after a failure (a device error, the engine's
+        # process gone) synchronizing or tearing down NCCL can wait for minutes on a dead peer or
+        # context, and the process exits with os._exit either way.
+        if stopped:
+            try:
+                if runner is not None:
+                    runner.release_cuda_graphs()  # before the process group goes (see CUDAGraphRunner.release)
+                destroy_distributed()
+            except Exception:
+                pass
 
 
 def main(argv: list[str]) -> int:
