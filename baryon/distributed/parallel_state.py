@@ -206,14 +206,6 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(gathered.unbind(0), dim=dim)
 
 
-def tp_gather_rows(x: torch.Tensor) -> torch.Tensor:
-    """Every tensor-parallel rank's x [rows, width] (the same shape on each) stacked in rank order
-    [world * rows, width]: for a few rows of the model's dtype through the fused all-reduce's
-    exchange kernel (GPUs), else the process group's all-gather."""
-    world = tp_world_size()
-    return x if world == 1 else _gather(x, _TP_ALL_REDUCE, _TP_GROUP, world)
-
-
 def _gather(x: torch.Tensor, reducer: Kernel | None, group: dist.ProcessGroup, world: int) -> torch.Tensor:
     """Every rank's `x` stacked along dim 0 in rank order: in the reducer's one-kernel gather where
     it serves x (decode rows on GPUs), else the group's all-gather."""

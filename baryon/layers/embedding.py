@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_gather_rows, tp_rank, tp_world_size
+from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_world_size
 from baryon.layers.linear import copy_checked
 from baryon.quantization.base import DENSE, LinearMethod
 
@@ -97,7 +97,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         value, best = local.max(dim=-1, keepdim=True)  # [n, 1] each: the first largest of the slice
         places = self._digit_places(best.device)
         digits = ((best + self.vocab_start) // places % 256).to(local.dtype)  # [n, 3]
-        every = tp_gather_rows(torch.cat((value, digits), dim=1)).view(self.tp_size, -1, 4)  # [tp, n, 4]
+        # Through the process group's all-gather, not the fused all-reduce's exchange kernel: with
+        # that one (session 32) TP=2 engines on two H200s hung within their first steps (BENCHMARKS.md,
+        # 2026-11-27, session 33), and NCCL's collective also keeps the ranks' steps in line.
+        every = tp_all_gather(torch.cat((value, digits), dim=1), dim=0).view(self.tp_size, -1, 4)  # [tp, n, 4]
         winner = every[:, :, 0].argmax(dim=0)  # [n]: the first rank holding the row's largest logit
         chosen = every.gather(0, winner.view(1, -1, 1).expand(1, -1, 4))[0, :, 1:]  # [n, 3]
         return (chosen.long() * places).sum(dim=1)
