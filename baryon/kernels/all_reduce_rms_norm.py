@@ -193,9 +193,11 @@ if triton is not None:
         # A persistent grid (at most one program per multiprocessor, all resident at once), and
         # each program sends its row before it waits for the peers': no program waits on one that
         # cannot start. Launched without programmatic dependent launch, unlike the decode step's
-        # other kernels: with it (session 32), TP=2 engines on two H200s hung in their first steps
-        # in 5 of 7 runs (both ranks' waits giving up after MAX_POLLS), without it in none of 8;
-        # the cause was not found (BENCHMARKS.md, 2026-11-27, session 33).
+        # other kernels, as before session 32: TP=2 engines on two H200s hung in their first steps
+        # while greedy steps exchanged their tokens through `exchange_rows`, with PDL here (5 of 8
+        # runs) and without it (both batch-64 runs of 6); both runs without that exchange (batch
+        # 1, PDL on) finished, and the LM head no longer uses it. PDL here waits for a matched
+        # TP=2 run (BENCHMARKS.md, 2026-11-27, session 33).
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
         dtype = x.dtype.element_ty
