@@ -309,3 +309,74 @@ def test_compiled_wait_for_a_missing_peer_ends_in_an_error(how):
 
     child = subprocess.run([sys.executable, "-c", _GIVE_UP_CHILD, how], capture_output=True, text=True, timeout=120)
     assert "GAVE UP" in child.stdout, child.stdout + child.stderr
+
+
+_COMPILE_FOR_SM90 = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from baryon.kernels import all_reduce_rms_norm as module
+
+kernel = getattr(module, sys.argv[1])
+hidden, warps = int(sys.argv[2]), int(sys.argv[3])
+constexprs = dict(HIDDEN=hidden, BLOCK=module.next_power_of_2(hidden), SLOT_ROWS=module.FUSED_MAX_ROWS,
+                  ROW_STRIDE=module.FUSED_MAX_HIDDEN, RANK=0, WORLD=2, SENTINEL=-32768, BITS=16, ASM=True,
+                  PDL=True, NORM=sys.argv[4] == "norm")
+if "GATHER" in kernel.arg_names:
+    constexprs["GATHER"] = True
+pointers = {"x", "out", "residual", "weight", "residual_out"}
+types = {"buffers": "*i64", "counters": "*i32", "abort_addr": "i64", "eps": "fp32"}
+signature = {name: "constexpr" if name in constexprs else "*bf16" if name in pointers else types.get(name, "i32")
+             for name in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps})
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+def _compiled_ptx(kernel: str, hidden: int, warps: int, norm: bool) -> str:
+    """The kernel compiled for an H100 (sm_90) without a GPU, in a process of its own (the tests
+    run Triton's interpreter): its PTX."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, kernel, str(hidden), str(warps),
+                           "norm" if norm else "plain"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def _sentinel_stores_without_barrier(ptx: str) -> int:
+    """Stores of the sentinel into a polled row that no `bar.sync` separates from the poll (the
+    last volatile load before them)."""
+    lines = ptx.splitlines()
+    sentinel_registers = {line.split()[1].rstrip(",") for line in lines
+                          if line.strip().startswith("mov.b16") and line.strip().endswith("-32768;")}
+    unguarded, barrier_since_poll = 0, True
+    for line in lines:
+        text = line.strip()
+        if text.startswith("@") and "ld.volatile.global.b16" in text or text.startswith("ld.volatile.global.b16"):
+            barrier_since_poll = False
+        elif text.startswith("bar.sync"):
+            barrier_since_poll = True
+        elif "st.global.b16" in text and any(f"{{ {r} }}" in text for r in sentinel_registers):
+            unguarded += not barrier_since_poll
+    return unguarded
+
+
+@pytest.mark.skipif(triton is None, reason="triton is not installed")
+@pytest.mark.parametrize("hidden, warps", [(4, 4), (4096, 8)])
+def test_compiled_waits_claim_one_slot_and_clear_after_every_warp(hidden, warps):
+    """The compiled kernels (sm_90 PTX, no GPU needed) claim a row's slot with one atomic whose
+    value every thread shares, and put the sentinel back only after a barrier: a 4-wide row (the
+    argmax exchange's) is held whole by every warp and each warp ends its wait on its own, so
+    without the barrier a slower warp read the sentinel a faster one had restored and never
+    finished (session 32's TP=2 hangs)."""
+    for ptx in (_compiled_ptx("_exchange_kernel", hidden, warps, norm=False),
+                _compiled_ptx("_all_reduce_add_rms_norm_kernel", hidden, warps, norm=True)):
+        assert "atom.global.gpu.relaxed.add.u32" in ptx
+        assert "ld.volatile.global.b16" in ptx  # the polls this test reads around
+        assert _sentinel_stores_without_barrier(ptx) == 0

@@ -54,7 +54,8 @@ import torch.distributed as dist
 from baryon.kernels.all_reduce import (ONE_SHOT_MAX_BYTES, SymmMemOneShotAllReduce, all_reduce_reference,
                                       rendezvous)
 from baryon.kernels.norm import rms_norm_reference
-from baryon.kernels.triton_utils import INTERPRETED, multiprocessor_count, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import (INTERPRETED, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton,
+                                        wait_and_release)
 
 # Rows (decode batches) the fused kernel's buffers hold, and so the most it takes. Two H100s,
 # `benchmarks/all_reduce.py` (hidden 4096 bf16, graph-replayed, all-reduce + add + norm), fused /
@@ -105,9 +106,10 @@ if triton is not None:
 
     @triton.jit
     def _claim_slot(counters, row):
-        """This call's slot of row `row` (its call count, moved on, & 1)."""
-        epoch = tl.load(counters + row)
-        tl.store(counters + row, epoch + 1)
+        """This call's slot of row `row` (its call count, moved on, & 1). One atomic whose old value
+        every thread of the program gets: as a load by every thread and a store by one, a warp
+        that loaded after another's store took the other slot (and waited where no peer writes)."""
+        epoch = tl.atomic_add(counters + row, 1, sem="relaxed")
         return epoch & 1
 
     @triton.jit
@@ -147,6 +149,12 @@ if triton is not None:
             if polls % _ABORT_CHECK_POLLS == 0:
                 if tl.load(abort, volatile=True) != 0:  # the engine saw a rank die
                     polls = max_polls
+        # Every warp has its row before any puts the sentinel back: each warp decides its wait on
+        # its own (a row narrower than the program's threads is held whole by every warp, and
+        # the reduction above stays inside the warp), so a warp still polling would otherwise
+        # read the sentinel a faster warp restored and wait for a write that never comes (the
+        # TP=2 hangs of session 32's 4-wide argmax exchange).
+        tl.debug_barrier()
         tl.store(at, empty, mask=mask)
         return got, polls >= max_polls
 
@@ -186,18 +194,17 @@ if triton is not None:
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
                                         ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                         SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, NORM: tl.constexpr,
-                                        ASM: tl.constexpr):
+                                        ASM: tl.constexpr, PDL: tl.constexpr):
         """NORM: the sum, plus the residual, normalised (out) and the new residual (residual_out);
         else out = the sum alone. abort_addr: an int32 word in host memory the device can read
         (pinned); once it is nonzero a wait for a peer gives up at its next check."""
         # A persistent grid (at most one program per multiprocessor, all resident at once), and
         # each program sends its row before it waits for the peers': no program waits on one that
-        # cannot start. Launched without programmatic dependent launch, unlike the decode step's
-        # other kernels, as before session 32: TP=2 engines on two H200s hung in their first steps
-        # while greedy steps exchanged their tokens through `exchange_rows`, with PDL here (5 of 8
-        # runs) and without it (both batch-64 runs of 6); both runs without that exchange (batch
-        # 1, PDL on) finished, and the LM head no longer uses it. PDL here waits for a matched
-        # TP=2 run (BENCHMARKS.md, 2026-11-27, session 33).
+        # cannot start. Under programmatic dependent launch the programs start during the
+        # projection's tail and the next kernel's during this one's (it waits for every program
+        # here to end before it reads anything), so the reduction stays inside the decode step's
+        # chain of overlapped launches instead of breaking it twice.
+        wait_and_release(PDL)
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
         dtype = x.dtype.element_ty
@@ -229,7 +236,7 @@ if triton is not None:
                          HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
                          ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                          SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, GATHER: tl.constexpr,
-                         NORM: tl.constexpr, ASM: tl.constexpr):
+                         NORM: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """The all-reduce kernel's push-and-poll exchange for DP attention, over `rows` rows a rank
         (each row i counted in counters[i]):
         GATHER: out[r * rows + i] = rank r's x[i] (x [rows, hidden], out [world * rows, hidden]);
@@ -238,6 +245,7 @@ if triton is not None:
         NORM (reduce-scatter only): of the first norm_rows rows (this replica's tokens, the rest
         padding) the sum plus the residual, normalised, into out and the new residual into
         residual_out ([norm_rows, hidden] both); the padding rows are exchanged, not stored."""
+        wait_and_release(PDL)  # as in the all-reduce kernel
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
         itype = tl.int16 if BITS == 16 else tl.int32
@@ -325,7 +333,7 @@ def _launch_exchange(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor 
         residual.stride(0) if norm else 0, residual_out.stride(0) if norm else 0, eps,
         HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
         RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
-        GATHER=gather, NORM=norm, ASM=not INTERPRETED, num_warps=8 if hidden >= 4096 else 4)
+        GATHER=gather, NORM=norm, ASM=not INTERPRETED, num_warps=8 if hidden >= 4096 else 4, **pdl_launch(x.device))
 
 
 def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
@@ -350,7 +358,7 @@ def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         residual_out.stride(0) if norm else 0, eps,
         HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
         RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
-        NORM=norm, ASM=not INTERPRETED, num_warps=num_warps)
+        NORM=norm, ASM=not INTERPRETED, num_warps=num_warps, **pdl_launch(x.device))
     return out, residual_out
 
 

@@ -97,9 +97,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         value, best = local.max(dim=-1, keepdim=True)  # [n, 1] each: the first largest of the slice
         places = self._digit_places(best.device)
         digits = ((best + self.vocab_start) // places % 256).to(local.dtype)  # [n, 3]
-        # Through the process group's all-gather, not the fused all-reduce's exchange kernel: with
-        # that one (session 32) TP=2 engines on two H200s hung within their first steps (BENCHMARKS.md,
-        # 2026-11-27, session 33), and NCCL's collective also keeps the ranks' steps in line.
+        # Through the process group's all-gather. Session 32 sent these rows through the fused
+        # all-reduce's exchange kernel, and TP=2 engines on two H200s hung in their first steps:
+        # at 4 columns every warp of the kernel held the whole row and ended its wait on its own,
+        # so a slower warp could read the sentinel a faster one had put back (fixed since in
+        # `_receive`, with the slot claim's race; BENCHMARKS.md, 2026-11-27, session 33). The
+        # kernel returns here once the fix has run on GPUs.
         every = tp_all_gather(torch.cat((value, digits), dim=1), dim=0).view(self.tp_size, -1, 4)  # [tp, n, 4]
         winner = every[:, :, 0].argmax(dim=0)  # [n]: the first rank holding the row's largest logit
         chosen = every.gather(0, winner.view(1, -1, 1).expand(1, -1, 4))[0, :, 1:]  # [n, 3]
