@@ -560,3 +560,51 @@ def test_one_shot_all_reduce_on_two_gpus(seed):
     hands messages past its buffer to NCCL; the all-reduce fused with the residual add and
     RMSNorm equals the two done one after the other, also replayed."""
     run_in_ranks(_all_reduce_rank, 2, seed, timeout_s=180)
+
+def _narrow_rows_rank(rank: int, world: int, init_method: str, seed: int) -> None:
+    """A spawned rank: thousands of fused all-reduces + norms interleaved with gathers of 4-wide
+    rows (the TP argmax's shape: narrower than a program's threads) through the exchange kernel,
+    each rank now and then a random moment late, so that rows arrive while a program's warps
+    poll; every result checked against NCCL at the end of each round."""
+    import torch.distributed as dist
+
+    from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce, all_reduce_add_rms_norm_reference
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=device)
+    try:
+        reducer = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
+        assert isinstance(reducer, SymmMemFusedAllReduce), "symmetric memory could not be set up"
+        generator = torch.Generator().manual_seed(seed + rank)
+        delays = torch.Generator().manual_seed(seed * 7 + rank)
+        weight = torch.randn(1000, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
+        for round_ in range(40):
+            rows = (1, 3, 16, 64, 256)[round_ % 5]
+            sums, gathers, inputs = [], [], []
+            for _ in range(50):
+                x = torch.randn(rows, 1000, generator=generator).to(device, torch.bfloat16)
+                narrow = torch.randn(rows, 4, generator=generator).to(device, torch.bfloat16)
+                if torch.rand((), generator=delays) < 0.3:  # arrive late, mid-poll of the peer's warps
+                    torch.cuda._sleep(int(torch.randint(1, 20000, (), generator=delays)))
+                sums.append(reducer.add_rms_norm(x, x, weight, 1e-6)[1])
+                gathers.append(reducer.gather(narrow))
+                inputs.append((x, narrow))
+            for (x, narrow), summed, gathered in zip(inputs, sums, gathers):
+                parts = [torch.empty_like(x) for _ in range(world)]
+                dist.all_gather(parts, x)
+                expected = all_reduce_add_rms_norm_reference(parts, x, weight, 1e-6)[1]
+                torch.testing.assert_close(summed, expected, rtol=0, atol=0)
+                narrows = [torch.empty_like(narrow) for _ in range(world)]
+                dist.all_gather(narrows, narrow)
+                assert torch.equal(gathered, torch.cat(narrows))
+    finally:
+        dist.destroy_process_group()
+
+
+@two_gpus
+def test_narrow_exchanges_between_all_reduces_on_two_gpus(seed):
+    """4-wide rows through the exchange kernel between fused all-reduces, 2,000 of each with
+    random lateness: all complete and equal NCCL's (session 32's TP argmax exchange hung here:
+    a program's warps ended their waits one by one and a late one read a restored sentinel)."""
+    run_in_ranks(_narrow_rows_rank, 2, seed, timeout_s=300)
