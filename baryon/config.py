@@ -91,6 +91,10 @@ class EngineArgs:
         False, "MoE models: divide the experts among the tensor-parallel ranks instead of splitting every "
                "expert's intermediate size; with data_parallel_size > 1, among the replicas (DP attention: "
                "each replica runs attention on its own requests, every MoE layer runs over all replicas' tokens)")
+    watchdog_timeout: float = _arg(
+        300.0, "Several GPUs (tensor parallelism, DP attention): seconds a step may take before the engine "
+               "gives up on it as hung (a rank waiting for a peer that never comes): every rank prints its "
+               "stacks, the waits are released and the engine fails with an error instead of hanging")
     engine_process: bool | None = _arg(
         None, "Offline API (LLM, baryon generate/chat): run the engine core (scheduler, model runner) in a process "
               "of its own, so that tokenizing and detokenizing here overlap its steps; default: on a GPU (in this "
@@ -228,6 +232,7 @@ class ParallelConfig:
     data_parallel_attention: bool = False
     data_parallel_rank: int = 0
     data_parallel_init_method: str | None = None
+    watchdog_timeout_s: float = 300.0  # a step of a multi-GPU engine that takes longer fails it (step_watchdog.py)
 
 
 @dataclass
@@ -350,6 +355,10 @@ def _check_user_values(args: EngineArgs) -> None:
     if args.cpu_threads is not None and args.cpu_threads < 1:
         raise ValueError(f"cpu_threads={args.cpu_threads} is invalid: it must be >= 1 (or unset: every core "
                          f"this process may run on, {available_cores()} here).")
+    if isinstance(args.watchdog_timeout, bool) or not isinstance(args.watchdog_timeout, (int, float)) \
+            or not 0 < args.watchdog_timeout < float("inf"):
+        raise ValueError(f"watchdog_timeout={args.watchdog_timeout!r} is invalid: it must be a number of seconds > 0 "
+                         f"(default 300).")
     if args.kv_cache_memory_gib is not None and not args.kv_cache_memory_gib > 0:
         raise ValueError(f"kv_cache_memory_gib={args.kv_cache_memory_gib} is invalid: it must be > 0.")
     if args.load_format not in LOAD_FORMATS:
@@ -493,7 +502,7 @@ def _resolve_parallel(args: EngineArgs, device: torch.device, compilation: Compi
                              f"share the experts) does not support {', '.join(unsupported)} yet")
     return ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp,
                           enable_expert_parallel=bool(args.enable_expert_parallel),
-                          data_parallel_attention=dp_attention)
+                          data_parallel_attention=dp_attention, watchdog_timeout_s=float(args.watchdog_timeout))
 
 
 def is_moe(hf_config: Any) -> bool:

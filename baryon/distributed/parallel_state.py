@@ -118,12 +118,13 @@ def abort_distributed() -> None:
             dist.destroy_process_group()
 
 
-def release_tp_waits() -> None:
-    """A tensor-parallel rank died: the all-reduce kernels polling for its rows give up (aborting
-    the process group releases NCCL's collectives, not those). DP-attention replicas have no such
-    monitor: their exchanges give up after EXCHANGE_MAX_POLLS reads."""
-    if _TP_ALL_REDUCE is not None:
-        _TP_ALL_REDUCE.release_waits()
+def release_waits() -> None:
+    """A rank died or a step hangs: the all-reduce and exchange kernels polling for a peer's rows
+    give up (aborting the process group releases NCCL's collectives, not those), tensor-parallel
+    and DP-attention ones alike."""
+    for reducer in (_TP_ALL_REDUCE, _DP_ALL_REDUCE):
+        if reducer is not None:
+            reducer.release_waits()
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None, dtype: torch.dtype | None) -> None:

@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from baryon.config import free_port
-from baryon.distributed.parallel_state import abort_distributed, destroy_distributed, init_distributed, release_tp_waits
+from baryon.distributed.parallel_state import abort_distributed, destroy_distributed, init_distributed, release_waits
 from baryon.logger import get_logger
 
 logger = get_logger(__name__)
@@ -129,7 +129,7 @@ class WorkerGroup:
                     self.failure = (f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}; the engine "
                                     f"cannot continue without it{why}")
                     logger.error(self.failure)
-                    release_tp_waits()
+                    release_waits()
                     abort_distributed()
                     return
             time.sleep(_MONITOR_INTERVAL_S)
@@ -159,6 +159,12 @@ class WorkerGroup:
         if starting and self.worker_error is not None and self.worker_error[0] == "ValueError":
             raise ValueError(self.worker_error[1])
         raise WorkerDiedError(self.failure)
+
+    def dump_stacks(self) -> None:
+        """Every live worker prints its threads' Python stacks to stderr (SIGUSR1)."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGUSR1)
 
     def send_step(self, payload: bytes) -> None:
         for sock in self._sockets:

@@ -37,6 +37,7 @@ from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewis
 from baryon.runner.propose_plan import ProposePlan, ProposeReceiver, ProposeSender
 from baryon.runner.sampling_inputs import build_sampling_batch
 from baryon.runner.step_plan import StepPlan
+from baryon.runner.step_watchdog import StepWatchdog
 from baryon.spec_decode.factory import build_proposer
 from baryon.spec_decode.rejection_sampler import RejectionSampler
 from baryon.structured_output.step_masks import PendingMask, StepMasks
@@ -49,7 +50,7 @@ logger = get_logger(__name__)
 MAX_VERIFY_GRAPH_TOKENS = 512
 
 # How often a wait for a step checks that the worker processes are alive (seconds).
-_HEALTH_CHECK_INTERVAL_S = 0.01
+_WATCH_INTERVAL_S = 0.01
 
 # (token ids [k+1], logprobs [k+1], rank of the first id): one position's logprobs, the token
 # that was sampled (or, for prompt logprobs, the actual next prompt token) first.
@@ -106,6 +107,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.workers: WorkerGroup | None = None  # set once every rank has built its runner (below)
+        self.watchdog: StepWatchdog | None = None  # the same
         self.is_first_rank = tp_rank() == 0
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
@@ -155,6 +157,9 @@ class ModelRunner:
         # Until here every rank ran the same profiling and capture steps on its own; from now
         # on rank 0 plans each step and the workers run its plans.
         self.workers = workers
+        # Rank 0 of an engine whose steps wait for other GPUs gives up on a step that hangs.
+        multi_gpu = self.device.type == "cuda" and (workers is not None or config.parallel.data_parallel_attention)
+        self.watchdog = StepWatchdog(config.parallel.watchdog_timeout_s, workers) if multi_gpu else None
 
     def cuda_graph_sizes(self) -> list[int]:
         """The decode batch sizes to capture (empty: no CUDA graphs)."""
@@ -302,7 +307,7 @@ class ModelRunner:
         batch = self._upload(plan)
         rows = plan.logit_rows
         sampling_ids = [r.request_id for r in sampling.sampling_requests] if self.is_first_rank else []
-        step = LaunchedStep(sampling_ids, self.workers.check if self.workers is not None else None)
+        step = LaunchedStep(sampling_ids, self.watchdog)
         observe = getattr(self.proposer, "observe", None)  # a draft that reads the target's hidden states
         # The decode graph this step replays (None: it runs eagerly); with DP attention the agreed one.
         graph_size = dp_step.graph_size if dp_step is not None else \
@@ -626,9 +631,9 @@ class LaunchedStep:
     next launch, or reading this step's results), so that its masks fill meanwhile.
     """
 
-    def __init__(self, sampling_request_ids: list[str], health_check: Callable[[], None] | None = None) -> None:
+    def __init__(self, sampling_request_ids: list[str], watchdog: StepWatchdog | None = None) -> None:
         self.request_ids = sampling_request_ids
-        self._health_check = health_check
+        self._watchdog = watchdog  # a multi-GPU engine's: waits poll and ask it (dead workers, hangs)
         self.row_of = {rid: i for i, rid in enumerate(sampling_request_ids)}
         self.sampled_device: torch.Tensor | None = None  # [num_sampled] int64
         self.logprob_counts: list[int | None] = []
@@ -673,15 +678,16 @@ class LaunchedStep:
             self._event.record()
 
     def _wait(self) -> None:
-        if self._health_check is None:
+        if self._watchdog is None:
             self._event.synchronize()
             return
-        last_check = time.monotonic()
+        start = last_check = time.monotonic()
         while not self._event.query():
-            if time.monotonic() - last_check > _HEALTH_CHECK_INTERVAL_S:
-                self._health_check()
-                last_check = time.monotonic()
-                time.sleep(0)  # let the monitor thread run
+            now = time.monotonic()
+            if now - last_check > _WATCH_INTERVAL_S:
+                self._watchdog.check(now - start)
+                last_check = now
+                time.sleep(0)  # let the worker monitor's thread run
 
     def pending_tokens(self, requests: list[Request]) -> list[int | None]:
         """For each request, the last token this step sampled for it where the request's output
