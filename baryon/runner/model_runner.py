@@ -49,7 +49,7 @@ logger = get_logger(__name__)
 # of up to this many draft + last tokens replay them).
 MAX_VERIFY_GRAPH_TOKENS = 512
 
-# How often a wait for a step checks that the worker processes are alive (seconds).
+# How often a multi-GPU engine's wait for a step asks its watchdog (dead workers, hangs), seconds.
 _WATCH_INTERVAL_S = 0.01
 
 # (token ids [k+1], logprobs [k+1], rank of the first id): one position's logprobs, the token
