@@ -441,6 +441,27 @@ def test_dp_attention_exchanges_on_two_gpus(seed):
     run_in_ranks(_dp_exchange_rank, 2, seed, timeout_s=180)
 
 
+def _join_nccl(rank: int, world: int, init_method: str) -> torch.device:
+    """A spawned rank joins the NCCL group on its own GPU, which it returns."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=device)
+    return device
+
+
+def _fused_reducer(device: torch.device):
+    """The fused all-reduce over the whole group, bf16 (symmetric memory must set up)."""
+    import torch.distributed as dist
+
+    from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce
+
+    reducer = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
+    assert isinstance(reducer, SymmMemFusedAllReduce), "symmetric memory could not be set up"
+    return reducer
+
+
 def _all_reduce_rank(rank: int, world: int, init_method: str, seed: int) -> None:
     """A spawned rank: the symmetric-memory all-reduces over fresh random inputs, eager and
     replayed from a CUDA graph, against the float32 sum of the gathered inputs."""
@@ -451,12 +472,9 @@ def _all_reduce_rank(rank: int, world: int, init_method: str, seed: int) -> None
                                                     all_reduce_add_rms_norm_reference)
 
     graphs = []  # freed before the process group goes (NCCL's teardown waits on live graphs)
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=device)
+    device = _join_nccl(rank, world, init_method)
     try:
-        reducer = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
-        assert isinstance(reducer, SymmMemFusedAllReduce), "symmetric memory could not be set up"
+        reducer = _fused_reducer(device)
         shared = torch.Generator().manual_seed(seed)  # what every rank holds alike: residual, weight
         generator = torch.Generator().manual_seed(seed + rank)
         hidden = 1000  # not a multiple of 16 bytes' worth of a vector
@@ -568,14 +586,11 @@ def _narrow_rows_rank(rank: int, world: int, init_method: str, seed: int) -> Non
     poll; every result checked against NCCL at the end of each round."""
     import torch.distributed as dist
 
-    from baryon.kernels.all_reduce_rms_norm import SymmMemFusedAllReduce, all_reduce_add_rms_norm_reference
+    from baryon.kernels.all_reduce_rms_norm import all_reduce_add_rms_norm_reference
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=device)
+    device = _join_nccl(rank, world, init_method)
     try:
-        reducer = SymmMemFusedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
-        assert isinstance(reducer, SymmMemFusedAllReduce), "symmetric memory could not be set up"
+        reducer = _fused_reducer(device)
         generator = torch.Generator().manual_seed(seed + rank)
         delays = torch.Generator().manual_seed(seed * 7 + rank)
         weight = torch.randn(1000, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
