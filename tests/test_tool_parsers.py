@@ -195,6 +195,41 @@ def test_unicode_arguments_survive_as_written():
     assert TOOL_PARSERS["mistral"]().parse(raw).tool_calls[0].arguments == '{"text":  "Grüße 🌧"}'
 
 
+# Arguments as a model may write them, which decoding and re-encoding would change or break: a
+# number past float64, NaN, digits beyond a double's, no spaces, a repeated key, and a JSON escape
+# of a lone surrogate (which no UTF-8 response can carry once decoded).
+RAW_ARGUMENTS = ['{"a": 1e400}', '{"a": NaN}', '{"a": 0.10000000000000000001}', '{"a":1,"b" :[ 2 ]}',
+                 '{"a": 1, "a": 2}', '{"a": "\\ud800"}', '{"a": "\\u00e9", "b": "\\""}']
+
+
+def _raw_replies(name: str, arguments: str) -> dict[str, str]:
+    """One call of `name` with `arguments` (JSON text) in each JSON-object format."""
+    call = '{"name": "%s", "arguments": %s}' % (name, arguments)
+    return {"hermes": f"<tool_call>\n{call}\n</tool_call>", "llama3_json": call,
+            "mistral": f"[TOOL_CALLS][{call}, {call}]"}
+
+
+@pytest.mark.parametrize("arguments", RAW_ARGUMENTS)
+def test_arguments_are_kept_as_the_model_wrote_them(seed, arguments):
+    rng = random.Random(seed)
+    for parser_name, reply in _raw_replies("f", arguments).items():
+        parsed = TOOL_PARSERS[parser_name]().parse(reply)
+        assert [call.arguments for call in parsed.tool_calls] in ([arguments], [arguments] * 2), parser_name
+        for call in parsed.tool_calls:
+            call.arguments.encode("utf-8")  # sendable
+        _, streamed = reassemble(stream_in_pieces(TOOL_PARSERS[parser_name](), reply, rng))
+        assert [call["arguments"] for call in streamed] == [call.arguments for call in parsed.tool_calls]
+    # Arguments given as a string holding the object: that string, as before.
+    reply = '<tool_call>{"name": "f", "parameters": "{\\"a\\": 1}"}</tool_call>'
+    assert TOOL_PARSERS["hermes"]().parse(reply).tool_calls[0].arguments == '{"a": 1}'
+
+
+def test_a_name_that_cannot_be_sent_leaves_the_call_as_content():
+    for parser_name, reply in _raw_replies("f\\ud800", '{"a": 1}').items():
+        parsed = TOOL_PARSERS[parser_name]().parse(reply)
+        assert parsed.tool_calls == [] and parsed.content == reply, parser_name
+
+
 def test_a_call_is_sent_once_it_is_closed():
     parser = TOOL_PARSERS["hermes"]()
     reply = "Checking.\n" + hermes_call("get_weather", WEATHER) + "\nMore."

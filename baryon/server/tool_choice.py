@@ -23,7 +23,6 @@ call's arguments as written so far, the array's closed calls.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from baryon.sampling_params import StructuredOutputsParams
 from baryon.server.errors import bad_request
 from baryon.server.protocol import ChatCompletionRequest
 from baryon.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
-from baryon.server.tool_parsers.base import decode_json
+from baryon.server.tool_parsers.base import decode_json, member_spans
 from baryon.structured_output.grammar import check_spec
 
 # The arguments of a function that declares no parameters: any object.
@@ -167,24 +166,13 @@ class ConstrainedCallStream:
             if decoded is None:  # the next call is not closed yet (or the array is)
                 break
             value, end = decoded
-            arguments = _parameters_text(text, position, end)
-            if not isinstance(value, dict) or not isinstance(value.get("name"), str) or arguments is None:
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
+                    or "parameters" not in value:
                 break  # not a call (the grammar allows none; nothing is guessed)
-            call = ToolCall(value["name"], arguments)
+            call = ToolCall(value["name"], text[slice(*member_spans(text, position)["parameters"])])  # as written
             entries.append({"index": len(self.calls), "id": call.id, "type": "function",
                             "function": {"name": call.name, "arguments": call.arguments}})
             self.calls.append(call)
             position = end
         self._position = position
         return entries
-
-
-_PARAMETERS_KEY = re.compile(r'"parameters"\s*:\s*')
-
-
-def _parameters_text(text: str, start: int, end: int) -> str | None:
-    """The value of the "parameters" key of the call object text[start:end], as written (a key
-    cannot occur inside a string value: its quotes there are escaped)."""
-    key = _PARAMETERS_KEY.search(text, start, end)
-    decoded = decode_json(text, key.end()) if key is not None else None
-    return None if decoded is None else text[key.end():decoded[1]]

@@ -10,6 +10,7 @@ is reported once it is closed, and content stops before anything that may still 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -168,16 +169,69 @@ def arguments_text(text: str) -> str | None:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    return text if isinstance(value, dict) else None
+    return text if isinstance(value, dict) and _encodable(text) else None
 
 
-def call_from_object(value: Any) -> ToolCall | None:
-    """A call written as a JSON object {"name": ..., "arguments" (or "parameters"): {...}}; the
-    arguments may also be a string holding a JSON object. None when `value` is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def member_spans(text: str, start: int) -> dict[str, tuple[int, int]] | list[tuple[int, int]]:
+    """Where each top-level member of the JSON object or array at text[start] (valid JSON, as
+    decode_json found it) is written: {key: (start, end)} for an object (a repeated key: its last
+    value, as json.loads keeps), [(start, end), ...] for an array."""
+    is_object = text[start] == "{"
+    members: dict[str, tuple[int, int]] | list[tuple[int, int]] = {} if is_object else []
+    position = _JSON_SPACE.match(text, start + 1).end()
+    while text[position] not in "}]":
+        if is_object:
+            key, position = _DECODER.raw_decode(text, position)
+            position = _JSON_SPACE.match(text, _JSON_SPACE.match(text, position).end() + 1).end()  # past ':'
+        _, end = _DECODER.raw_decode(text, position)
+        if is_object:
+            members[key] = (position, end)
+        else:
+            members.append((position, end))
+        position = _JSON_SPACE.match(text, end).end()
+        if text[position] == ",":
+            position = _JSON_SPACE.match(text, position + 1).end()
+    return members
+
+
+def _encodable(text: str) -> bool:
+    """Whether `text` can be sent as UTF-8 (a JSON escape such as \\ud800 decodes to a lone
+    surrogate, which cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def calls_at(text: str, start: int) -> tuple[list[ToolCall | None] | ToolCall | None, int] | None:
+    """The JSON value written at text[start] read as a call ({"name": ..., "arguments" (or
+    "parameters"): {...}}: a ToolCall, None when the value is not one) or as an array of calls (a
+    list of ToolCall-or-None), and the position after it; None when no JSON value is complete
+    there. Arguments written as an object are kept exactly as the model wrote them (numbers,
+    escapes, spacing); written as a string, it must hold a JSON object."""
+    decoded = decode_json(text, start)
+    if decoded is None:
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    value, end = decoded
+    if isinstance(value, list):
+        return [_call(item, text, span[0]) for item, span in zip(value, member_spans(text, start))], end
+    return _call(value, text, start), end
+
+
+def _call(value: Any, text: str, start: int) -> ToolCall | None:
+    """The call whose JSON, written at text[start], decodes to `value` (see calls_at)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"] \
+            or not _encodable(value["name"]):
+        return None
+    key = "arguments" if "arguments" in value else "parameters" if "parameters" in value else None
+    if key is None:
+        return ToolCall(value["name"], "{}")
+    arguments = value[key]
     if isinstance(arguments, dict):
-        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-    text = arguments_text(arguments) if isinstance(arguments, str) else None
-    return ToolCall(value["name"], text) if text is not None else None
+        return ToolCall(value["name"], text[slice(*member_spans(text, start)[key])])
+    arguments = arguments_text(arguments) if isinstance(arguments, str) else None
+    return ToolCall(value["name"], arguments) if arguments is not None else None

@@ -10,18 +10,18 @@ content as written; so does an unclosed one at the end, unless its body is a who
 
 from __future__ import annotations
 
-import json
-
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, call_from_object, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, calls_at, undecided_tail
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _call_in(body: str) -> ToolCall | None:
-    try:
-        return call_from_object(json.loads(body))
-    except json.JSONDecodeError:
+    """The call a tag's body holds whole (JSON white space around it), else None."""
+    start = len(body) - len(body.lstrip(" \t\n\r"))
+    found = calls_at(body, start)
+    if found is None or isinstance(found[0], list) or body[found[1]:].strip(" \t\n\r"):
         return None
+    return found[0]
 
 
 class HermesToolParser(ToolParser):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, call_from_object, decode_json
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, calls_at
 
 _PYTHON_TAG = "<|python_tag|>"
 _SPACE = re.compile(r"\s*")
@@ -48,11 +48,11 @@ class Llama3JsonToolParser(ToolParser):
                 value_start = _SPACE.match(text, value_start + 1).end()
             if value_start == len(text):  # only separators so far
                 return Scan(items, len(text) if finished else position)
-            decoded = decode_json(text, value_start)
-            call = call_from_object(decoded[0]) if decoded else None
+            found = calls_at(text, value_start)
+            call = found[0] if found is not None and not isinstance(found[0], list) else None
             if call is None:  # the rest is content, once it is known not to be a call
-                if decoded is None and not finished:
+                if found is None and not finished:
                     return Scan(items, position)
                 return Scan(items, position, text[position:])
             items.append(call)
-            position = decoded[1]
+            position = found[1]

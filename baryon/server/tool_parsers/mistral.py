@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import re
 
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, call_from_object, decode_json, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, calls_at, decode_json, undecided_tail
 
 _CALLS, _ARGS, _CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _SPACE = re.compile(r"\s*")
 _NAME = re.compile(r"[\w.\-]+")
 
 
-def _array_calls(value: object) -> list[ToolCall] | None:
-    calls = [call_from_object(item) for item in value] if isinstance(value, list) and value else [None]
-    return None if None in calls else calls
+def _array_calls(calls: object) -> list[ToolCall] | None:
+    """calls_at's reading of an array, when it is a non-empty array of calls only."""
+    return calls if isinstance(calls, list) and calls and None not in calls else None
 
 
 def _named_call(region: str, name_start: int, closed: bool) -> tuple[ToolCall | None, int] | None:
@@ -51,10 +51,10 @@ def _read_calls(text: str, marker: int, finished: bool) -> tuple[list[ToolCall] 
     if region[after] != "[":
         named = _named_call(region, after, closed)
         return None if named is None else ([named[0]] if named[0] else None, named[1])
-    decoded = decode_json(region, after)
-    if decoded is None:
+    found = calls_at(region, after)
+    if found is None:
         return (None, len(region)) if closed else None
-    return _array_calls(decoded[0]), decoded[1]
+    return _array_calls(found[0]), found[1]
 
 
 class MistralToolParser(ToolParser):
