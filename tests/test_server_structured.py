@@ -90,6 +90,23 @@ def test_structured_outputs_extension_on_completions(client, seed):
     assert reply.choices[0].text in ("happy", "sad", "sleepy")
 
 
+def test_logprobs_of_tokens_a_grammar_rules_out_are_numbers(server, seed):
+    """top_logprobs past the tokens a grammar allows list ruled-out tokens (logprob -inf) as -9999.0
+    (vLLM's floor), never null, in both routes' shapes."""
+    k = random.Random(seed).randint(6, 12)
+    body = {"max_tokens": 4, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}}
+    chat = _post(server, "chat/completions", {**body, "messages": USER, "logprobs": True, "top_logprobs": k})
+    assert chat.status_code == 200, chat.text
+    positions = chat.json()["choices"][0]["logprobs"]["content"]
+    values = [p["logprob"] for p in positions] + [a["logprob"] for p in positions for a in p["top_logprobs"]]
+    completion = _post(server, "completions", {**body, "prompt": "The dog", "logprobs": k})
+    assert completion.status_code == 200, completion.text
+    logprobs = completion.json()["choices"][0]["logprobs"]
+    values += logprobs["token_logprobs"] + [v for top in logprobs["top_logprobs"] for v in top.values()]
+    assert all(isinstance(v, float) and -9999.0 <= v <= 0.0 for v in values), values
+    assert -9999.0 in values  # k is past the two choices' tokens: ruled-out ones are listed
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_returns_valid_calls(client, stream, seed):
     # One call: stories260K, a tiny model, would go on appending calls to an open array.

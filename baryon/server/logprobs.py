@@ -24,10 +24,19 @@ def token_text(token_id: int, entry: PositionLogprobs | None, tokenizer: Any | N
     return f"token_id:{token_id}"
 
 
+# What a logprob of -inf (a token a grammar or a penalty ruled out) is reported as: JSON has no
+# infinity, and null would read as "no logprob"; vLLM reports the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def reported(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def top_alternatives(entry: PositionLogprobs, top_n: int) -> list[tuple[int, float]]:
     """The top_n most likely (token id, logprob) of a position, most likely first."""
     ranked = sorted(entry.items(), key=lambda item: item[1].rank)
-    return [(token_id, lp.logprob) for token_id, lp in ranked if lp.rank <= top_n]
+    return [(token_id, reported(lp.logprob)) for token_id, lp in ranked if lp.rank <= top_n]
 
 
 @dataclass
@@ -44,7 +53,7 @@ class CompletionLogprobs:
             text = token_text(token_id, entry, self.tokenizer)
             chosen = entry.get(token_id) if entry else None
             tokens.append(text)
-            token_logprobs.append(None if chosen is None else chosen.logprob)
+            token_logprobs.append(None if chosen is None else reported(chosen.logprob))
             top_logprobs.append(None if entry is None else {
                 token_text(alt, entry, self.tokenizer): value for alt, value in top_alternatives(entry, self.top_n)})
             text_offset.append(self.offset)
@@ -61,6 +70,6 @@ def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], top_n: 
         for alt, value in top_alternatives(entry, top_n):
             alt_text = token_text(alt, entry, tokenizer)
             alternatives.append({"token": alt_text, "logprob": value, "bytes": list(alt_text.encode("utf-8"))})
-        content.append({"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode("utf-8")),
-                        "top_logprobs": alternatives})
+        content.append({"token": text, "logprob": reported(entry[token_id].logprob),
+                        "bytes": list(text.encode("utf-8")), "top_logprobs": alternatives})
     return {"content": content}
