@@ -69,6 +69,9 @@ class StructuredOutputsParams:
 
 # Strings a choice constraint may list (xgrammar compiles 1,024 in tens of milliseconds).
 MAX_CHOICES = 1024
+# Stop strings a request may list: each is searched for in every new piece of text (100,000 of
+# them held a server's output processing, /health included, for seconds; OpenAI takes 4).
+MAX_STOP_STRINGS = 1024
 # The sampler computes in float32: parameters it divides or multiplies by must stay finite and
 # nonzero there.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -176,6 +179,8 @@ class SamplingParams:
             raise bad("min_tokens", f"it must not exceed max_tokens={self.max_tokens}")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise bad("stop", "it must be a non-empty string or a list of non-empty strings")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise bad("stop", f"it lists {len(self.stop_strings)} strings; at most {MAX_STOP_STRINGS} are accepted")
         if any(unpaired_surrogate(s) is not None for s in self.stop_strings):
             raise bad("stop", "its strings must be valid Unicode (an unpaired UTF-16 surrogate is not)")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):

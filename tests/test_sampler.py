@@ -643,6 +643,7 @@ def test_no_logprobs_when_nobody_asks(seed):
     (dict(stop=["ok", ""]), "stop"),
     (dict(stop=["ok", "\udfff"]), "stop"),  # not Unicode: no tokenizer or UTF-8 encoder takes it
     (dict(stop=123), "stop"),  # not a string or a list: a ValueError too, not a TypeError
+    (dict(stop=[f"s{i}" for i in range(1025)]), "stop"),  # past MAX_STOP_STRINGS
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
     (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(structured_outputs={"bogus": 1}), "structured_outputs"),
