@@ -139,6 +139,50 @@ def test_invalid_specs_are_refused_by_name(llm, fields, message):
                      use_tqdm=False)
 
 
+# Schemas xgrammar 0.2.8 accepted and did not follow (a server fuzzing pass, session 33: each let
+# the engine write a value the schema forbids) and regexes with constructs it ignores.
+UNFOLLOWED = [
+    ({"json": {"type": "number", "multipleOf": 0.5}}, "'multipleOf'"),
+    ({"json": {"type": "integer", "multipleOf": 7, "minimum": 0}}, "'multipleOf'"),
+    ({"json": {"type": "object", "required": ["x"]}}, "'required' naming 'x'"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}},
+     "'required' naming 'b'"),
+    ({"json": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}, "'minLength' / 'maxLength'"),
+    ({"json": {"type": "string", "format": "email", "minLength": 5}}, "'minLength' / 'maxLength'"),
+    ({"json": {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}}, "'if'"),
+    ({"json": {"type": "string", "const": "a", "enum": ["b"]}}, "'const' together with 'enum'"),
+    ({"json": {"enum": [1, "a"], "type": "string"}}, "'enum' / 'const' values"),
+    ({"json": {"const": 5, "type": "string"}}, "'enum' / 'const' values"),
+    ({"json": {"$ref": "http://example.com/x.json"}}, "the reference 'http://example.com/x.json'"),
+    ({"json": {"type": "object", "properties": {"z": {"type": "string", "pattern": "a(?=b)"}}}}, "a lookahead"),
+    ({"regex": "^(?=a)ab$"}, "a lookahead"),
+    ({"regex": "(?<!x)y"}, "a lookbehind"),
+    ({"regex": r"\bcat\b"}, "a word boundary"),
+    ({"regex": r"(a)b\1"}, "a backreference"),
+]
+
+
+@pytest.mark.parametrize("fields, words", UNFOLLOWED)
+def test_specs_the_backend_would_not_follow_are_refused(fields, words):
+    from baryon.structured_output.grammar import check_spec
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        check_spec(StructuredOutputsParams(**fields))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "enum": ["a", "b"]},  # pydantic writes the type beside an enum
+    {"type": ["string", "null"], "enum": ["a", None]}, {"const": 3, "type": "integer"},
+    {"type": "integer", "multipleOf": 5}, {"type": "string", "minLength": 2, "maxLength": 5},
+    {"type": "string", "pattern": "^[A-Z]{3}[.x]$"},
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "required": ["x"],
+     "$defs": {"X": {"type": "integer"}}}])
+def test_schemas_the_backend_follows_are_accepted(schema):
+    from baryon.structured_output.grammar import check_spec
+
+    check_spec(StructuredOutputsParams(json=schema))
+
+
 @pytest.mark.parametrize("fields", [{}, {"json": "{}", "regex": "a"}, {"choice": []}, {"choice": ["a", 3]},
                                     {"regex": ""}, {"json": 5}])
 def test_malformed_params_name_the_problem(fields):

@@ -50,7 +50,17 @@ _UNENFORCED_KEYWORDS = {"uniqueItems": "items that differ from each other",
                         "contains": "an item the array must hold",
                         "minContains": "how many items must match `contains`",
                         "maxContains": "how many items may match `contains`",
-                        "$dynamicRef": "a dynamic reference"}
+                        "$dynamicRef": "a dynamic reference",
+                        "if": "a condition choosing `then` or `else`"}
+# What each JSON type admits, to find `enum` / `const` values that their node's `type` excludes
+# (xgrammar follows the listed values and ignores the type).
+_TYPE_ADMITS = {"string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
+                "null": lambda v: v is None, "object": lambda v: isinstance(v, dict),
+                "array": lambda v: isinstance(v, list),
+                "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)
+                                      or isinstance(v, float) and v.is_integer())}
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # Where a schema holds subschemas: one, a list, or a dict of them.
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
               "unevaluatedItems", "unevaluatedProperties", "additionalItems")
@@ -83,6 +93,10 @@ def check_schema_support(schema: str) -> None:
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:  # xgrammar then allows only null
             raise ValueError(f"'allOf' with more than one schema (at {where}) is not supported by the "
                              f"structured-output backend (xgrammar); merge them into one schema")
+        problem = _node_problem(node)
+        if problem is not None:
+            raise ValueError(f"{problem} (at {where}) is not supported: the structured-output backend (xgrammar) "
+                             f"would not enforce it")
         for key in _SUBSCHEMA:
             pending.append((node.get(key), f"{where}.{key}", depth + 1))
         for key in _SUBSCHEMA_LISTS:
@@ -91,6 +105,68 @@ def check_schema_support(schema: str) -> None:
         for key in _SUBSCHEMA_DICTS:
             if isinstance(node.get(key), dict):
                 pending.extend((item, f"{where}.{key}.{name}", depth + 1) for name, item in node[key].items())
+
+
+def _node_problem(node: dict) -> str | None:
+    """What of one schema node xgrammar 0.2.8 accepts but would not follow (found by comparing its
+    grammar's verdicts with a JSON-schema validator's), else None."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    if "multipleOf" in node and (types != ["integer"] or any(bound in node for bound in _BOUNDS)):
+        return "'multipleOf' other than on an integer without minimum / maximum"
+    if ("minLength" in node or "maxLength" in node) and ("pattern" in node or "format" in node):
+        return "'minLength' / 'maxLength' together with 'pattern' or 'format'"
+    if "const" in node and "enum" in node:
+        return "'const' together with 'enum'"
+    listed = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else []
+    known = [t for t in types if t in _TYPE_ADMITS]
+    if known and any(not any(_TYPE_ADMITS[t](v) for t in known) for v in listed):
+        return f"'enum' / 'const' values that 'type' {types} excludes"
+    required = node.get("required")
+    if isinstance(required, list) and required:
+        declared = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [name for name in required if name not in declared]
+        if missing:
+            return f"'required' naming {missing[0]!r}, which 'properties' does not declare"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"the reference {ref!r} (only references inside the schema, '#...', are followed)"
+    if isinstance(node.get("pattern"), str):
+        construct = unsupported_regex_construct(node["pattern"])
+        if construct is not None:
+            return f"'pattern' with {construct}"
+    return None
+
+
+def unsupported_regex_construct(pattern: str) -> str | None:
+    """The first construct of a regular expression that xgrammar ignores or cannot compile
+    (lookaround, backreferences, word boundaries, Unicode properties), named, else None."""
+    position, in_class = 0, False
+    while position < len(pattern):
+        char = pattern[position]
+        if char == "\\":
+            escaped = pattern[position + 1:position + 2]
+            if escaped in ("p", "P"):
+                return "a Unicode property escape (\\p, \\P)"
+            if not in_class and escaped in ("b", "B"):
+                return "a word boundary (\\b, \\B)"
+            if not in_class and (escaped == "k" or escaped.isdigit() and escaped != "0"):
+                return "a backreference"
+            position += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            position += 2 if pattern[position + 1:position + 2] == "^" else 1
+            position += 1 if pattern[position:position + 1] == "]" else 0  # a leading ']' is literal
+            continue
+        elif pattern.startswith(("(?=", "(?!"), position):
+            return "a lookahead ((?=...), (?!...))"
+        elif pattern.startswith(("(?<=", "(?<!"), position):
+            return "a lookbehind ((?<=...), (?<!...))"
+        position += 1
+    return None
 
 
 def check_spec(spec: StructuredOutputsParams) -> None:
@@ -127,6 +203,10 @@ def _check(spec: StructuredOutputsParams) -> None:
     if spec.json is not None or spec.json_object:
         field, parse = "json", lambda: xgr.Grammar.from_json_schema(_json_schema(spec), strict_mode=True)
     elif spec.regex is not None:
+        construct = unsupported_regex_construct(spec.regex)
+        if construct is not None:
+            raise ValueError(f"structured_outputs.regex: {construct} is not supported: the structured-output "
+                             f"backend (xgrammar) would not enforce it")
         field, parse = "regex", lambda: xgr.Grammar.from_regex(spec.regex)
     else:
         field, parse = ("choice" if spec.choice is not None else "grammar"), lambda: xgr.Grammar.from_ebnf(_ebnf(spec))
