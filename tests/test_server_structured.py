@@ -365,3 +365,42 @@ def test_bad_specs_are_400s(server, route, body, param, words):
     assert words in error["message"], error
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_a_slow_constraint_check_holds_only_its_own_request(monkeypatch):
+    """A request's output constraint is checked on threads of its own before the request is
+    prepared: while one check runs (here held until released; 1,024 long choices took 15 s), other
+    requests are prepared (the fuzzing pass of session 33 saw a plain request wait 7.7 s)."""
+    import asyncio
+    import threading
+
+    from baryon.server import serving
+    from baryon.server.protocol import CompletionRequest
+
+    release, started = threading.Event(), threading.Event()
+
+    def held_check(spec):
+        started.set()
+        assert release.wait(30)
+
+    monkeypatch.setattr(serving, "check_spec", held_check)
+    ctx = serving.ServerContext(config=None, client=None, inputs=None, metrics=None, model_names=[MODEL])
+    constrained = CompletionRequest(model=MODEL, prompt="x", structured_outputs={"choice": ["a", "b"]})
+    plain = CompletionRequest(model=MODEL, prompt="y")
+
+    async def scenario():
+        checking = asyncio.ensure_future(ctx.check_constraints(constrained))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
+        await ctx.check_constraints(plain)  # nothing to check: returns at once
+        prepared = await asyncio.wait_for(ctx.prepare(lambda: "prepared"), 10)
+        assert not checking.done()  # the constrained request's check still holds
+        release.set()
+        await asyncio.wait_for(checking, 10)
+        return prepared
+
+    try:
+        assert asyncio.run(scenario()) == "prepared"
+    finally:
+        release.set()
+        ctx.preparer.shutdown()
+        ctx.spec_checker.shutdown()

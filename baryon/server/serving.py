@@ -24,6 +24,9 @@ from baryon.sampling_params import SamplingParams
 from baryon.server.errors import APIError, error_body
 from baryon.server.inputs import InputProcessor, Prompt
 from baryon.server.metrics import ServerMetrics
+from baryon.server.sampling import requested_structure
+from baryon.server.tool_choice import plan_tools
+from baryon.structured_output.grammar import check_spec
 
 logger = get_logger(__name__)
 _json = msgspec.json.Encoder()
@@ -47,6 +50,11 @@ class ServerContext:
     # every stream. One thread: a fast tokenizer is not to be called from two threads at once.
     preparer: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="baryon-inputs"))
+    # A request's output constraints are checked (their grammars compiled, each verdict kept: see
+    # structured_output/grammar.check_spec) on these threads before it is prepared, so that a slow
+    # spec (1,024 long choices: 15 s) holds only its own request, not the preparing thread.
+    spec_checker: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="baryon-specs"))
 
     @property
     def model_name(self) -> str:
@@ -64,6 +72,28 @@ class ServerContext:
     async def prepare(self, work: Callable[..., _T], *args: Any) -> _T:
         """work(*args) on the preparing thread (its APIError is raised here)."""
         return await asyncio.get_running_loop().run_in_executor(self.preparer, work, *args)
+
+    async def check_constraints(self, request: Any) -> None:
+        """Check a chat or completion request's output constraints (response_format,
+        structured_outputs, a required or named tool choice) on the spec-checking threads, so
+        that preparing it finds their verdicts kept. Its errors are left to the preparation,
+        which meets the same checks again."""
+        if request.response_format is None and request.structured_outputs is None \
+                and not getattr(request, "tools", None):
+            return
+        await asyncio.get_running_loop().run_in_executor(self.spec_checker, _check_constraints, request,
+                                                         self.tool_parser)
+
+
+def _check_constraints(request: Any, tool_parser: str | None) -> None:
+    try:
+        if getattr(request, "tools", None):
+            plan_tools(request, tool_parser)  # checks the tools' schemas
+        structure, _ = requested_structure(request)
+        if structure is not None:
+            check_spec(structure)
+    except (APIError, ValueError):
+        pass  # raised again, with the request's other problems, where it is prepared
 
 
 def engine_unavailable(reason: str) -> APIError:

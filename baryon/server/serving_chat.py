@@ -90,6 +90,7 @@ def _prompt_opens_reasoning(ctx: ServerContext, ids: list[int]) -> bool:
 
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request) -> Response:
+    await ctx.check_constraints(request)
     plan = await ctx.prepare(_plan, ctx, request)
     outputs = generate_merged(ctx, plan.request_id, [(None, plan.prompt_token_ids)], [plan.params])
     if request.stream:

@@ -75,6 +75,7 @@ def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
 
 
 async def create_completion(ctx: ServerContext, request: CompletionRequest, raw_request: Request) -> Response:
+    await ctx.check_constraints(request)
     plan = await ctx.prepare(_plan, ctx, request)
     outputs = generate_merged(ctx, plan.request_id, plan.prompts, plan.params)
     if request.stream:
