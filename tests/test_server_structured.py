@@ -325,6 +325,13 @@ DEEP_SCHEMA = _nested_arrays(900)  # xgrammar would take minutes on it
     ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {
         "name": "get_stock"}}}, "tool_choice", "get_stock"),
     ("chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("completions", {"prompt": "a", "structured_outputs": {"regex": ""}}, "structured_outputs",
+     "structured_outputs.regex must be"),  # named as the request names it, not as the Python class
+    ("completions", {"prompt": "a", "structured_outputs": {"regex": "(?=a)ab"}}, "structured_outputs",
+     "a lookahead"),
+    ("chat/completions", {"messages": USER, "min_tokens": 600}, "min_tokens", "the context leaves"),
+    ("completions", {"prompt": "a", "min_tokens": 40}, "min_tokens", "set max_tokens too"),
+    ("chat/completions", {"messages": [{"role": "assistant"}]}, None, "an assistant message needs content"),
     ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "required",
                           "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
     ("completions", {"prompt": "a", "tools": TOOLS}, None, "tools"),

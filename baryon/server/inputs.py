@@ -171,12 +171,21 @@ class InputProcessor:
             raise bad_request(str(e), param=param, code=code) from None
 
     def max_tokens(self, prompt_token_ids: list[int], requested: int | None, default: int | None,
-                   param: str) -> int:
+                   param: str, min_tokens: int | None = None) -> int:
         """New tokens to allow: the requested number, which must fit in the context with the
-        prompt, or else the default cut to what fits (None: all that fits)."""
+        prompt, or else the default cut to what fits (None: all that fits); a min_tokens that
+        the context cannot hold after the prompt is a 400 saying so."""
         room = self.max_model_len - len(prompt_token_ids)
         if requested is None:
-            return room if default is None else min(default, room)
+            allowed = room if default is None else min(default, room)
+            if isinstance(min_tokens, int) and min_tokens > allowed:
+                limit = (f"the {room} tokens the context leaves" if allowed == room
+                         else f"the default {param}={allowed}")
+                raise bad_request(
+                    f"min_tokens={min_tokens} asks for more than {limit} (this model's maximum context length is "
+                    f"{self.max_model_len} tokens and the prompt has {len(prompt_token_ids)})"
+                    + ("" if allowed == room else f"; set {param} too"), param="min_tokens")
+            return allowed
         if requested > room:
             raise bad_request(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "

@@ -120,7 +120,7 @@ class ChatMessage(StrictModel):
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content (only an assistant message with tool_calls "
+            raise ValueError(f"{'an' if self.role[:1] in 'aeiou' else 'a'} {self.role} message needs content (only an assistant message with tool_calls "
                              "may leave it out)")
         return self
 

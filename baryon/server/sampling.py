@@ -31,9 +31,9 @@ def requested_structure(request: SamplingRequest) -> tuple[StructuredOutputsPara
         if response_format.json_schema is None or response_format.json_schema.schema_ is None:
             raise ValueError("response_format of type json_schema needs json_schema.schema")
         return StructuredOutputsParams(json=response_format.json_schema.schema_), "response_format"
-    except ValueError as e:
-        raise bad_request(str(e), param="structured_outputs" if request.structured_outputs else "response_format") \
-            from None
+    except ValueError as e:  # StructuredOutputsParams's own check, named as the request names it
+        raise bad_request(str(e).replace("StructuredOutputsParams.", "structured_outputs."),
+                          param="structured_outputs" if request.structured_outputs else "response_format") from None
 
 
 def build_sampling_params(request: SamplingRequest, config: EngineConfig, has_tokenizer: bool, *,

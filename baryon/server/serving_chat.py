@@ -72,7 +72,7 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
     top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = build_sampling_params(
         request, ctx.config, ctx.inputs.tokenizer is not None,
-        max_tokens=ctx.inputs.max_tokens(ids, requested, None, limit_name), logprobs=top_logprobs,
+        max_tokens=ctx.inputs.max_tokens(ids, requested, None, limit_name, request.min_tokens), logprobs=top_logprobs,
         renamed={"max_tokens": limit_name, "logprobs": "top_logprobs"}, structure=structure)
     reasoning_parser = ctx.reasoning_parser if structure[0] is None else None
     if reasoning_parser is not None or tools.new_parser() is not None:

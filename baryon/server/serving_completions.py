@@ -62,7 +62,8 @@ def _plan(ctx: ServerContext, request: CompletionRequest) -> _Plan:
     echo = bool(request.echo)
     params = [build_sampling_params(
         request, ctx.config, ctx.inputs.tokenizer is not None,
-        max_tokens=ctx.inputs.max_tokens(ids, request.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens"),
+        max_tokens=ctx.inputs.max_tokens(ids, request.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens",
+                                         request.min_tokens),
         logprobs=request.logprobs, prompt_logprobs=request.logprobs if echo else None,
         renamed={"prompt_logprobs": "logprobs"}) for _, ids in prompts]
     n = params[0].n
