@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import weakref
 from typing import Any
 
@@ -93,6 +95,34 @@ class TokenTexts:
 
 
 _TOKEN_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its TokenTexts
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in of each byte (GPT-2's, which Qwen and Llama 3 use) -> the byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """The bytes a token stands for, given its text (TokenTexts): the text's UTF-8, except for a
+    token holding part of a character, whose text decodes to U+FFFD: then the raw bytes of its
+    piece (SentencePiece's <0xE6>, or byte-level BPE's stand-in characters), as OpenAI's
+    logprobs `bytes` carry them so that a client can join them into the character."""
+    if "\ufffd" not in text or tokenizer is None:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return text.encode("utf-8")
+    byte = _BYTE_PIECE.fullmatch(piece)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    if piece and all(char in alphabet for char in piece):
+        return bytes(alphabet[char] for char in piece)
+    return text.encode("utf-8")
 
 
 def token_texts(tokenizer: Any) -> TokenTexts:

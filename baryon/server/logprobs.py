@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from baryon.outputs import PositionLogprobs
-from baryon.tokenizer import token_texts
+from baryon.tokenizer import token_bytes, token_texts
 
 
 def token_text(token_id: int, entry: PositionLogprobs | None, tokenizer: Any | None) -> str:
@@ -69,7 +69,8 @@ def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], top_n: 
         alternatives = []
         for alt, value in top_alternatives(entry, top_n):
             alt_text = token_text(alt, entry, tokenizer)
-            alternatives.append({"token": alt_text, "logprob": value, "bytes": list(alt_text.encode("utf-8"))})
+            alternatives.append({"token": alt_text, "logprob": value,
+                                 "bytes": list(token_bytes(tokenizer, alt, alt_text))})
         content.append({"token": text, "logprob": reported(entry[token_id].logprob),
-                        "bytes": list(text.encode("utf-8")), "top_logprobs": alternatives})
+                        "bytes": list(token_bytes(tokenizer, token_id, text)), "top_logprobs": alternatives})
     return {"content": content}
