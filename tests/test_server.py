@@ -283,6 +283,18 @@ def test_echo_with_logprobs_covers_the_prompt(client, llm):
     assert len(choice.logprobs.tokens) == len(prompt_ids) + 4
     assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
     assert all(v is not None and v <= 0 for v in choice.logprobs.token_logprobs[1:])
+    # The BOS the tokenizer added is not in the echoed text: it takes no width, and every other
+    # token's offset points at it in the text (the first word's without the space SentencePiece
+    # reads before it), streamed alike.
+    logprobs = choice.logprobs
+    assert prompt_ids[0] == llm.get_tokenizer().bos_token_id and logprobs.text_offset[:2] == [0, 0]
+    assert choice.text.startswith(logprobs.tokens[1].lstrip(" "))
+    assert all(choice.text[offset:].startswith(token)
+               for offset, token in zip(logprobs.text_offset[2:], logprobs.tokens[2:]))
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                       echo=True, logprobs=1, stream=True)
+    offsets = [o for chunk in stream for c in chunk.choices if c.logprobs for o in c.logprobs.text_offset]
+    assert offsets == logprobs.text_offset
 
 
 def test_chat_logprobs_shape(client, llm):

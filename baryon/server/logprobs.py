@@ -47,9 +47,13 @@ class CompletionLogprobs:
     tokenizer: Any | None
     offset: int = 0  # text offset of the next token
 
-    def build(self, token_ids: list[int], entries: list[PositionLogprobs | None]) -> dict[str, list]:
+    def build(self, token_ids: list[int], entries: list[PositionLogprobs | None],
+              echoed: tuple[str, int] | None = None) -> dict[str, list]:
+        """echoed: (the text shown for an echoed prompt, its token count) when the first tokens are
+        that prompt's: their offsets follow the text as shown, where a BOS the tokenizer added
+        takes no width, nor the space a SentencePiece tokenizer puts before the first word."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        for token_id, entry in zip(token_ids, entries):
+        for position, (token_id, entry) in enumerate(zip(token_ids, entries)):
             text = token_text(token_id, entry, self.tokenizer)
             chosen = entry.get(token_id) if entry else None
             tokens.append(text)
@@ -57,9 +61,22 @@ class CompletionLogprobs:
             top_logprobs.append(None if entry is None else {
                 token_text(alt, entry, self.tokenizer): value for alt, value in top_alternatives(entry, self.top_n)})
             text_offset.append(self.offset)
-            self.offset += len(text)
+            if echoed is not None and position < echoed[1]:
+                self.offset += _shown_width(echoed[0], self.offset, text)
+            else:
+                self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}
+
+
+def _shown_width(shown: str, at: int, token: str) -> int:
+    """How much of `shown` from `at` the token covers: all of it, all but a leading space, or
+    nothing (a token the text does not show)."""
+    if shown.startswith(token, at):
+        return len(token)
+    if token[:1] == " " and shown.startswith(token[1:], at):
+        return len(token) - 1
+    return 0
 
 
 def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], top_n: int, tokenizer: Any | None) -> dict:

@@ -103,9 +103,11 @@ def _choice(ctx: ServerContext, plan: _Plan, index: int, output: RequestOutput, 
     if plan.logprobs is not None:
         builder = CompletionLogprobs(plan.logprobs, ctx.inputs.tokenizer)
         token_ids, entries = list(sample.token_ids), list(sample.logprobs[:len(sample.token_ids)])
+        echoed = None
         if plan.echo:
             token_ids, entries = output.prompt_token_ids + token_ids, plan.echo_logprobs(output) + entries
-        logprobs = builder.build(token_ids, entries)
+            echoed = (plan.echo_text(ctx, index), len(output.prompt_token_ids))
+        logprobs = builder.build(token_ids, entries, echoed)
     if plan.echo:
         text = plan.echo_text(ctx, index) + text
     return {"index": index * plan.n + sample.index, "text": text, "logprobs": logprobs,
@@ -133,13 +135,15 @@ async def _stream(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tuple[
             text, start, end = delta
             token_ids = sample.token_ids[start:end]
             entries = list(sample.logprobs[start:end]) if sample.logprobs is not None else []
+            echoed = None
             if plan.echo and first:
-                text = plan.echo_text(ctx, index) + text
+                echoed = (plan.echo_text(ctx, index), len(output.prompt_token_ids))
+                text = echoed[0] + text
                 token_ids, entries = output.prompt_token_ids + token_ids, plan.echo_logprobs(output) + entries
             logprobs = None
             if plan.logprobs is not None:
                 builder = builders.setdefault(choice_index, CompletionLogprobs(plan.logprobs, ctx.inputs.tokenizer))
-                logprobs = builder.build(token_ids, entries)
+                logprobs = builder.build(token_ids, entries, echoed)
             if cursor.finished:
                 completion_tokens += len(sample.token_ids)
             yield chunk([{"index": choice_index, "text": text, "logprobs": logprobs,
