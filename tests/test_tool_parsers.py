@@ -224,6 +224,19 @@ def test_arguments_are_kept_as_the_model_wrote_them(seed, arguments):
     assert TOOL_PARSERS["hermes"]().parse(reply).tool_calls[0].arguments == '{"a": 1}'
 
 
+@pytest.mark.parametrize("arguments", ['{"x": ' + "1" * 4301 + "}", '{"x": ' + "[" * 3000 + "]" * 3000 + "}",
+                                       '"{\\"x\\": ' + "1" * 4301 + '}"'])
+def test_json_python_cannot_read_stays_content(arguments):
+    """An integer past Python's 4,300 digits or nesting past its recursion limit (a looping model
+    can write either) is not a call: it stays content, streamed or not, and nothing raises."""
+    for parser_name, reply in _raw_replies("f", arguments).items():
+        parsed = TOOL_PARSERS[parser_name]().parse(reply)
+        assert parsed.tool_calls == [] and parsed.content == reply, parser_name
+        parser = TOOL_PARSERS[parser_name]()
+        for end in (len(reply) // 2, len(reply)):
+            parser.stream(reply[:end], end == len(reply))
+
+
 def test_a_name_that_cannot_be_sent_leaves_the_call_as_content():
     for parser_name, reply in _raw_replies("f\\ud800", '{"a": 1}').items():
         parsed = TOOL_PARSERS[parser_name]().parse(reply)

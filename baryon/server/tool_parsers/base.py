@@ -158,7 +158,7 @@ def decode_json(text: str, start: int) -> tuple[Any, int] | None:
     none there (yet)."""
     try:
         return _DECODER.raw_decode(text, start)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON; or an integer past Python's 4,300 digits, or deep nesting
         return None
 
 
@@ -167,7 +167,7 @@ def arguments_text(text: str) -> str | None:
     text = text.strip()
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # as decode_json
         return None
     return text if isinstance(value, dict) and _encodable(text) else None
 
