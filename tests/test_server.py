@@ -297,6 +297,24 @@ def test_echo_with_logprobs_covers_the_prompt(client, llm):
     assert offsets == logprobs.text_offset
 
 
+@pytest.mark.parametrize("prompt", ["日本語🌧 rain", "a 語 b", "Once upon a time"])
+def test_echo_offsets_point_into_the_prompt_as_shown(client, prompt):
+    """Offsets of an echoed prompt split into byte tokens (each byte of a character points at
+    it): non-decreasing, each whole token found at its offset, and the generated tokens after
+    the prompt's end."""
+    for stream in (False, True):
+        result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=0, stream=stream)
+        chunks = list(result) if stream else [result]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        offsets = [o for c in chunks for o in c.choices[0].logprobs.text_offset]
+        n_prompt = len(tokens) - 3
+        assert offsets == sorted(offsets) and offsets[n_prompt:][0] == len(prompt), (offsets, tokens)
+        for offset, token in zip(offsets[2:n_prompt], tokens[2:n_prompt]):
+            assert "\ufffd" in token or text[offset:].startswith(token), (offset, token, text)
+
+
 def test_chat_logprobs_shape(client, llm):
     result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                             temperature=0, logprobs=True, top_logprobs=2)

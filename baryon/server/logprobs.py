@@ -50,9 +50,10 @@ class CompletionLogprobs:
     def build(self, token_ids: list[int], entries: list[PositionLogprobs | None],
               echoed: tuple[str, int] | None = None) -> dict[str, list]:
         """echoed: (the text shown for an echoed prompt, its token count) when the first tokens are
-        that prompt's: their offsets follow the text as shown, where a BOS the tokenizer added
-        takes no width, nor the space a SentencePiece tokenizer puts before the first word."""
+        that prompt's: their offsets point into the text as shown (see _EchoCursor), and the
+        tokens after them start at its end."""
         tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        cursor = _EchoCursor(echoed[0]) if echoed is not None else None
         for position, (token_id, entry) in enumerate(zip(token_ids, entries)):
             text = token_text(token_id, entry, self.tokenizer)
             chosen = entry.get(token_id) if entry else None
@@ -60,23 +61,42 @@ class CompletionLogprobs:
             token_logprobs.append(None if chosen is None else reported(chosen.logprob))
             top_logprobs.append(None if entry is None else {
                 token_text(alt, entry, self.tokenizer): value for alt, value in top_alternatives(entry, self.top_n)})
-            text_offset.append(self.offset)
-            if echoed is not None and position < echoed[1]:
-                self.offset += _shown_width(echoed[0], self.offset, text)
+            if cursor is not None and position < echoed[1]:
+                text_offset.append(self.offset + cursor.advance(token_bytes(self.tokenizer, token_id, text)))
+                if position == echoed[1] - 1:
+                    self.offset += len(echoed[0])  # the generated text follows the echoed prompt
             else:
+                text_offset.append(self.offset)
                 self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": text_offset}
 
 
-def _shown_width(shown: str, at: int, token: str) -> int:
-    """How much of `shown` from `at` the token covers: all of it, all but a leading space, or
-    nothing (a token the text does not show)."""
-    if shown.startswith(token, at):
-        return len(token)
-    if token[:1] == " " and shown.startswith(token[1:], at):
-        return len(token) - 1
-    return 0
+class _EchoCursor:
+    """Walks an echoed prompt's text by its tokens' bytes: a token's offset is the character its
+    first byte falls in (the bytes of a character split over byte tokens all point at it); a
+    token the text does not show (the BOS a tokenizer added) takes no width, nor the space a
+    SentencePiece tokenizer reads before the first word."""
+
+    def __init__(self, shown: str) -> None:
+        self.shown = shown.encode("utf-8")
+        self.char_at = [0] * (len(self.shown) + 1)  # byte position -> the character it falls in
+        at = 0
+        for index, char in enumerate(shown):
+            width = len(char.encode("utf-8"))
+            self.char_at[at:at + width] = [index] * width
+            at += width
+        self.char_at[at] = len(shown)
+        self.at = 0  # bytes of the shown text consumed
+
+    def advance(self, piece: bytes) -> int:
+        """The offset (in characters) of a token of these bytes, moving past them where shown."""
+        offset = self.char_at[self.at]
+        if self.shown.startswith(piece, self.at):
+            self.at += len(piece)
+        elif piece[:1] == b" " and self.shown.startswith(piece[1:], self.at):
+            self.at += len(piece) - 1
+        return offset
 
 
 def chat_logprobs(token_ids: list[int], entries: list[PositionLogprobs], top_n: int, tokenizer: Any | None) -> dict:
