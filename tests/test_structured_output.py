@@ -149,8 +149,17 @@ UNFOLLOWED = [
      "'required' naming 'b'"),
     ({"json": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}}, "'minLength' / 'maxLength'"),
     ({"json": {"type": "string", "format": "email", "minLength": 5}}, "'minLength' / 'maxLength'"),
+    ({"json": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083}}, "the format 'uri'"),
     ({"json": {"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}}, "'if'"),
-    ({"json": {"type": "string", "const": "a", "enum": ["b"]}}, "'const' together with 'enum'"),
+    ({"json": {"type": "string", "const": "a", "enum": ["b"]}}, "'const' together with an 'enum'"),
+    ({"json": {"type": "string", "pattern": '^say "hi"$'}}, "a literal quote"),
+    ({"json": {"type": "string", "pattern": "^a\\nb$"}}, "a literal quote, backslash or control"),
+    ({"json": {"$ref": "#/$defs/a", "maxLength": 2, "$defs": {"a": {"type": "string"}}}}, "'maxLength' beside '$ref'"),
+    ({"json": {"anyOf": [{"type": "string"}], "maxLength": 2}}, "'maxLength' beside 'anyOf'"),
+    ({"json": {"$defs": {"a": {"$anchor": "foo", "type": "integer"}}, "$ref": "#foo"}}, "the reference '#foo'"),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "leads nowhere"),
+    ({"regex": r"\Aab"}, "an anchor escape"),
+    ({"regex": "a*+a"}, "a possessive quantifier"),
     ({"json": {"enum": [1, "a"], "type": "string"}}, "'enum' / 'const' values"),
     ({"json": {"const": 5, "type": "string"}}, "'enum' / 'const' values"),
     ({"json": {"$ref": "http://example.com/x.json"}}, "the reference 'http://example.com/x.json'"),
@@ -175,6 +184,12 @@ def test_specs_the_backend_would_not_follow_are_refused(fields, words):
     {"type": ["string", "null"], "enum": ["a", None]}, {"const": 3, "type": "integer"},
     {"type": "integer", "multipleOf": 5}, {"type": "string", "minLength": 2, "maxLength": 5},
     {"type": "string", "pattern": "^[A-Z]{3}[.x]$"},
+    {"type": "string", "format": "password", "minLength": 8, "writeOnly": True},  # pydantic's SecretStr
+    {"type": "string", "format": "uri", "minLength": 1},  # pydantic's AnyUrl: every URI has a character
+    {"const": "x", "enum": ["x", "y"]},
+    {"type": "object", "properties": {"p": {"$ref": "#/$defs/P", "description": "a pet"},
+                                      "q": {"anyOf": [{"$ref": "#/$defs/P"}, {"type": "null"}], "default": None}},
+     "$defs": {"P": {"enum": ["cat", "dog"], "title": "P", "type": "string"}}},
     {"type": "object", "properties": {"x": {"$ref": "#/$defs/X"}}, "required": ["x"],
      "$defs": {"X": {"type": "integer"}}}])
 def test_schemas_the_backend_follows_are_accepted(schema):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from baryon.sampling_params import StructuredOutputsParams
 
@@ -61,6 +61,15 @@ _TYPE_ADMITS = {"string": lambda v: isinstance(v, str), "boolean": lambda v: isi
                 "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)
                                       or isinstance(v, float) and v.is_integer())}
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# String formats xgrammar 0.2.8 enforces (it ignores the others, and then enforces minLength /
+# maxLength; beside these it ignores the lengths), and those of them that admit "".
+_ENFORCED_FORMATS = {"date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
+                     "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+_FORMATS_ADMITTING_EMPTY = {"uri-reference", "uri-template", "json-pointer"}
+# Keywords that only describe a value: what may stand beside a `$ref` or a union, whose other
+# siblings xgrammar ignores.
+_ANNOTATIONS = {"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment",
+                "$schema", "$id", "$anchor", "$defs", "definitions", "discriminator"}
 # Where a schema holds subschemas: one, a list, or a dict of them.
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
               "unevaluatedItems", "unevaluatedProperties", "additionalItems")
@@ -94,6 +103,9 @@ def check_schema_support(schema: str) -> None:
             raise ValueError(f"'allOf' with more than one schema (at {where}) is not supported by the "
                              f"structured-output backend (xgrammar); merge them into one schema")
         problem = _node_problem(node)
+        ref = node.get("$ref")
+        if problem is None and isinstance(ref, str) and ref.startswith("#") and not _resolves(root, ref):
+            problem = f"the reference {ref!r}, which leads nowhere in the schema,"
         if problem is not None:
             raise ValueError(f"{problem} (at {where}) is not supported: the structured-output backend (xgrammar) "
                              f"would not enforce it")
@@ -114,10 +126,16 @@ def _node_problem(node: dict) -> str | None:
     types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
     if "multipleOf" in node and (types != ["integer"] or any(bound in node for bound in _BOUNDS)):
         return "'multipleOf' other than on an integer without minimum / maximum"
-    if ("minLength" in node or "maxLength" in node) and ("pattern" in node or "format" in node):
-        return "'minLength' / 'maxLength' together with 'pattern' or 'format'"
-    if "const" in node and "enum" in node:
-        return "'const' together with 'enum'"
+    lengths = "minLength" in node or "maxLength" in node
+    if lengths and "pattern" in node:
+        return "'minLength' / 'maxLength' together with 'pattern'"
+    if lengths and node.get("format") in _ENFORCED_FORMATS:
+        # a minLength every value of the format meets anyway is fine (pydantic's AnyUrl writes 1)
+        met = 0 if node["format"] in _FORMATS_ADMITTING_EMPTY else 1
+        if "maxLength" in node or not isinstance(node["minLength"], int) or node["minLength"] > met:
+            return f"'minLength' / 'maxLength' together with the format {node['format']!r}"
+    if "const" in node and "enum" in node and (not isinstance(node["enum"], list) or node["const"] not in node["enum"]):
+        return "'const' together with an 'enum' that does not list it"
     listed = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else []
     known = [t for t in types if t in _TYPE_ADMITS]
     if known and any(not any(_TYPE_ADMITS[t](v) for t in known) for v in listed):
@@ -128,14 +146,56 @@ def _node_problem(node: dict) -> str | None:
         missing = [name for name in required if name not in declared]
         if missing:
             return f"'required' naming {missing[0]!r}, which 'properties' does not declare"
+    for composite in ("$ref", "anyOf", "oneOf", "allOf"):
+        if composite in node:
+            beside = sorted(key for key in node if key != composite and key not in _ANNOTATIONS)
+            if beside:
+                return f"{beside[0]!r} beside {composite!r} (move it into the referenced or listed schemas)"
     ref = node.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f"the reference {ref!r} (only references inside the schema, '#...', are followed)"
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return f"the reference {ref!r} (only JSON pointers inside the schema, '#/...', are followed)"
     if isinstance(node.get("pattern"), str):
-        construct = unsupported_regex_construct(node["pattern"])
+        construct = unsupported_regex_construct(node["pattern"]) or _unescaped_in_json(node["pattern"])
         if construct is not None:
             return f"'pattern' with {construct}"
     return None
+
+
+def _unescaped_in_json(pattern: str) -> str | None:
+    """A pattern that writes a quote, a backslash or a control character as a literal, which
+    xgrammar would put unescaped into the JSON string (an invalid reply); None otherwise."""
+    position = 0
+    while position < len(pattern):
+        char = pattern[position]
+        if char == "\\":
+            escaped = pattern[position + 1:position + 2]
+            code = None
+            if escaped in ("x", "u"):
+                digits = pattern[position + 2:position + (4 if escaped == "x" else 6)]
+                code = int(digits, 16) if re.fullmatch(r"[0-9A-Fa-f]+", digits or "-") else None
+            if escaped in ('"', "\\") or escaped in "nrtfv0" and escaped or code is not None and (
+                    code < 0x20 or code in (0x22, 0x5C)):
+                return "a literal quote, backslash or control character (xgrammar writes it unescaped into the string)"
+            position += 2
+            continue
+        if char == '"' or ord(char) < 0x20:
+            return "a literal quote, backslash or control character (xgrammar writes it unescaped into the string)"
+        position += 1
+    return None
+
+
+def _resolves(root: Any, ref: str) -> bool:
+    """Whether a local reference ("#" or a JSON pointer "#/a/b") leads to a schema in root."""
+    node = root
+    for token in ref[2:].split("/") if ref != "#" else []:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return False
+    return isinstance(node, (dict, bool))
 
 
 def unsupported_regex_construct(pattern: str) -> str | None:
@@ -152,6 +212,8 @@ def unsupported_regex_construct(pattern: str) -> str | None:
                 return "a word boundary (\\b, \\B)"
             if not in_class and (escaped == "k" or escaped.isdigit() and escaped != "0"):
                 return "a backreference"
+            if not in_class and escaped in ("A", "Z", "z", "G"):
+                return "an anchor escape (\\A, \\Z, \\z, \\G)"
             position += 2
             continue
         if in_class:
@@ -165,6 +227,9 @@ def unsupported_regex_construct(pattern: str) -> str | None:
             return "a lookahead ((?=...), (?!...))"
         elif pattern.startswith(("(?<=", "(?<!"), position):
             return "a lookbehind ((?<=...), (?<!...))"
+        elif char == "+" and position > 0 and pattern[position - 1] in "*+?}" \
+                and pattern[position - 2:position] != "\\" + pattern[position - 1]:
+            return "a possessive quantifier (*+, ++, ?+, {n}+)"
         position += 1
     return None
 
