@@ -140,7 +140,10 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def _invalid(self, name: str, accepted: str) -> ValueError:
-        return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {accepted}.")
+        value = repr(getattr(self, name))
+        if len(value) > 200:  # a long list (stop strings) is not sent back whole
+            value = value[:200] + f"... ({len(value)} characters)"
+        return ValueError(f"SamplingParams.{name}={value} is invalid: {accepted}.")
 
     def _validate(self) -> None:
         bad = self._invalid

@@ -90,6 +90,12 @@ def test_structured_outputs_extension_on_completions(client, seed):
     assert reply.choices[0].text in ("happy", "sad", "sleepy")
 
 
+def test_a_refused_long_stop_list_is_not_sent_back(server):
+    response = _post(server, "completions", {"prompt": "a", "stop": [f"{i:04d}" + "x" * 2000 for i in range(1025)]})
+    assert response.status_code == 400 and "at most 1024" in response.text
+    assert len(response.content) < 2000  # not the 2 MB list
+
+
 def test_logprobs_of_tokens_a_grammar_rules_out_are_numbers(server, seed):
     """top_logprobs past the tokens a grammar allows list ruled-out tokens (logprob -inf) as -9999.0
     (vLLM's floor), never null, in both routes' shapes."""
@@ -330,6 +336,8 @@ DEEP_SCHEMA = _nested_arrays(900)  # xgrammar would take minutes on it
     ("completions", {"prompt": "a", "structured_outputs": {"regex": "(?=a)ab"}}, "structured_outputs",
      "a lookahead"),
     ("chat/completions", {"messages": USER, "min_tokens": 600}, "min_tokens", "the context leaves"),
+    ("chat/completions", {"messages": USER, "min_tokens": 100, "max_completion_tokens": 50}, "min_tokens",
+     "must not exceed max_completion_tokens=50"),  # the field as the request named it
     ("completions", {"prompt": "a", "min_tokens": 40}, "min_tokens", "set max_tokens too"),
     ("chat/completions", {"messages": [{"role": "assistant"}]}, None, "an assistant message needs content"),
     ("chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": "required",

@@ -84,4 +84,6 @@ def _as_bad_request(message: str, renamed: dict[str, str]):
         message = message.replace(f"SamplingParams.{field}=", f"{param}=")
     else:
         message = message.replace("SamplingParams.", "")
+    for name, request_name in renamed.items():  # another field the message names by its Python name
+        message = re.sub(rf"\b{name}=", f"{request_name}=", message)
     return bad_request(message, param=param)
