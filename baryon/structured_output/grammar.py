@@ -134,7 +134,8 @@ def _node_problem(node: dict) -> str | None:
         met = 0 if node["format"] in _FORMATS_ADMITTING_EMPTY else 1
         if "maxLength" in node or not isinstance(node["minLength"], int) or node["minLength"] > met:
             return f"'minLength' / 'maxLength' together with the format {node['format']!r}"
-    if "const" in node and "enum" in node and (not isinstance(node["enum"], list) or node["const"] not in node["enum"]):
+    enum = node.get("enum")
+    if "const" in node and "enum" in node and (not isinstance(enum, list) or node["const"] not in enum):
         return "'const' together with an 'enum' that does not list it"
     listed = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else []
     known = [t for t in types if t in _TYPE_ADMITS]
@@ -161,6 +162,9 @@ def _node_problem(node: dict) -> str | None:
     return None
 
 
+_UNESCAPED = "a literal quote, backslash or control character (xgrammar writes it unescaped into the string)"
+
+
 def _unescaped_in_json(pattern: str) -> str | None:
     """A pattern that writes a quote, a backslash or a control character as a literal, which
     xgrammar would put unescaped into the JSON string (an invalid reply); None otherwise."""
@@ -175,11 +179,11 @@ def _unescaped_in_json(pattern: str) -> str | None:
                 code = int(digits, 16) if re.fullmatch(r"[0-9A-Fa-f]+", digits or "-") else None
             if escaped in ('"', "\\") or escaped in "nrtfv0" and escaped or code is not None and (
                     code < 0x20 or code in (0x22, 0x5C)):
-                return "a literal quote, backslash or control character (xgrammar writes it unescaped into the string)"
+                return _UNESCAPED
             position += 2
             continue
         if char == '"' or ord(char) < 0x20:
-            return "a literal quote, backslash or control character (xgrammar writes it unescaped into the string)"
+            return _UNESCAPED
         position += 1
     return None
 
