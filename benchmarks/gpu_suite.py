@@ -76,7 +76,7 @@ def start_server(model: str, extra: list[str], timeout: int, process: dict) -> s
                     return server
         except OSError:
             time.sleep(1)
-    kill_group(server)
+    kill_run(server)
     raise RuntimeError("the server did not come up")
 
 
@@ -86,27 +86,23 @@ def stop_server(server: subprocess.Popen) -> None:
         server.wait(timeout=15)
     except subprocess.TimeoutExpired:
         pass
-    kill_group(server)
-
-
-# The benchmark (and server) processes running now: each runs in a session of its own, so a
-# signal to the suite's process group does not reach them; the suite kills them when it is killed.
-_RUNNING: set[subprocess.Popen] = set()
-
-
-def _stop_running(signum, frame) -> None:
-    for process in list(_RUNNING):
-        kill_group(process)
-    sys.exit(128 + signum)
+    kill_run(server)
 
 
 # Every process a benchmark starts inherits this variable with the run's own value, so the suite
 # finds them all even after their parent died (an orphaned tensor-parallel worker is reparented,
 # and the engine-core processes run in sessions of their own).
 _MARK = "BARYON_GPU_SUITE_RUN"
+# The benchmark (and server) processes running now, each with its mark: each runs in a session of
+# its own, so a signal to the suite's process group does not reach them; the suite kills them
+# when it is killed.
+_RUNNING: dict[subprocess.Popen, str] = {}
 
 
-_MARKS: dict[subprocess.Popen, str] = {}
+def _stop_running(signum, frame) -> None:
+    for process in list(_RUNNING):
+        kill_run(process)
+    sys.exit(128 + signum)
 
 
 def launch(cmd: list[str], **kwargs) -> subprocess.Popen:
@@ -115,16 +111,15 @@ def launch(cmd: list[str], **kwargs) -> subprocess.Popen:
     env = dict(kwargs.pop("env", None) or os.environ)
     env[_MARK] = mark
     process = subprocess.Popen(cmd, start_new_session=True, env=env, **kwargs)
-    _MARKS[process] = mark
-    _RUNNING.add(process)
+    _RUNNING[process] = mark
     return process
 
 
 def marked(process: subprocess.Popen) -> list[int]:
     """The benchmark process and every live process started under it (by their environment)."""
-    if process not in _MARKS:  # killed already
+    if process not in _RUNNING:  # killed already
         return []
-    mark = f"{_MARK}={_MARKS[process]}".encode()
+    mark = f"{_MARK}={_RUNNING[process]}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -137,7 +132,7 @@ def marked(process: subprocess.Popen) -> list[int]:
     return found
 
 
-def kill_group(process: subprocess.Popen) -> None:
+def kill_run(process: subprocess.Popen) -> None:
     """Kill a benchmark process with every process it started (engine processes, DP replicas,
     tensor-parallel workers), so that none is left holding a GPU's memory for the next variant."""
     for pid in {process.pid, *marked(process)}:
@@ -146,8 +141,7 @@ def kill_group(process: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     process.wait()
-    _RUNNING.discard(process)
-    _MARKS.pop(process, None)
+    _RUNNING.pop(process, None)
 
 
 def dump_stacks(process: subprocess.Popen) -> None:
@@ -211,7 +205,7 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            kill_group(proc)  # and what the benchmark left running
+            kill_run(proc)  # and what the benchmark left running
             if server is not None:
                 stop_server(server)
             out.seek(0)

@@ -100,16 +100,17 @@ async def _complete(ctx: ServerContext, plan: _Plan, outputs: AsyncIterator[tupl
 
 def _choice(ctx: ServerContext, plan: _Plan, index: int, output: RequestOutput, sample: CompletionOutput) -> dict:
     text, logprobs = sample.text, None
+    shown = plan.echo_text(ctx, index) if plan.echo else None  # the prompt as echoed
     if plan.logprobs is not None:
         builder = CompletionLogprobs(plan.logprobs, ctx.inputs.tokenizer)
         token_ids, entries = list(sample.token_ids), list(sample.logprobs[:len(sample.token_ids)])
         echoed = None
-        if plan.echo:
+        if shown is not None:
             token_ids, entries = output.prompt_token_ids + token_ids, plan.echo_logprobs(output) + entries
-            echoed = (plan.echo_text(ctx, index), len(output.prompt_token_ids))
+            echoed = (shown, len(output.prompt_token_ids))
         logprobs = builder.build(token_ids, entries, echoed)
-    if plan.echo:
-        text = plan.echo_text(ctx, index) + text
+    if shown is not None:
+        text = shown + text
     return {"index": index * plan.n + sample.index, "text": text, "logprobs": logprobs,
             "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
 

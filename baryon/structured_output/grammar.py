@@ -102,10 +102,7 @@ def check_schema_support(schema: str) -> None:
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:  # xgrammar then allows only null
             raise ValueError(f"'allOf' with more than one schema (at {where}) is not supported by the "
                              f"structured-output backend (xgrammar); merge them into one schema")
-        problem = _node_problem(node)
-        ref = node.get("$ref")
-        if problem is None and isinstance(ref, str) and ref.startswith("#") and not _resolves(root, ref):
-            problem = f"the reference {ref!r}, which leads nowhere in the schema,"
+        problem = _node_problem(node, root)
         if problem is not None:
             raise ValueError(f"{problem} (at {where}) is not supported: the structured-output backend (xgrammar) "
                              f"would not enforce it")
@@ -119,9 +116,9 @@ def check_schema_support(schema: str) -> None:
                 pending.extend((item, f"{where}.{key}.{name}", depth + 1) for name, item in node[key].items())
 
 
-def _node_problem(node: dict) -> str | None:
-    """What of one schema node xgrammar 0.2.8 accepts but would not follow (found by comparing its
-    grammar's verdicts with a JSON-schema validator's), else None."""
+def _node_problem(node: dict, root: Any) -> str | None:
+    """What of one schema node (of the schema `root`) xgrammar 0.2.8 accepts but would not follow
+    (found by comparing its grammar's verdicts with a JSON-schema validator's), else None."""
     types = node.get("type")
     types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
     if "multipleOf" in node and (types != ["integer"] or any(bound in node for bound in _BOUNDS)):
@@ -155,6 +152,8 @@ def _node_problem(node: dict) -> str | None:
     ref = node.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
         return f"the reference {ref!r} (only JSON pointers inside the schema, '#/...', are followed)"
+    if isinstance(ref, str) and not _resolves(root, ref):
+        return f"the reference {ref!r}, which leads nowhere in the schema,"
     if isinstance(node.get("pattern"), str):
         construct = unsupported_regex_construct(node["pattern"]) or _unescaped_in_json(node["pattern"])
         if construct is not None:
