@@ -194,7 +194,7 @@ def run_one(model: str, workload: str, extra: list[str], timeout: int, process: 
         proc = launch(cmd, stdout=out, stderr=err, text=True, **process)
         timed_out = False
         try:
-            if stack_dump_after is not None and stack_dump_after < timeout:
+            if stack_dump_after is not None:
                 try:
                     proc.wait(timeout=stack_dump_after)
                 except subprocess.TimeoutExpired:  # still running: every baryon process prints its stacks
@@ -242,6 +242,9 @@ def main() -> None:
                         help="seconds: a benchmark still running then gets SIGUSR1 in its whole process group, "
                              "and every baryon process prints its threads' stacks to stderr (see --log-dir)")
     args, extra = parser.parse_known_args()
+    if args.stack_dump_after is not None and not 0 < args.stack_dump_after < args.timeout:
+        parser.error(f"--stack-dump-after {args.stack_dump_after} must be between 0 and --timeout ({args.timeout}) "
+                     f"seconds: a run is killed at --timeout")
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a call cut short: leave no GPU held
         signal.signal(signum, _stop_running)
     extra = [a for a in extra if a != "--"]
