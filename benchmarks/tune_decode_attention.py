@@ -6,7 +6,7 @@ fastest settings per case next to the defaults'.
 
 Each time is a CUDA-graph replay (`triton.testing.do_bench_cudagraph`) of one decode attention call
 per cache copy, over enough copies of the KV cache to overflow the L2 cache (as between a real
-step's layers), divided by the copies. Heads: Qwen3-8B (32 query, 8 KV) and Qwen3-0.6B (16, 8),
+step's layers), divided by the copies. Heads: Qwen3-8B (32 query, 8 KV; one rank at TP=2: 16, 4) and Qwen3-0.6B (16, 8),
 head_dim 128, block size 16, bf16. One JSON line per case (with GB/s of K and V read), then a table.
 """
 
@@ -22,7 +22,7 @@ import torch
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.attention.triton_paged import DecodeTiles, TritonPagedAttention
 
-HEADS = {"qwen3-8b": (32, 8), "qwen3-0.6b": (16, 8)}
+HEADS = {"qwen3-8b": (32, 8), "qwen3-0.6b": (16, 8), "qwen3-8b-tp2": (16, 4)}  # tp2: one rank's heads at TP=2
 HEAD_DIM, BLOCK = 128, 16
 
 
@@ -99,7 +99,7 @@ def main() -> None:
         default_us = _time(attn, q, caches, md)
         default_splits = attn._decode_splits(num_seqs, q.device)
         results = {}
-        for splits, min_chunk in itertools.product((1, 4, 8, 16, 32, 64, 128), sorted({tile_n, 256, 512})):
+        for splits, min_chunk in itertools.product((1, 2, 4, 8, 16, 32, 64, 128), sorted({tile_n, 256, 512})):
             if splits == 1 and min_chunk != tile_n:
                 continue
             attn.decode_tiles = DecodeTiles(tile_n, max(min_chunk, tile_n), 128, 1, warps, stages)
