@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling|vocab_argmax]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -57,6 +57,20 @@ def _attention_case(device, dtype, num_seqs, q_len, seq_len, heads, kv_heads, he
     q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
     kv = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
     return q, kv, cache, metadata
+
+
+def vocab_argmax_kernels(record, device: torch.device, dtype: torch.dtype, rows: int, vocab: int) -> None:
+    """A greedy step's token from the LM head's logits in the model dtype: the whole vocabulary (one
+    GPU) and half of it (a rank's slice at TP=2: its candidates and their pick, the exchange
+    between them not included), against torch's argmax."""
+    gen = torch.Generator().manual_seed(0)
+    for width in (vocab, vocab // 2):
+        local = torch.randn(rows, width, generator=gen).to(device, dtype)
+        shape = f"rows={rows} width={width}"
+        record("torch.argmax", shape, lambda: local.argmax(dim=-1))
+        for impl in selector.candidates("vocab_argmax"):
+            if impl.unsupported_reason(device) is None:
+                record(f"vocab_argmax.{impl.name}", shape, lambda: impl.argmax(local, width))
 
 
 def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> None:
@@ -472,7 +486,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch",
-                                           "token_bitmask", "long_context", "sampling"],
+                                           "token_bitmask", "long_context", "sampling", "vocab_argmax"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
@@ -512,6 +526,10 @@ def main() -> None:
     if args.only == "sampling":  # a decode step's batch sizes
         for rows in (1, 64, 256):
             sampling_kernels(record, device, rows // scale or 1, vocab // scale)
+        return
+    if args.only == "vocab_argmax":  # a greedy decode step's token (graph-timer friendly)
+        for rows in (1, 64, 256):
+            vocab_argmax_kernels(record, device, dtype, rows // scale or 1, vocab // scale)
         return
     if args.only == "spec":
         rejection_sampling_kernels(record, device, vocab, args.small)

@@ -70,6 +70,7 @@ _REGISTRY: dict[str, list[str]] = {
                      "baryon.kernels.quant.w4a16:TorchW4A16Linear"],
     "sampling": ["baryon.kernels.sampling_triton:TritonSampling", "baryon.kernels.sampling_cpu:CpuSampling",
                  "baryon.kernels.sampling:TorchSampling"],
+    "vocab_argmax": ["baryon.kernels.vocab_argmax:TritonVocabArgmax", "baryon.kernels.vocab_argmax:TorchVocabArgmax"],
     "rejection_sampling": ["baryon.kernels.rejection_sampling_triton:TritonRejectionSampling", "baryon.kernels.rejection_sampling:TorchRejectionSampling"],
     "token_bitmask": ["baryon.kernels.token_bitmask_triton:TritonTokenBitmask", "baryon.kernels.token_bitmask:CpuTokenBitmask",
                       "baryon.kernels.token_bitmask:TorchTokenBitmask"],

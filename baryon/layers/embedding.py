@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_world_size
+from baryon.kernels.selector import Kernel, select
 from baryon.layers.linear import copy_checked
 from baryon.quantization.base import DENSE, LinearMethod
 
@@ -60,8 +61,6 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits. Tied models share the embedding's weight."""
 
-    ARGMAX_MAX_VOCAB = 1 << 24  # `argmax` sends an id as three base-256 digits
-
     def logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
         """The dense LM head into a preallocated buffer (CUDA graphs): hidden_states [n, hidden]
         -> out [n, vocab_size] in the model dtype (every rank's vocabulary slice, gathered)."""
@@ -87,38 +86,24 @@ class ParallelLMHead(VocabParallelEmbedding):
     def argmax(self, local: torch.Tensor) -> torch.Tensor:
         """The greedy token of each row, the same on every rank: `local_logits_into`'s slice [n,
         rows_per_rank] -> [n] int64, the first id of the row's largest logit, as an argmax over
-        `gather_logits` picks it. Under tensor parallelism each rank takes its slice's best and the
-        ranks exchange [n, 4] rows (the logit and the id in three base-256 digits, exact in the
-        model's float dtype: vocabularies below ARGMAX_MAX_VOCAB) instead of n x vocab logits; the
-        lowest rank wins a tie (its ids are lower)."""
-        local = local[:, : self.vocab_end - self.vocab_start]  # [n, ids of this rank]
+        `gather_logits` picks it. Under tensor parallelism the ranks exchange their slices'
+        candidates (`vocab_argmax`: a few [4]-rows per row, the logit and its id) instead of n x
+        vocab logits; the lowest id wins a tie."""
+        kernel = self.__dict__.get("_argmax_kernel") or self._select_argmax(local.device)
         if self.tp_size == 1:
-            return local.argmax(dim=-1)
-        value, best = local.max(dim=-1, keepdim=True)  # [n, 1] each: the first largest of the slice
-        places = self._digit_places(best.device)
-        digits = ((best + self.vocab_start) // places % 256).to(local.dtype)  # [n, 3]
-        # Through the process group's all-gather. Session 32 sent these rows through the fused
-        # all-reduce's exchange kernel, and TP=2 engines on two H200s hung in their first steps:
-        # at 4 columns every warp of the kernel held the whole row and ended its wait on its own,
-        # so a slower warp could read the sentinel a faster one had put back (fixed since in
-        # `_receive`, with the slot claim's race; BENCHMARKS.md, 2026-11-27, session 33). The
-        # kernel returns here once the fix has run on GPUs.
-        every = tp_all_gather(torch.cat((value, digits), dim=1), dim=0).view(self.tp_size, -1, 4)  # [tp, n, 4]
-        winner = every[:, :, 0].argmax(dim=0)  # [n]: the first rank holding the row's largest logit
-        chosen = every.gather(0, winner.view(1, -1, 1).expand(1, -1, 4))[0, :, 1:]  # [n, 3]
-        return (chosen.long() * places).sum(dim=1)
+            return kernel.argmax(local, self.vocab_size)
+        candidates = kernel.candidates(local, self.vocab_end - self.vocab_start, self.vocab_start)  # [n, C, 4]
+        every = tp_all_gather(candidates, dim=0)  # [tp * n, C, 4], rank order
+        return kernel.pick(every.view(self.tp_size, -1, *candidates.shape[1:]))
+
+    def _select_argmax(self, device: torch.device) -> type[Kernel]:
+        self._argmax_kernel = select("vocab_argmax", device)
+        return self._argmax_kernel
 
     def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [n, hidden] -> this rank's vocabulary slice of the logits [n, rows_per_rank]
         (as local_logits_into, through the weight's method: eager steps)."""
         return self.method.apply(self, hidden_states, None)
-
-    def _digit_places(self, device: torch.device) -> torch.Tensor:
-        """[1, 256, 65536] on `device`, made once: the places of an id's three base-256 digits."""
-        places = self.__dict__.get("_places")
-        if places is None or places.device != device:
-            places = self._places = torch.tensor([1, 256, 65536], device=device)
-        return places
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->

@@ -22,9 +22,9 @@ from baryon.config import EngineConfig
 from baryon.distributed.parallel_state import broadcast_from_first, tp_rank, tp_world_size
 from baryon.distributed.worker_group import WorkerGroup
 from baryon.request import Request
+from baryon.kernels import vocab_argmax
 from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata, host_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
-from baryon.layers.embedding import ParallelLMHead
 from baryon.layers.forward_context import forward_context
 from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.layers.fused_decoder_layer import fuse_decoder_layers
@@ -430,7 +430,7 @@ class ModelRunner:
         for _, start, count in spans:
             logit_rows.extend(range(start, start + count))
         argmax_only = (bool(sampling_requests) and not spans and self.rejection_sampler is None
-                       and self.vocab_size < ParallelLMHead.ARGMAX_MAX_VOCAB
+                       and self.vocab_size < vocab_argmax.MAX_VOCAB
                        and all(_takes_argmax(r) for r in sampling_requests))
         plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
                         pending_index=np.array(pending_index, dtype=np.int64),
