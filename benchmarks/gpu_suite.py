@@ -13,11 +13,12 @@ in flight) and stops the server with SIGTERM.
 engine's start-up lines: how long loading and each graph capture took); on the device machine
 `--log-dir $OUT/logs` brings them back even when the call is cut short.
 
-A variant is NAME[@TREE][:ENGINE FLAGS]: each model runs once per variant, labelled model/NAME;
-with @TREE its processes import baryon from the folder TREE (an older tree unpacked there, say by
-`git archive COMMIT baryon | tar -x -C before`), for A/B runs on one machine. `--repeats N` runs
-the whole list N times in turn (A, B, A, B, ...: a host's drift falls on both alike) and prints
-each variant's median last.
+A variant is NAME[@TREE][:[VAR=VALUE ...] ENGINE FLAGS]: each model runs once per variant,
+labelled model/NAME; its leading VAR=VALUE words are environment variables of its processes (a
+kernel forced by BARYON_KERNEL_<FAMILY>=name, say); with @TREE its processes import baryon from
+the folder TREE (an older tree unpacked there, say by `git archive COMMIT baryon | tar -x -C
+before`), for A/B runs on one machine. `--repeats N` runs the whole list N times in turn (A, B,
+A, B, ...: a host's drift falls on both alike) and prints each variant's median last.
 
     python benchmarks/gpu_suite.py --models qwen3-30b-a3b --workloads nano --repeats 3 \
         --variants "after:--data-parallel-size 2 --enable-expert-parallel" \
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -158,18 +160,32 @@ def dump_stacks(process: subprocess.Popen) -> None:
             pass
 
 
-def tree_process(tree: str) -> dict:
+def tree_process(tree: str, variables: dict[str, str] | None = None) -> dict:
     """subprocess arguments that make a variant's processes import baryon from `tree` ({}: this
-    one). The folder is their working directory too: `python -m` puts that first on sys.path,
-    ahead of PYTHONPATH, so from the repository's root its own baryon would be imported."""
-    if not tree:
+    one) with these environment variables set. The folder is their working directory too: `python
+    -m` puts that first on sys.path, ahead of PYTHONPATH, so from the repository's root its own
+    baryon would be imported."""
+    if not tree and not variables:
         return {}
+    env = {**os.environ, **(variables or {})}
+    if not tree:
+        return {"env": env}
     tree = os.path.abspath(tree)
     if not os.path.isdir(os.path.join(tree, "baryon")):
         raise SystemExit(f"variant tree {tree!r} has no baryon/ folder")
-    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, env.get("PYTHONPATH")) if p)
     return {"env": env, "cwd": tree}
+
+
+def variant_settings(flags: str) -> tuple[dict[str, str], list[str]]:
+    """A variant's FLAGS: its leading NAME=VALUE words (environment variables, as
+    BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed) and the engine flags after them."""
+    words = flags.split()
+    variables = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        variables[name] = value
+    return variables, words
 
 
 def run_one(model: str, workload: str, extra: list[str], timeout: int, process: dict | None = None,
@@ -252,7 +268,8 @@ def main() -> None:
     for variant in args.variants:
         head, _, flags = variant.partition(":")
         name, _, tree = head.partition("@")
-        variants.append((name, tree_process(tree), flags.split()))
+        variables, engine_flags = variant_settings(flags)
+        variants.append((name, tree_process(tree, variables), engine_flags))
     results = []
     for repeat in range(args.repeats):
         for model in args.models:

@@ -67,14 +67,14 @@ def _simulated_buffers(world: int, device: str = "cpu"):
     """Every rank's fused-kernel buffer (float32, [2 slots, world, rows, hidden], the sentinel
     throughout) in one process: (buffers, their addresses, this rank's row counters, the abort
     word, the sentinel's bits)."""
-    from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, sentinel_bits
+    from baryon.kernels.all_reduce_rms_norm import BUFFER_ROWS, FUSED_MAX_HIDDEN, sentinel_bits
 
     empty = sentinel_bits(torch.float32)
-    buffers = [torch.empty(2, world, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN, device=device) for _ in range(world)]
+    buffers = [torch.empty(2, world, BUFFER_ROWS, FUSED_MAX_HIDDEN, device=device) for _ in range(world)]
     for b in buffers:
         b.view(torch.int32).fill_(empty)
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
-    counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)
+    counters = torch.zeros(BUFFER_ROWS, dtype=torch.int32, device=device)
     return buffers, buffer_ptrs, counters, torch.zeros(1, dtype=torch.int32, device=device), empty
 
 
@@ -199,17 +199,123 @@ def test_exchanges_with_simulated_peers(seed, world, rank):
     assert counters[:7].tolist() == [8, 8, 7, 5, 4, 3, 2]
 
 
+def _pushed_reducer(world: int, rank: int, device: str):
+    """A SymmMemPushedAllReduce over simulated buffers (no symmetric memory, no process group):
+    (the reducer, every rank's buffer)."""
+    from baryon.kernels.all_reduce_rms_norm import SymmMemPushedAllReduce
+
+    buffers, buffer_ptrs, counters, abort, _ = _simulated_buffers(world, device)
+    reducer = object.__new__(SymmMemPushedAllReduce)
+    reducer.buffers, reducer.counters, reducer.abort = buffer_ptrs, counters, abort
+    reducer.rank, reducer.world, reducer.dtype, reducer._pushed = rank, world, torch.float32, None
+    return reducer, buffers
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.parametrize("world, rank", [(2, 0), (4, 2)])
+def test_gemv_pushes_and_the_next_all_reduce_only_waits(seed, world, rank):
+    """symm_mem_pushed: a row-parallel GEMV writes its one-row output into every peer's buffer (at
+    the pushed row, in the slot of that row's call count) from its epilogue; the all-reduce that
+    takes that output claims the slot, waits for the peers' rows and sums them with the residual
+    add and norm, sending nothing. Pushes that no call takes (another call came first) leave the
+    count, and the next push goes to the same slot. The other rows' calls count apart."""
+    from baryon.kernels.all_reduce_rms_norm import PUSHED_ROW, all_reduce_add_rms_norm_reference, sentinel_bits
+    from baryon.kernels.dense_gemv import TritonDenseGemv
+
+    generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reducer, buffers = _pushed_reducer(world, rank, device)
+    peers = [p for p in range(world) if p != rank]
+    empty = sentinel_bits(torch.float32)
+    weight_norm = torch.randn(HIDDEN, generator=generator).to(device)
+    expected_count = 0
+    for taken in (True, False, True, True):  # the second push is left: a plain all-reduce comes first
+        x = torch.randn(1, 40, generator=generator)
+        w = torch.randn(HIDDEN, 40, generator=generator)
+        if taken:
+            w[5] = 0.0  # an output of -0.0 travels as +0.0
+            x[0, 0] = -1.0
+            w[5, 0] = 0.0
+        slot = expected_count & 1
+        assert reducer.takes_pushed(1, HIDDEN, torch.float32)
+        out = TritonDenseGemv.forward(x.to(device), w.to(device), push=reducer.push_arguments())
+        reducer.pushed(out)
+        torch.testing.assert_close(out.cpu(), x @ w.t(), rtol=1e-5, atol=1e-5)
+        for p in peers:  # our output in every peer's buffer, past it untouched; then the peer reads it
+            sent = buffers[p][slot, rank, PUSHED_ROW].cpu()
+            torch.testing.assert_close(sent[:HIDDEN], out[0].cpu(), rtol=0, atol=0)
+            assert (sent[HIDDEN:].view(torch.int32) == empty).all()
+            if taken:
+                assert sent[5].view(torch.int32).item() == 0  # +0.0
+            buffers[p][slot, rank, PUSHED_ROW].view(torch.int32).fill_(empty)
+        parts = [torch.randn(1, HIDDEN, generator=generator) for _ in range(world)]
+        parts[rank] = out.cpu()
+        for p in peers:  # what the peers' GEMVs pushed to us
+            buffers[rank][slot, p, PUSHED_ROW, :HIDDEN] = parts[p][0].to(device)
+        residual = torch.randn(1, HIDDEN, generator=generator)
+        if not taken:  # a plain all-reduce of another tensor takes the mark (rows 0: its own count)
+            other = [torch.randn(1, HIDDEN, generator=generator) for _ in range(world)]
+            epoch = int(reducer.counters[0])
+            for p in peers:
+                buffers[rank][epoch & 1, p, 0, :HIDDEN] = other[p][0].to(device)
+            summed = reducer(other[rank].to(device))
+            torch.testing.assert_close(summed.cpu(), sum(other[1:], other[0]), rtol=1e-6, atol=1e-6)
+            for p in peers:  # the peers read what the call sent them; the pushed rows wait, unread
+                buffers[p][epoch & 1, rank, 0].view(torch.int32).fill_(empty)
+                buffers[rank][slot, p, PUSHED_ROW].view(torch.int32).fill_(empty)
+            assert int(reducer.counters[PUSHED_ROW]) == expected_count
+            continue
+        normed, residual_out = reducer.add_rms_norm(out, residual.to(device), weight_norm, 1e-6)
+        expected_count += 1
+        expected = all_reduce_add_rms_norm_reference(parts, residual, weight_norm.cpu(), 1e-6)
+        torch.testing.assert_close(residual_out.cpu(), expected[1], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(normed.cpu(), expected[0], rtol=1e-5, atol=1e-5)
+        assert int(reducer.counters[PUSHED_ROW]) == expected_count
+        for p in peers:  # read and cleared; the all-reduce sent nothing (the GEMV did)
+            assert (buffers[rank][slot, p, PUSHED_ROW].view(torch.int32) == empty).all()
+            assert (buffers[p].view(torch.int32) == empty).all()
+    assert reducer._pushed is None
+
+
+@pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
+def test_row_parallel_gemv_pushes_only_where_the_model_says(seed, monkeypatch):
+    """A row-parallel layer pushes its one-row output (and marks it) only where the model set
+    pushes_partial and the reducer takes it; else the GEMV writes its output alone."""
+    from baryon.kernels.dense_gemv import TritonDenseGemv
+    from baryon.layers.linear import RowParallelLinear
+    from baryon.quantization import base
+
+    generator = torch.Generator().manual_seed(seed)
+    reducer, buffers = _pushed_reducer(2, 0, "cpu")
+    monkeypatch.setattr(base, "tp_push_target", lambda rows, width, dtype:
+                        reducer if reducer.takes_pushed(rows, width, dtype) else None)
+    layer = RowParallelLinear(40, HIDDEN, bias=False, reduce_results=False)
+    layer.weight.data.copy_(torch.randn(HIDDEN, 40, generator=generator))
+    layer.dense_gemv = TritonDenseGemv
+    x = torch.randn(1, 40, generator=generator)
+    empty = buffers[1].view(torch.int32)[0, 0, 0, 0].item()  # the sentinel, everywhere at first
+    layer(x)
+    assert reducer._pushed is None and (buffers[1].view(torch.int32) == empty).all()
+    layer.pushes_partial = True
+    out = layer(x)
+    assert reducer._pushed == (out.data_ptr(), (1, HIDDEN))
+    torch.testing.assert_close(buffers[1][0, 0, -1, :HIDDEN], out[0], rtol=0, atol=0)
+    reducer._pushed = None
+    layer(torch.randn(2, 40, generator=generator))  # two rows: the GEMV serves one
+    assert reducer._pushed is None
+
+
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU giving up traps, which ends the process's CUDA context")
 def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
     """A peer that died (or hangs) never writes its row: after max_polls reads the kernel gives up
     on it instead of spinning forever (on a GPU it traps, failing the launch; the interpreter has
     no trap, so the row comes out NaN) and the rows that came are summed as usual."""
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce,
+    from baryon.kernels.all_reduce_rms_norm import (BUFFER_ROWS, FUSED_MAX_HIDDEN, fused_all_reduce,
                                                     all_reduce_add_rms_norm_reference, sentinel_bits)
 
     generator = torch.Generator().manual_seed(seed)
-    buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
+    buffers = [torch.empty(2, 2, BUFFER_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
     for b in buffers:
         b.view(torch.int32).fill_(sentinel_bits(torch.float32))
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
@@ -218,7 +324,7 @@ def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
     theirs = torch.randn(HIDDEN, generator=generator)
     buffers[0][0, 1, 0, :HIDDEN] = theirs  # row 0 arrived from rank 1, row 1 never does
     out, residual_out = fused_all_reduce(x, residual, weight, 1e-6, buffer_ptrs,
-                                         torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32), 0, 2,
+                                         torch.zeros(BUFFER_ROWS, dtype=torch.int32), 0, 2,
                                          torch.zeros(1, dtype=torch.int32), max_polls=3)
     expected_out, expected_residual = all_reduce_add_rms_norm_reference([x[:1], theirs[None]], residual[:1], weight,
                                                                         1e-6)
@@ -232,17 +338,17 @@ def test_fused_kernel_gives_up_on_a_row_that_never_comes(seed):
 def test_fused_kernel_gives_up_when_told_a_rank_died(seed):
     """The worker monitor's release_waits: a wait that would last MAX_POLLS reads gives up at its
     next look at the abort word instead (the plain all-reduce's path here)."""
-    from baryon.kernels.all_reduce_rms_norm import (FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce,
+    from baryon.kernels.all_reduce_rms_norm import (BUFFER_ROWS, FUSED_MAX_HIDDEN, fused_all_reduce,
                                                     sentinel_bits)
 
     generator = torch.Generator().manual_seed(seed)
-    buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
+    buffers = [torch.empty(2, 2, BUFFER_ROWS, FUSED_MAX_HIDDEN) for _ in range(2)]
     for b in buffers:
         b.view(torch.int32).fill_(sentinel_bits(torch.float32))
     buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     x = torch.randn(1, HIDDEN, generator=generator)
     abort = torch.ones(1, dtype=torch.int32)  # set by release_waits
-    out, _ = fused_all_reduce(x, None, None, 0.0, buffer_ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32),
+    out, _ = fused_all_reduce(x, None, None, 0.0, buffer_ptrs, torch.zeros(BUFFER_ROWS, dtype=torch.int32),
                               1, 2, abort, max_polls=1 << 30)
     assert out.isnan().all()
 
@@ -274,9 +380,9 @@ def test_exchange_gives_up_on_a_row_that_never_comes(seed, gather):
 
 _GIVE_UP_CHILD = r"""
 import sys, time, torch
-from baryon.kernels.all_reduce_rms_norm import FUSED_MAX_HIDDEN, FUSED_MAX_ROWS, fused_all_reduce, sentinel_bits
+from baryon.kernels.all_reduce_rms_norm import BUFFER_ROWS, FUSED_MAX_HIDDEN, fused_all_reduce, sentinel_bits
 how = sys.argv[1]
-buffers = [torch.empty(2, 2, FUSED_MAX_ROWS, FUSED_MAX_HIDDEN, device="cuda") for _ in range(2)]
+buffers = [torch.empty(2, 2, BUFFER_ROWS, FUSED_MAX_HIDDEN, device="cuda") for _ in range(2)]
 for b in buffers:
     b.view(torch.int32).fill_(sentinel_bits(torch.float32))
 ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
@@ -284,7 +390,7 @@ abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)
 x = torch.randn(1, 48, device="cuda")
 polls = 1 << 20 if how == "polls" else (1 << 31) - 1  # 2**31 reads: over an hour, unless the abort word is set
 start = time.monotonic()
-fused_all_reduce(x, None, None, 0.0, ptrs, torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device="cuda"),
+fused_all_reduce(x, None, None, 0.0, ptrs, torch.zeros(BUFFER_ROWS, dtype=torch.int32, device="cuda"),
                  0, 2, abort, max_polls=polls)
 if how == "abort":
     time.sleep(0.5)
@@ -320,11 +426,13 @@ from baryon.kernels import all_reduce_rms_norm as module
 
 kernel = getattr(module, sys.argv[1])
 hidden, warps = int(sys.argv[2]), int(sys.argv[3])
-constexprs = dict(HIDDEN=hidden, BLOCK=module.next_power_of_2(hidden), SLOT_ROWS=module.FUSED_MAX_ROWS,
+constexprs = dict(HIDDEN=hidden, BLOCK=module.next_power_of_2(hidden), SLOT_ROWS=module.BUFFER_ROWS,
                   ROW_STRIDE=module.FUSED_MAX_HIDDEN, RANK=0, WORLD=2, SENTINEL=-32768, BITS=16, ASM=True,
                   PDL=True, NORM=sys.argv[4] == "norm")
 if "GATHER" in kernel.arg_names:
     constexprs["GATHER"] = True
+if "ROW0" in kernel.arg_names:
+    constexprs["ROW0"] = 0
 pointers = {"x", "out", "residual", "weight", "residual_out"}
 types = {"buffers": "*i64", "counters": "*i32", "abort_addr": "i64", "eps": "fp32"}
 signature = {name: "constexpr" if name in constexprs else "*bf16" if name in pointers else types.get(name, "i32")
@@ -380,3 +488,41 @@ def test_compiled_waits_claim_one_slot_and_clear_after_every_warp(hidden, warps)
         assert "atom.global.gpu.relaxed.add.u32" in ptx
         assert "ld.volatile.global.b16" in ptx  # the polls this test reads around
         assert _sentinel_stores_without_barrier(ptx) == 0
+
+
+_COMPILE_PUSHING_GEMV = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import triton
+from baryon.kernels import dense_gemv
+
+kernel = dense_gemv._dense_gemv_kernel
+constexprs = dict(HAS_BIAS=False, EVEN_N=True, EVEN_K=True, ROWS=1, BLOCK_N=8, BLOCK_K=1024, PDL=True, PUSH=True,
+                  RANK=1, WORLD=2, SLOT_ROWS=257, ROW_STRIDE=8192, ROW=256, SENTINEL=-32768, BITS=16)
+types = {"x": "*bf16", "w": "*bf16", "bias": "*bf16", "out": "*bf16", "buffers": "*i64", "counters": "*i32"}
+signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4})
+sys.stdout.write(compiled.asm["ptx"])
+"""
+
+
+@pytest.mark.skipif(triton is None, reason="triton is not installed")
+def test_pushing_gemv_compiles_for_hopper():
+    """The dense GEMV with its epilogue's push (symm_mem_pushed) compiles for an H100 (sm_90, no
+    GPU needed): it reads the pushed row's call count and stores its block to the peer's buffer
+    besides its own output, after waiting for the kernel before (PDL)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_PUSHING_GEMV], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ptx = done.stdout
+    assert "griddepcontrol.wait" in ptx
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global.b32")  # the count, read after the wait
+    stores = [line for line in ptx.splitlines() if line.strip().startswith(("st.global", "@%p")) and "st.global" in line]
+    assert len(stores) >= 2  # its output, and the peer's copy

@@ -25,3 +25,23 @@ def test_prefill_beside_decodes_reports_the_long_prompt_and_the_decoders(tmp_pat
     chunks = -(-600 // (budget - decodes))
     assert chunks <= result["prefill_steps"] <= chunks + 1
     assert 0 < result["itl_ms"] and 0 < result["itl_during_ms"] <= result["itl_max_ms"] < result["ttft_ms"]
+
+
+def test_gpu_suite_variants_set_environment_variables_before_engine_flags():
+    """A gpu_suite variant's leading VAR=VALUE words go to its processes' environment (a forced
+    kernel for an A/B run), the rest to the engine as flags; a flag's own '=' stays a flag."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+    spec = importlib.util.spec_from_file_location("gpu_suite", path)
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    variables, flags = suite.variant_settings(
+        "BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed X_2= --tensor-parallel-size 2 --hf-overrides={\"a\":1}")
+    assert variables == {"BARYON_KERNEL_ALL_REDUCE": "symm_mem_pushed", "X_2": ""}
+    assert flags == ["--tensor-parallel-size", "2", "--hf-overrides={\"a\":1}"]
+    assert suite.variant_settings("--quantization fp8") == ({}, ["--quantization", "fp8"])
+    process = suite.tree_process("", variables)
+    assert process["env"]["BARYON_KERNEL_ALL_REDUCE"] == "symm_mem_pushed" and "cwd" not in process
+    assert suite.tree_process("") == {}

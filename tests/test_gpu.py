@@ -329,6 +329,29 @@ def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
 
 
 @two_gpus
+def test_pushed_all_reduce_engine_on_two_gpus_matches_one(tmp_path, seed, monkeypatch):
+    """TP=2 with symm_mem_pushed (the o / down projections' one-row outputs pushed from the GEMV,
+    decode graphs replaying it) gives one GPU's greedy tokens and logprobs, in float32."""
+    path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=seed, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3,
+                           initializer_range=0.02)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 128, 4, 12, seed)]
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    results = {}
+    for tp in (1, 2):
+        if tp == 2:
+            monkeypatch.setenv("BARYON_KERNEL_ALL_REDUCE", "symm_mem_pushed")  # the workers inherit it
+        with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
+                 tensor_parallel_size=tp, max_num_seqs=1, max_num_batched_tokens=512) as llm:
+            results[tp] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                    o.outputs[0].token_ids)])
+                           for o in llm.generate(prompts, params, use_tqdm=False)]
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(results[1], results[2]):
+        assert tokens2 == tokens1
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
+
+
+@two_gpus
 def test_data_parallel_on_two_gpus_matches_one(tmp_path, seed):
     path = make_checkpoint(tmp_path / "llama", "llama", seed=seed, hidden_size=256, intermediate_size=512,
                            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.02)
@@ -615,6 +638,83 @@ def _narrow_rows_rank(rank: int, world: int, init_method: str, seed: int) -> Non
                 assert torch.equal(gathered, torch.cat(narrows))
     finally:
         dist.destroy_process_group()
+
+
+def _pushed_rows_rank(rank: int, world: int, init_method: str, seed: int) -> None:
+    """A spawned rank: symm_mem_pushed's one-row all-reduces, each on the output of a GEMV that
+    pushed it to the peer from its epilogue, interleaved with plain all-reduces of other rows and
+    pushes no call takes, each rank now and then a random moment late; eager, then replayed from a
+    CUDA graph; every sum checked against NCCL's."""
+    import torch.distributed as dist
+
+    from baryon.kernels.all_reduce import all_reduce_reference
+    from baryon.kernels.all_reduce_rms_norm import SymmMemPushedAllReduce, all_reduce_add_rms_norm_reference
+    from baryon.kernels.dense_gemv import TritonDenseGemv
+
+    device = _join_nccl(rank, world, init_method)
+    graph = None
+    try:
+        reducer = SymmMemPushedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
+        assert isinstance(reducer, SymmMemPushedAllReduce), "symmetric memory could not be set up"
+        generator = torch.Generator().manual_seed(seed + rank)
+        delays = torch.Generator().manual_seed(seed * 7 + rank)
+        hidden = 4096
+        weight = torch.randn(hidden, 2048, generator=generator).to(device, torch.bfloat16) / 40
+        norm = torch.randn(hidden, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
+
+        def step(x, residual, other):
+            out = TritonDenseGemv.forward(x, weight, push=reducer.push_arguments())
+            reducer.pushed(out)
+            if torch.rand((), generator=delays) < 0.3:
+                torch.cuda._sleep(int(torch.randint(1, 20000, (), generator=delays)))
+            summed = reducer.add_rms_norm(out, residual, norm, 1e-6)[1]
+            unread = TritonDenseGemv.forward(x, weight, push=reducer.push_arguments())  # a push no call takes
+            reducer.pushed(unread)
+            plain = reducer(other)
+            return out, summed, plain
+
+        def check(out, summed, residual, other, plain):
+            parts = [torch.empty_like(out) for _ in range(world)]
+            dist.all_gather(parts, out)
+            expected = all_reduce_add_rms_norm_reference(parts, residual, norm, 1e-6)[1]
+            torch.testing.assert_close(summed, expected, rtol=0, atol=0)
+            others = [torch.empty_like(other) for _ in range(world)]
+            dist.all_gather(others, other)
+            torch.testing.assert_close(plain, all_reduce_reference(others), rtol=0, atol=0)
+
+        for _ in range(20):
+            batch = []
+            for _ in range(50):
+                x = torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16)
+                residual = torch.randn(1, hidden, generator=generator).to(device, torch.bfloat16)
+                other = torch.randn(3, hidden, generator=generator).to(device, torch.bfloat16)
+                batch.append((step(x, residual, other), residual, other))
+            for (out, summed, plain), residual, other in batch:
+                check(out, summed, residual, other, plain)
+        x = torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16)
+        residual = torch.randn(1, hidden, generator=generator).to(device, torch.bfloat16)
+        other = torch.randn(3, hidden, generator=generator).to(device, torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            captured = [step(x, residual, other) for _ in range(8)]
+        for _ in range(30):
+            x.copy_(torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16))
+            graph.replay()
+            for out, summed, plain in captured:
+                check(out, summed, residual, other, plain)
+    finally:
+        if graph is not None:
+            graph.reset()
+        dist.destroy_process_group()
+
+
+@two_gpus
+def test_pushed_all_reduces_on_two_gpus(seed):
+    """symm_mem_pushed (`BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed`): 1,000 GEMV-pushed all-reduces
+    between plain ones and untaken pushes, with random lateness, then replayed from a CUDA graph:
+    all complete and equal NCCL's."""
+    run_in_ranks(_pushed_rows_rank, 2, seed, timeout_s=300)
 
 
 @two_gpus

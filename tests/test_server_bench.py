@@ -40,9 +40,13 @@ def test_serve_benchmark_reports_every_request(server, seed):
     assert result["total_input_tokens"] == 16 * 12 and result["total_output_tokens"] == 16 * 6
     assert result["request_throughput"] > 0 and result["output_throughput"] > 0
     assert result["total_token_throughput"] > result["output_throughput"]
-    for name in ("ttft", "tpot", "itl", "e2el"):
+    for name in ("ttft", "e2el"):
         assert 0 < result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"], name
-        assert result[f"mean_{name}_ms"] > 0
+    # A client that lags reads a request's later tokens in one chunk (the server sends the latest
+    # cumulative output), so on a busy machine the time per output token may be 0 for some.
+    for name in ("tpot", "itl"):
+        assert 0 <= result[f"median_{name}_ms"] <= result[f"p99_{name}_ms"], name
+    assert result["mean_tpot_ms"] <= result["mean_e2el_ms"]
     assert result["mean_e2el_ms"] >= result["mean_ttft_ms"]
 
 

@@ -194,6 +194,13 @@ def tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: 
     return _TP_ALL_REDUCE.add_rms_norm(x, residual, weight, eps)
 
 
+def tp_push_target(rows: int, width: int, dtype: torch.dtype) -> Kernel | None:
+    """The tensor-parallel reducer, where it takes a row-parallel GEMV's [rows, width] output
+    pushed to the peers from the GEMV's epilogue (`Reducer.takes_pushed`), else None."""
+    reducer = _TP_ALL_REDUCE
+    return reducer if reducer is not None and reducer.takes_pushed(rows, width, dtype) else None
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate each rank's `x` along `dim` (rank order)."""
     world = tp_world_size()

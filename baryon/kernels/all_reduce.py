@@ -105,6 +105,12 @@ class Reducer(Kernel):
         * weight, ... + residual), in one low-latency kernel; None as for `gather`."""
         return None
 
+    def takes_pushed(self, rows: int, width: int, dtype: torch.dtype) -> bool:
+        """Whether a row-parallel GEMV's [rows, width] output may be pushed into the peers'
+        buffers from the GEMV's own epilogue (`push_arguments`), so that this reducer's next call
+        on that output (`pushed` marks it) only waits for the peers' rows. None here."""
+        return False
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's partial sum [rows, hidden] -> (rms_norm(sum + residual) * weight,

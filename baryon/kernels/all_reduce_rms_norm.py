@@ -39,6 +39,15 @@ there), so their waits are bounded by EXCHANGE_MAX_POLLS, about as long as NCCL'
 timeout, not MAX_POLLS. The reduce-scatter can end as the all-reduce does, with the residual add
 and RMSNorm of the next layer (`scatter_add_rms_norm`) over the replica's own tokens.
 
+A row-parallel GEMV can do the push itself (`SymmMemPushedAllReduce`, the `symm_mem_pushed`
+all_reduce kernel): each of its programs stores its block of the one-row output into every peer's
+buffer as it finishes, and the all-reduce that follows only claims the slot, polls and sums. The
+peers' rows then arrive as their GEMVs end instead of after the all-reduce kernel has started and
+read the GEMV's output. Those rows go to a row of the buffers of their own (PUSHED_ROW, with its own
+call count), so a call that does not take the pushed output (another all-reduce in between, or the
+fallback) leaves the pushed calls' count and slots as they were, and the next push overwrites the
+unread row.
+
     reducer.add_rms_norm(partial, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual)
     reducer.gather(rows) / reducer.reduce_scatter(rows_of_every_rank)  # None where not served
     reducer.reduce_scatter_add_rms_norm(rows_of_every_rank, residual, weight, eps)  # DP: the scatter + norm
@@ -63,6 +72,9 @@ from baryon.kernels.triton_utils import (INTERPRETED, multiprocessor_count, next
 # 9.12 / 19.64 at 128, 14.16 / 25.94 at 256.
 FUSED_MAX_ROWS = 256
 FUSED_MAX_HIDDEN = 8192
+# The buffers' rows and counters: FUSED_MAX_ROWS for the calls' rows, one more for pushed rows.
+PUSHED_ROW = FUSED_MAX_ROWS
+BUFFER_ROWS = FUSED_MAX_ROWS + 1
 # Reads of a peer's row before the kernel stops waiting for it and fails the launch (a read and
 # the program's reduction take ~1-2 us on an H100: about a minute). A peer that died never
 # writes, and torch cannot interrupt a running kernel; a slow one (compiling a kernel) is on
@@ -159,6 +171,19 @@ if triton is not None:
         return got, polls >= max_polls
 
     @triton.jit
+    def push_pushed_row(values, cols, mask, buffers, counters, RANK: tl.constexpr, WORLD: tl.constexpr,
+                        SLOT_ROWS: tl.constexpr, ROW_STRIDE: tl.constexpr, ROW: tl.constexpr,
+                        SENTINEL: tl.constexpr, BITS: tl.constexpr):
+        """A row-parallel GEMV's epilogue (`SymmMemPushedAllReduce`): `values`, its block `cols` of
+        a one-row output in the model dtype, into every peer's buffer at row ROW (PUSHED_ROW) of the
+        slot its call count names, as the all-reduce kernel pushes a row; the count moves on when
+        the all-reduce (PUSHED) claims the slot, after this kernel has ended."""
+        itype = tl.int16 if BITS == 16 else tl.int32
+        slot = tl.load(counters + ROW) & 1
+        _push_to_peers(buffers, _offset(slot, RANK, ROW, WORLD, SLOT_ROWS, ROW_STRIDE),
+                       _outgoing(values, itype, SENTINEL), cols, mask, itype, RANK, WORLD)
+
+    @triton.jit
     def _sum_over_ranks(own, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS: tl.constexpr,
                         ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                         SENTINEL: tl.constexpr, ASM: tl.constexpr):
@@ -194,10 +219,12 @@ if triton is not None:
                                         HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SLOT_ROWS: tl.constexpr,
                                         ROW_STRIDE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
                                         SENTINEL: tl.constexpr, BITS: tl.constexpr, max_polls, NORM: tl.constexpr,
-                                        ASM: tl.constexpr, PDL: tl.constexpr):
+                                        ROW0: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
         """NORM: the sum, plus the residual, normalised (out) and the new residual (residual_out);
         else out = the sum alone. abort_addr: an int32 word in host memory the device can read
-        (pinned); once it is nonzero a wait for a peer gives up at its next check."""
+        (pinned); once it is nonzero a wait for a peer gives up at its next check. ROW0: row r of x
+        counts and is exchanged at buffer row ROW0 + r; ROW0 = PUSHED_ROW: a pushed row (one), which
+        a GEMV sent the peers already (`push_pushed_row`)."""
         # A persistent grid (at most one program per multiprocessor, all resident at once), and
         # each program sends its row before it waits for the peers': no program waits on one that
         # cannot start. Under programmatic dependent launch the programs start during the
@@ -215,11 +242,13 @@ if triton is not None:
             w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
         empty = tl.full([BLOCK], SENTINEL, itype)
         for row in range(tl.program_id(0), rows, tl.num_programs(0)):
-            slot = _claim_slot(counters, row)
+            at = ROW0 + row  # the row's place in the buffers and counters
+            slot = _claim_slot(counters, at)
             part = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
-            _push_to_peers(buffers, _offset(slot, RANK, row, WORLD, SLOT_ROWS, ROW_STRIDE),
-                           _outgoing(part, itype, SENTINEL), cols, mask, itype, RANK, WORLD)
-            total = _sum_over_ranks(part, mine, slot, row, cols, mask, empty, abort, max_polls, SLOT_ROWS,
+            if ROW0 == 0:  # else the GEMV that made x has pushed it
+                _push_to_peers(buffers, _offset(slot, RANK, at, WORLD, SLOT_ROWS, ROW_STRIDE),
+                               _outgoing(part, itype, SENTINEL), cols, mask, itype, RANK, WORLD)
+            total = _sum_over_ranks(part, mine, slot, at, cols, mask, empty, abort, max_polls, SLOT_ROWS,
                                     ROW_STRIDE, RANK, WORLD, SENTINEL, ASM)
             if NORM:
                 _add_rms_norm_store(total.to(dtype), residual, w, out, residual_out, row, stride_r, stride_o,
@@ -331,23 +360,26 @@ def _launch_exchange(x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor 
         x, out, residual if norm else x, weight if norm else x, residual_out if norm else out, buffers, counters,
         abort.data_ptr(), rows, residual.shape[0] if norm else 0, x.stride(0), out.stride(0),
         residual.stride(0) if norm else 0, residual_out.stride(0) if norm else 0, eps,
-        HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
+        HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=BUFFER_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
         RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
         GATHER=gather, NORM=norm, ASM=not INTERPRETED, num_warps=8 if hidden >= 4096 else 4, **pdl_launch(x.device))
 
 
 def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
                      buffers: torch.Tensor, counters: torch.Tensor, rank: int, world: int, abort: torch.Tensor,
-                     max_polls: int = MAX_POLLS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     max_polls: int = MAX_POLLS, pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the fused kernel for this rank. x, residual: [rows, hidden] (rows <= FUSED_MAX_ROWS,
     hidden <= FUSED_MAX_HIDDEN); residual and weight None: the all-reduce alone, (sum, None).
-    buffers: [world] int64 addresses of every rank's buffer ([2 slots, world, FUSED_MAX_ROWS,
+    buffers: [world] int64 addresses of every rank's buffer ([2 slots, world, BUFFER_ROWS,
     FUSED_MAX_HIDDEN] of x's dtype, the sentinel wherever nothing waits to be read); counters:
-    [FUSED_MAX_ROWS] int32, this rank's calls per row; abort: int32 [1] the device can read
+    [BUFFER_ROWS] int32, this rank's calls per row; abort: int32 [1] the device can read
     (pinned host memory, or the device's own), nonzero to give up waiting; max_polls: reads of a
-    peer's row before the kernel gives up on it (see MAX_POLLS)."""
+    peer's row before the kernel gives up on it (see MAX_POLLS). pushed: x is one row that the
+    GEMV which made it pushed to the peers (`push_pushed_row`): this call only waits and sums."""
     _check_max_polls(max_polls)
     rows, hidden = x.shape
+    if pushed and rows != 1:
+        raise ValueError(f"a pushed all-reduce takes one row, got {rows}")
     norm = residual is not None
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if norm else None
@@ -356,9 +388,9 @@ def fused_all_reduce(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         x, residual if norm else x, weight if norm else x, out, residual_out if norm else out, buffers, counters,
         abort.data_ptr(), rows, x.stride(0), residual.stride(0) if norm else 0, out.stride(0),
         residual_out.stride(0) if norm else 0, eps,
-        HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=FUSED_MAX_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
+        HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SLOT_ROWS=BUFFER_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN,
         RANK=rank, WORLD=world, SENTINEL=sentinel_bits(x.dtype), BITS=8 * x.dtype.itemsize, max_polls=max_polls,
-        NORM=norm, ASM=not INTERPRETED, num_warps=num_warps, **pdl_launch(x.device))
+        NORM=norm, ROW0=PUSHED_ROW if pushed else 0, ASM=not INTERPRETED, num_warps=num_warps, **pdl_launch(x.device))
     return out, residual_out
 
 
@@ -380,14 +412,14 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
 
         super().__init__(group, device, dtype, max_bytes)
         world = dist.get_world_size(group)
-        # [2 slots, world, rows, hidden]: slot s, row r of rank p's partial sum, written by rank p
-        rows = symm_mem.empty(2 * world * FUSED_MAX_ROWS * FUSED_MAX_HIDDEN, dtype=dtype, device=device)
+        # [2 slots, world, BUFFER_ROWS, hidden]: slot s, row r of rank p's partial sum, written by rank p
+        rows = symm_mem.empty(2 * world * BUFFER_ROWS * FUSED_MAX_HIDDEN, dtype=dtype, device=device)
         rows.view(bits_dtype(dtype)).fill_(sentinel_bits(dtype))
         handle = rendezvous(rows, self.group_name)
         self.world, self.rank = handle.world_size, handle.rank
         self.rows = rows  # kept alive: self.buffers holds addresses into every rank's copy
         self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)  # [world]
-        self.counters = torch.zeros(FUSED_MAX_ROWS, dtype=torch.int32, device=device)  # calls per row, this rank
+        self.counters = torch.zeros(BUFFER_ROWS, dtype=torch.int32, device=device)  # calls per row, this rank
         self.abort = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the device (unified addresses)
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's buffer holds the sentinel before any rank writes to it
@@ -440,3 +472,62 @@ class SymmMemFusedAllReduce(SymmMemOneShotAllReduce):
             return super().add_rms_norm(x, residual, weight, eps)
         return fused_all_reduce(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
                                 self.abort)
+
+
+class SymmMemPushedAllReduce(SymmMemFusedAllReduce):
+    """symm_mem_fused, whose one-row all-reduces take the rows a row-parallel GEMV pushed to the
+    peers from its epilogue (module docstring): the GEMV asks `takes_pushed`, pushes with
+    `push_arguments` and marks its output (`pushed`); the next call, if it is on that output, only
+    waits for the peers' rows and sums. Chosen with BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed."""
+
+    name = "symm_mem_pushed"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+                 max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
+        super().__init__(group, device, dtype, max_bytes)
+        self._pushed: tuple[int, tuple[int, ...]] | None = None  # (address, shape) of the last pushed output
+
+    def takes_pushed(self, rows: int, width: int, dtype: torch.dtype) -> bool:
+        # Not under torch.compile: the mark is host-side state the trace would not keep.
+        return rows == 1 and dtype == self.dtype and width <= FUSED_MAX_HIDDEN and not torch.compiler.is_compiling()
+
+    def push_arguments(self) -> dict:
+        """What `push_pushed_row` takes besides the values: the GEMV's launch arguments."""
+        return dict(buffers=self.buffers, counters=self.counters, RANK=self.rank, WORLD=self.world,
+                    SLOT_ROWS=BUFFER_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN, ROW=PUSHED_ROW,
+                    SENTINEL=sentinel_bits(self.dtype), BITS=8 * self.dtype.itemsize)
+
+    def pushed(self, out: torch.Tensor) -> None:
+        """out [1, width], a GEMV's output, is in the peers' buffers already."""
+        self._pushed = (out.data_ptr(), tuple(out.shape))
+
+    def _takes_mark(self, x: torch.Tensor | None) -> bool:
+        """Whether x is the output pushed last; any call ends the mark (one pushed output, one call)."""
+        marked, self._pushed = self._pushed, None
+        return x is not None and marked == (x.data_ptr(), tuple(x.shape))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._takes_mark(x) and self.fused(x):
+            return fused_all_reduce(x, None, None, 0.0, self.buffers, self.counters, self.rank, self.world,
+                                    self.abort, pushed=True)[0]
+        return super().__call__(x)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._takes_mark(x) and self.fused(x, residual):
+            return fused_all_reduce(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
+                                    self.abort, pushed=True)
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        self._takes_mark(None)
+        return super().gather(x)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor | None:
+        self._takes_mark(None)
+        return super().reduce_scatter(x)
+
+    def reduce_scatter_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        self._takes_mark(None)
+        return super().reduce_scatter_add_rms_norm(x, residual, weight, eps)

@@ -26,6 +26,9 @@ import torch
 from baryon.kernels.selector import Kernel
 from baryon.kernels.triton_utils import TritonKernel, pdl_launch, tl, triton
 
+if triton is not None:
+    from baryon.kernels.all_reduce_rms_norm import push_pushed_row
+
 MAX_M = 8  # the most rows the kernel takes
 # The most rows a layer sends it (larger batches keep cuBLAS): on an H100 (benchmarks/tune_dense_gemv.py)
 # a decode step's projections chained in one graph took 4.80 / 0.48 ms against cuBLAS's 5.35 / 0.73
@@ -107,9 +110,14 @@ if triton is not None:
     @triton.jit
     def _dense_gemv_kernel(x, w, bias, out, M, N, K, stride_xm, stride_wn, stride_om,
                            HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                           PUSH: tl.constexpr, buffers, counters, RANK: tl.constexpr, WORLD: tl.constexpr,
+                           SLOT_ROWS: tl.constexpr, ROW_STRIDE: tl.constexpr, ROW: tl.constexpr,
+                           SENTINEL: tl.constexpr, BITS: tl.constexpr):
         """out[m, n] for BLOCK_N rows n of the weight and ROWS rows m of x (program (n tile, row
-        group)): each weight tile is loaded once for the ROWS rows of x."""
+        group)): each weight tile is loaded once for the ROWS rows of x. PUSH (one row): the
+        block also goes to every peer's all-reduce buffer (`push_pushed_row`, the rest of the
+        arguments are its)."""
         pid = tl.program_id(0)
         rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [R]
         row_mask = rows < M
@@ -134,8 +142,11 @@ if triton is not None:
         y = tl.sum(acc, axis=2)  # [R, BN]
         if HAS_BIAS:
             y = y + tl.load(bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out + rows[:, None] * stride_om + offs_n[None, :], y.to(out.dtype.element_ty),
-                 mask=row_mask[:, None] & n_mask[None, :])
+        y = y.to(out.dtype.element_ty)
+        tl.store(out + rows[:, None] * stride_om + offs_n[None, :], y, mask=row_mask[:, None] & n_mask[None, :])
+        if PUSH:  # ROWS == 1
+            push_pushed_row(tl.reshape(y, (BLOCK_N,)), offs_n, n_mask, buffers, counters, RANK, WORLD, SLOT_ROWS,
+                            ROW_STRIDE, ROW, SENTINEL, BITS)
 
 
 class TritonDenseGemv(TritonKernel):
@@ -151,9 +162,11 @@ class TritonDenseGemv(TritonKernel):
 
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, tiles: tuple[int, int, int] | None = None,
+                push: dict | None = None) -> torch.Tensor:
         """x [M, K] with M <= MAX_M -> [M, N] in out_dtype (default: x's). tiles: (BLOCK_N,
-        BLOCK_K, num_warps) instead of the table's (tests, tuning)."""
+        BLOCK_K, num_warps) instead of the table's (tests, tuning). push: one row's output also
+        into the peers' all-reduce buffers (`SymmMemPushedAllReduce.push_arguments()`)."""
         _check(x, weight)
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -166,10 +179,15 @@ class TritonDenseGemv(TritonKernel):
         out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
         if m == 0:
             return out
+        if push is not None and m != 1:
+            raise ValueError(f"dense_gemv pushes one row to the peers, got {m}")
+        push_args = push or dict(buffers=out, counters=out, RANK=0, WORLD=1, SLOT_ROWS=1, ROW_STRIDE=1, ROW=0,
+                                 SENTINEL=0, BITS=16)  # unused
         block_n, block_k, warps = tile_config(m, n, k, tiles)
         rows = triton.next_power_of_2(m)  # every row of x in one program: each weight tile read once
         _dense_gemv_kernel[(triton.cdiv(n, block_n), 1)](
             x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, ROWS=rows,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_launch(x.device))
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, PUSH=push is not None, **push_args,
+            **pdl_launch(x.device))
         return out

@@ -84,7 +84,10 @@ _REGISTRY: dict[str, list[str]] = {
     # rows as one kernel that pushes each rank's rows to its peers and polls for theirs (no barrier):
     # two H100s, `benchmarks/all_reduce.py`, 4.1 / 6.1 / 9.1 / 14.2 us at 1 / 64 / 128 / 256 rows
     # against 10.9 / 15.4 / 19.6 / 25.9 for the one-shot all-reduce and the norm kernel.
+    # symm_mem_pushed (only when forced, until measured): symm_mem_fused whose one-row all-reduces
+    # take rows the row-parallel GEMV before them pushed to the peers from its epilogue.
     "all_reduce": ["baryon.kernels.all_reduce_rms_norm:SymmMemFusedAllReduce",
+                   "baryon.kernels.all_reduce_rms_norm:SymmMemPushedAllReduce",
                    "baryon.kernels.all_reduce:SymmMemOneShotAllReduce",
                    "baryon.kernels.all_reduce:TorchDistributedAllReduce"],
     "fused_moe_fp8": ["baryon.kernels.moe.experts_triton:TritonFp8FusedExperts",

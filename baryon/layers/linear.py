@@ -169,6 +169,9 @@ class RowParallelLinear(LinearBase):
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
         self.input_split_over_ranks = self.tp_size > 1
         self.reduce_results = reduce_results
+        # True (set by the model where the next norm's all-reduce takes this layer's output as it
+        # is): a one-row output may go to the peers from the GEMV's epilogue (symm_mem_pushed).
+        self.pushes_partial = False
         super().__init__(divide(input_size, self.tp_size, "input_size"), output_size, bias)
 
     def _input_slice(self, param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:

@@ -121,9 +121,11 @@ class LlamaModel(nn.Module):
                 continue
             if isinstance(layer.self_attn, LlamaAttention):
                 layer.self_attn.o_proj.reduce_results = False
+                layer.self_attn.o_proj.pushes_partial = True
                 layer.post_attention_layernorm.reduces_input = True
             if isinstance(layer.mlp, GatedMLP):
                 layer.mlp.down_proj.reduce_results = False
+                layer.mlp.down_proj.pushes_partial = True
                 next_norm.reduces_input = True
             elif getattr(layer.mlp, "reduce_results", None) is True:  # the MoE blocks
                 layer.mlp.reduce_results = False

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baryon.distributed.parallel_state import tp_push_target
+
 
 def checkpoint_param(shape: tuple[int, ...], dtype: torch.dtype | None = None, *, output_dim: int | None = 0,
                      input_dim: int | None = 1, output_block: int = 1, per_shard: bool = False) -> nn.Parameter:
@@ -96,7 +98,14 @@ class DenseLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         gemv = self.gemv_for(layer, x)
         if gemv is not None:
-            return gemv.forward(x, layer.weight, bias)
+            # A row-parallel layer whose sum the next norm takes: the all-reduce may take the
+            # output pushed to the peers by the GEMV itself (symm_mem_pushed).
+            reducer = tp_push_target(x.shape[0], layer.weight.shape[0], x.dtype) \
+                if layer.__dict__.get("pushes_partial") else None
+            out = gemv.forward(x, layer.weight, bias, push=reducer and reducer.push_arguments())
+            if reducer is not None:
+                reducer.pushed(out)
+            return out
         kernel = layer.__dict__.get("dense_kernel")
         if kernel is not None:
             return kernel.forward(x, layer.weight, bias)
