@@ -217,8 +217,9 @@ def test_gemv_pushes_and_the_next_all_reduce_only_waits(seed, world, rank):
     """symm_mem_pushed: a row-parallel GEMV writes its one-row output into every peer's buffer (at
     the pushed row, in the slot of that row's call count) from its epilogue; the all-reduce that
     takes that output claims the slot, waits for the peers' rows and sums them with the residual
-    add and norm, sending nothing. Pushes that no call takes (another call came first) leave the
-    count, and the next push goes to the same slot. The other rows' calls count apart."""
+    add and norm, sending nothing. A pushed output that the next call does not take (a plain
+    all-reduce of other rows comes first, or another push) is read before that call or push, its
+    sum discarded, so that no push meets an unread row. The other rows' calls count apart."""
     from baryon.kernels.all_reduce_rms_norm import PUSHED_ROW, all_reduce_add_rms_norm_reference, sentinel_bits
     from baryon.kernels.dense_gemv import TritonDenseGemv
 
@@ -228,53 +229,59 @@ def test_gemv_pushes_and_the_next_all_reduce_only_waits(seed, world, rank):
     peers = [p for p in range(world) if p != rank]
     empty = sentinel_bits(torch.float32)
     weight_norm = torch.randn(HIDDEN, generator=generator).to(device)
-    expected_count = 0
-    for taken in (True, False, True, True):  # the second push is left: a plain all-reduce comes first
-        x = torch.randn(1, 40, generator=generator)
-        w = torch.randn(HIDDEN, 40, generator=generator)
-        if taken:
-            w[5] = 0.0  # an output of -0.0 travels as +0.0
-            x[0, 0] = -1.0
-            w[5, 0] = 0.0
-        slot = expected_count & 1
-        assert reducer.takes_pushed(1, HIDDEN, torch.float32)
+    count = 0  # the pushed row's calls, as every rank counts them
+
+    def push(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A GEMV's push (checked in every peer's buffer, which then reads it) and the peers'
+        pushes of the same call into ours: (our output, every rank's part)."""
         out = TritonDenseGemv.forward(x.to(device), w.to(device), push=reducer.push_arguments())
         reducer.pushed(out)
         torch.testing.assert_close(out.cpu(), x @ w.t(), rtol=1e-5, atol=1e-5)
+        slot = int(reducer.counters[PUSHED_ROW]) & 1
         for p in peers:  # our output in every peer's buffer, past it untouched; then the peer reads it
             sent = buffers[p][slot, rank, PUSHED_ROW].cpu()
             torch.testing.assert_close(sent[:HIDDEN], out[0].cpu(), rtol=0, atol=0)
             assert (sent[HIDDEN:].view(torch.int32) == empty).all()
-            if taken:
-                assert sent[5].view(torch.int32).item() == 0  # +0.0
             buffers[p][slot, rank, PUSHED_ROW].view(torch.int32).fill_(empty)
         parts = [torch.randn(1, HIDDEN, generator=generator) for _ in range(world)]
         parts[rank] = out.cpu()
-        for p in peers:  # what the peers' GEMVs pushed to us
+        for p in peers:
             buffers[rank][slot, p, PUSHED_ROW, :HIDDEN] = parts[p][0].to(device)
-        residual = torch.randn(1, HIDDEN, generator=generator)
-        if not taken:  # a plain all-reduce of another tensor takes the mark (rows 0: its own count)
+        return out, parts
+
+    def read_all(before: int) -> None:
+        assert int(reducer.counters[PUSHED_ROW]) == before + 1
+        for p in peers:  # what came was read and cleared; nothing else was sent
+            assert (buffers[rank][before & 1, p, PUSHED_ROW].view(torch.int32) == empty).all()
+            assert (buffers[p].view(torch.int32) == empty).all()
+
+    for event in ("taken", "plain-between", "taken", "pushed-again", "taken"):
+        x, w = torch.randn(1, 40, generator=generator), torch.randn(HIDDEN, 40, generator=generator)
+        x[0, 0], w[5] = -1.0, 0.0  # an output of -0.0 travels as +0.0
+        out, parts = push(x, w)
+        if event == "plain-between":  # a plain all-reduce of other rows (their own count) comes first
             other = [torch.randn(1, HIDDEN, generator=generator) for _ in range(world)]
             epoch = int(reducer.counters[0])
             for p in peers:
                 buffers[rank][epoch & 1, p, 0, :HIDDEN] = other[p][0].to(device)
             summed = reducer(other[rank].to(device))
             torch.testing.assert_close(summed.cpu(), sum(other[1:], other[0]), rtol=1e-6, atol=1e-6)
-            for p in peers:  # the peers read what the call sent them; the pushed rows wait, unread
+            for p in peers:  # the peers read what the plain call sent them
                 buffers[p][epoch & 1, rank, 0].view(torch.int32).fill_(empty)
-                buffers[rank][slot, p, PUSHED_ROW].view(torch.int32).fill_(empty)
-            assert int(reducer.counters[PUSHED_ROW]) == expected_count
+            read_all(count)
+            count += 1
             continue
+        if event == "pushed-again":  # another push first: the pending one is read before it
+            out, parts = push(torch.randn(1, 40, generator=generator), torch.randn(HIDDEN, 40, generator=generator))
+            count += 1
+        residual = torch.randn(1, HIDDEN, generator=generator)
         normed, residual_out = reducer.add_rms_norm(out, residual.to(device), weight_norm, 1e-6)
-        expected_count += 1
         expected = all_reduce_add_rms_norm_reference(parts, residual, weight_norm.cpu(), 1e-6)
         torch.testing.assert_close(residual_out.cpu(), expected[1], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(normed.cpu(), expected[0], rtol=1e-5, atol=1e-5)
-        assert int(reducer.counters[PUSHED_ROW]) == expected_count
-        for p in peers:  # read and cleared; the all-reduce sent nothing (the GEMV did)
-            assert (buffers[rank][slot, p, PUSHED_ROW].view(torch.int32) == empty).all()
-            assert (buffers[p].view(torch.int32) == empty).all()
-    assert reducer._pushed is None
+        read_all(count)
+        count += 1
+    assert reducer._pushed is None and count == 6
 
 
 @pytest.mark.skipif(triton is None, reason="needs triton (its interpreter on CPU)")
@@ -298,7 +305,7 @@ def test_row_parallel_gemv_pushes_only_where_the_model_says(seed, monkeypatch):
     assert reducer._pushed is None and (buffers[1].view(torch.int32) == empty).all()
     layer.pushes_partial = True
     out = layer(x)
-    assert reducer._pushed == (out.data_ptr(), (1, HIDDEN))
+    assert reducer._pushed is out
     torch.testing.assert_close(buffers[1][0, 0, -1, :HIDDEN], out[0], rtol=0, atol=0)
     reducer._pushed = None
     layer(torch.randn(2, 40, generator=generator))  # two rows: the GEMV serves one
@@ -523,6 +530,6 @@ def test_pushing_gemv_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-2000:]
     ptx = done.stdout
     assert "griddepcontrol.wait" in ptx
-    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global.b32")  # the count, read after the wait
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.volatile.global.b32")  # the count, after the wait
     stores = [line for line in ptx.splitlines() if line.strip().startswith(("st.global", "@%p")) and "st.global" in line]
     assert len(stores) >= 2  # its output, and the peer's copy

@@ -44,9 +44,9 @@ all_reduce kernel): each of its programs stores its block of the one-row output 
 buffer as it finishes, and the all-reduce that follows only claims the slot, polls and sums. The
 peers' rows then arrive as their GEMVs end instead of after the all-reduce kernel has started and
 read the GEMV's output. Those rows go to a row of the buffers of their own (PUSHED_ROW, with its own
-call count), so a call that does not take the pushed output (another all-reduce in between, or the
-fallback) leaves the pushed calls' count and slots as they were, and the next push overwrites the
-unread row.
+call count). Every pushed row must be read before the next push to its slot (a peer still to read
+it could otherwise read the stale row), so a call that does not take the pushed output (another
+all-reduce in between, or a fallback) first reads it, discarding the sum.
 
     reducer.add_rms_norm(partial, residual, weight, eps) -> (rms_norm(sum + residual), sum + residual)
     reducer.gather(rows) / reducer.reduce_scatter(rows_of_every_rank)  # None where not served
@@ -179,7 +179,7 @@ if triton is not None:
         slot its call count names, as the all-reduce kernel pushes a row; the count moves on when
         the all-reduce (PUSHED) claims the slot, after this kernel has ended."""
         itype = tl.int16 if BITS == 16 else tl.int32
-        slot = tl.load(counters + ROW) & 1
+        slot = tl.load(counters + ROW, volatile=True) & 1  # moved on by the last all-reduce kernel
         _push_to_peers(buffers, _offset(slot, RANK, ROW, WORLD, SLOT_ROWS, ROW_STRIDE),
                        _outgoing(values, itype, SENTINEL), cols, mask, itype, RANK, WORLD)
 
@@ -478,56 +478,71 @@ class SymmMemPushedAllReduce(SymmMemFusedAllReduce):
     """symm_mem_fused, whose one-row all-reduces take the rows a row-parallel GEMV pushed to the
     peers from its epilogue (module docstring): the GEMV asks `takes_pushed`, pushes with
     `push_arguments` and marks its output (`pushed`); the next call, if it is on that output, only
-    waits for the peers' rows and sums. Chosen with BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed."""
+    waits for the peers' rows and sums; any other call first takes the pushed output, discarding
+    its sum. Every rank makes the same calls, so all take (or discard) the same pushed rows. A
+    pushed output must meet a call in the same forward pass (its CUDA graph). Chosen with
+    BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed."""
 
     name = "symm_mem_pushed"
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
                  max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
         super().__init__(group, device, dtype, max_bytes)
-        self._pushed: tuple[int, tuple[int, ...]] | None = None  # (address, shape) of the last pushed output
+        self._pushed: torch.Tensor | None = None  # the output pushed last, until a call takes it
 
     def takes_pushed(self, rows: int, width: int, dtype: torch.dtype) -> bool:
         # Not under torch.compile: the mark is host-side state the trace would not keep.
         return rows == 1 and dtype == self.dtype and width <= FUSED_MAX_HIDDEN and not torch.compiler.is_compiling()
 
     def push_arguments(self) -> dict:
-        """What `push_pushed_row` takes besides the values: the GEMV's launch arguments."""
+        """What `push_pushed_row` takes besides the values: the GEMV's launch arguments, asked for
+        just before it launches (an output pushed before and not taken yet is taken first: its slot
+        is the one this push goes to)."""
+        self._settle_pushed(None)
         return dict(buffers=self.buffers, counters=self.counters, RANK=self.rank, WORLD=self.world,
                     SLOT_ROWS=BUFFER_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN, ROW=PUSHED_ROW,
                     SENTINEL=sentinel_bits(self.dtype), BITS=8 * self.dtype.itemsize)
 
     def pushed(self, out: torch.Tensor) -> None:
-        """out [1, width], a GEMV's output, is in the peers' buffers already."""
-        self._pushed = (out.data_ptr(), tuple(out.shape))
+        """out [1, width], the output of the GEMV launched with `push_arguments`, is in the peers'
+        buffers already."""
+        self._pushed = out
 
-    def _takes_mark(self, x: torch.Tensor | None) -> bool:
-        """Whether x is the output pushed last; any call ends the mark (one pushed output, one call)."""
+    def _settle_pushed(self, x: torch.Tensor | None, residual: torch.Tensor | None = None) -> bool:
+        """Whether this call (on x, with residual) takes the output pushed last: it then only waits
+        and sums. A pushed output that this call does not take is taken now, its sum discarded."""
         marked, self._pushed = self._pushed, None
-        return x is not None and marked == (x.data_ptr(), tuple(x.shape))
+        if marked is None:
+            return False
+        if (x is not None and x.data_ptr() == marked.data_ptr() and x.shape == marked.shape
+                and self.fused(x, residual)):
+            return True
+        fused_all_reduce(marked, None, None, 0.0, self.buffers, self.counters, self.rank, self.world, self.abort,
+                         pushed=True)
+        return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._takes_mark(x) and self.fused(x):
+        if self._settle_pushed(x):
             return fused_all_reduce(x, None, None, 0.0, self.buffers, self.counters, self.rank, self.world,
                                     self.abort, pushed=True)[0]
         return super().__call__(x)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._takes_mark(x) and self.fused(x, residual):
+        if self._settle_pushed(x, residual):
             return fused_all_reduce(x, residual, weight, eps, self.buffers, self.counters, self.rank, self.world,
                                     self.abort, pushed=True)
         return super().add_rms_norm(x, residual, weight, eps)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:
-        self._takes_mark(None)
+        self._settle_pushed(None)
         return super().gather(x)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor | None:
-        self._takes_mark(None)
+        self._settle_pushed(None)
         return super().reduce_scatter(x)
 
     def reduce_scatter_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        self._takes_mark(None)
+        self._settle_pushed(None)
         return super().reduce_scatter_add_rms_norm(x, residual, weight, eps)
