@@ -281,6 +281,9 @@ def test_gemv_pushes_and_the_next_all_reduce_only_waits(seed, world, rank):
         torch.testing.assert_close(normed.cpu(), expected[0], rtol=1e-5, atol=1e-5)
         read_all(count)
         count += 1
+    push(torch.randn(1, 40, generator=generator), torch.randn(HIDDEN, 40, generator=generator))
+    reducer.settle_pushes()  # the end of a forward pass: what no call took is read there
+    read_all(count)
     assert reducer._pushed is None and count == 6
 
 
@@ -288,14 +291,13 @@ def test_gemv_pushes_and_the_next_all_reduce_only_waits(seed, world, rank):
 def test_row_parallel_gemv_pushes_only_where_the_model_says(seed, monkeypatch):
     """A row-parallel layer pushes its one-row output (and marks it) only where the model set
     pushes_partial and the reducer takes it; else the GEMV writes its output alone."""
+    from baryon.distributed import parallel_state
     from baryon.kernels.dense_gemv import TritonDenseGemv
     from baryon.layers.linear import RowParallelLinear
-    from baryon.quantization import base
 
     generator = torch.Generator().manual_seed(seed)
     reducer, buffers = _pushed_reducer(2, 0, "cpu")
-    monkeypatch.setattr(base, "tp_push_target", lambda rows, width, dtype:
-                        reducer if reducer.takes_pushed(rows, width, dtype) else None)
+    monkeypatch.setattr(parallel_state, "_TP_ALL_REDUCE", reducer)  # what tp_push_target asks
     layer = RowParallelLinear(40, HIDDEN, bias=False, reduce_results=False)
     layer.weight.data.copy_(torch.randn(HIDDEN, 40, generator=generator))
     layer.dense_gemv = TritonDenseGemv
@@ -439,7 +441,7 @@ constexprs = dict(HIDDEN=hidden, BLOCK=module.next_power_of_2(hidden), SLOT_ROWS
 if "GATHER" in kernel.arg_names:
     constexprs["GATHER"] = True
 if "ROW0" in kernel.arg_names:
-    constexprs["ROW0"] = 0
+    constexprs["ROW0"] = int(sys.argv[5])
 pointers = {"x", "out", "residual", "weight", "residual_out"}
 types = {"buffers": "*i64", "counters": "*i32", "abort_addr": "i64", "eps": "fp32"}
 signature = {name: "constexpr" if name in constexprs else "*bf16" if name in pointers else types.get(name, "i32")
@@ -450,7 +452,7 @@ sys.stdout.write(compiled.asm["ptx"])
 """
 
 
-def _compiled_ptx(kernel: str, hidden: int, warps: int, norm: bool) -> str:
+def _compiled_ptx(kernel: str, hidden: int, warps: int, norm: bool, row0: int = 0) -> str:
     """The kernel compiled for an H100 (sm_90) without a GPU, in a process of its own (the tests
     run Triton's interpreter): its PTX."""
     import os
@@ -459,7 +461,8 @@ def _compiled_ptx(kernel: str, hidden: int, warps: int, norm: bool) -> str:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90, kernel, str(hidden), str(warps),
-                           "norm" if norm else "plain"], capture_output=True, text=True, env=env, timeout=600)
+                           "norm" if norm else "plain", str(row0)], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -490,8 +493,11 @@ def test_compiled_waits_claim_one_slot_and_clear_after_every_warp(hidden, warps)
     argmax exchange's) is held whole by every warp and each warp ends its wait on its own, so
     without the barrier a slower warp read the sentinel a faster one had restored and never
     finished (session 32's TP=2 hangs)."""
+    from baryon.kernels.all_reduce_rms_norm import PUSHED_ROW
+
     for ptx in (_compiled_ptx("_exchange_kernel", hidden, warps, norm=False),
-                _compiled_ptx("_all_reduce_add_rms_norm_kernel", hidden, warps, norm=True)):
+                _compiled_ptx("_all_reduce_add_rms_norm_kernel", hidden, warps, norm=True),
+                _compiled_ptx("_all_reduce_add_rms_norm_kernel", hidden, warps, norm=True, row0=PUSHED_ROW)):
         assert "atom.global.gpu.relaxed.add.u32" in ptx
         assert "ld.volatile.global.b16" in ptx  # the polls this test reads around
         assert _sentinel_stores_without_barrier(ptx) == 0

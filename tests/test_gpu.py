@@ -328,25 +328,46 @@ def test_tensor_parallel_on_two_gpus_matches_one(tmp_path, seed, arch, extra):
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
 
 
+def _pushed_engine_child(rank: int, world: int, init_method: str, path: str, prompts: list, tp: int) -> dict:
+    """A fresh process (symmetric memory sets up only where no engine set it up before): an
+    engine of `tp` GPUs (rank 0 here) with symm_mem_pushed forced, greedy tokens and logprobs of
+    one sequence at a time (one-row decode steps, replayed from CUDA graphs), and what ran."""
+    import os
+
+    os.environ["BARYON_KERNEL_ALL_REDUCE"] = "symm_mem_pushed"  # the workers inherit it
+    from baryon import LLM, SamplingParams
+    from baryon.distributed import parallel_state
+    from baryon.kernels.all_reduce_rms_norm import PUSHED_ROW
+
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    with LLM(path, device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
+             tensor_parallel_size=tp, max_num_seqs=1, max_num_batched_tokens=512, engine_process=False) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        reducer = parallel_state._TP_ALL_REDUCE
+        return {"results": [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                      o.outputs[0].token_ids)])
+                            for o in outs],
+                "reducer": type(reducer).__name__ if reducer is not None else None,
+                "pushed_calls": int(reducer.counters[PUSHED_ROW]) if reducer is not None else 0,
+                "graphs": llm.engine.core.runner.graph_runner is not None}
+
+
 @two_gpus
-def test_pushed_all_reduce_engine_on_two_gpus_matches_one(tmp_path, seed, monkeypatch):
+def test_pushed_all_reduce_engine_on_two_gpus_matches_one(tmp_path, seed):
     """TP=2 with symm_mem_pushed (the o / down projections' one-row outputs pushed from the GEMV,
-    decode graphs replaying it) gives one GPU's greedy tokens and logprobs, in float32."""
+    decode graphs replaying it) gives one GPU's greedy tokens and logprobs, in float32. Each
+    engine in a fresh process: in this one an earlier two-GPU test has set up symmetric memory,
+    and a second set-up falls back to NCCL (kernels/all_reduce.py)."""
     path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=seed, hidden_size=256, intermediate_size=512,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3,
                            initializer_range=0.02)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 128, 4, 12, seed)]
-    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
-    results = {}
-    for tp in (1, 2):
-        if tp == 2:
-            monkeypatch.setenv("BARYON_KERNEL_ALL_REDUCE", "symm_mem_pushed")  # the workers inherit it
-        with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
-                 tensor_parallel_size=tp, max_num_seqs=1, max_num_batched_tokens=512) as llm:
-            results[tp] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                                                    o.outputs[0].token_ids)])
-                           for o in llm.generate(prompts, params, use_tqdm=False)]
-    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(results[1], results[2]):
+    prompts = random_prompts(4, 128, 4, 12, seed)
+    one = run_in_ranks(_pushed_engine_child, 1, str(path), prompts, 1, timeout_s=300)[0]
+    two = run_in_ranks(_pushed_engine_child, 1, str(path), prompts, 2, timeout_s=300)[0]
+    assert two["reducer"] == "SymmMemPushedAllReduce" and two["graphs"]
+    # 3 layers x 2 pushed sums a step, and more steps than the 24 x 4 decodes' share
+    assert two["pushed_calls"] >= 3 * 2 * 4 * 23
+    for (tokens1, logprobs1), (tokens2, logprobs2) in zip(one["results"], two["results"]):
         assert tokens2 == tokens1
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
 
@@ -642,9 +663,10 @@ def _narrow_rows_rank(rank: int, world: int, init_method: str, seed: int) -> Non
 
 def _pushed_rows_rank(rank: int, world: int, init_method: str, seed: int) -> None:
     """A spawned rank: symm_mem_pushed's one-row all-reduces, each on the output of a GEMV that
-    pushed it to the peer from its epilogue, interleaved with plain all-reduces of other rows and
-    pushes no call takes, each rank now and then a random moment late; eager, then replayed from a
-    CUDA graph; every sum checked against NCCL's."""
+    pushed it to the peer from its epilogue, between plain all-reduces of other rows and pushes
+    that no call takes (read before the next push or call), each rank now and then a random
+    moment late; eager, then replayed from a CUDA graph; every sum checked against NCCL's. The
+    untaken pushes come at random (the same on both ranks), so taken calls fall on both slots."""
     import torch.distributed as dist
 
     from baryon.kernels.all_reduce import all_reduce_reference
@@ -656,53 +678,62 @@ def _pushed_rows_rank(rank: int, world: int, init_method: str, seed: int) -> Non
     try:
         reducer = SymmMemPushedAllReduce.create(dist.group.WORLD, device, torch.bfloat16)
         assert isinstance(reducer, SymmMemPushedAllReduce), "symmetric memory could not be set up"
-        generator = torch.Generator().manual_seed(seed + rank)
+        generator = torch.Generator().manual_seed(seed + rank)  # each rank's own inputs
+        shared = torch.Generator().manual_seed(seed)  # what both ranks do: which pushes go untaken
         delays = torch.Generator().manual_seed(seed * 7 + rank)
         hidden = 4096
         weight = torch.randn(hidden, 2048, generator=generator).to(device, torch.bfloat16) / 40
         norm = torch.randn(hidden, generator=torch.Generator().manual_seed(seed)).to(device, torch.bfloat16)
 
-        def step(x, residual, other):
+        def push(x):
             out = TritonDenseGemv.forward(x, weight, push=reducer.push_arguments())
             reducer.pushed(out)
+            return out
+
+        def step(x, residual, other, untaken):
+            if untaken == 2:  # a push the next push comes before
+                push(torch.flip(x, dims=[1]))
+            out = push(x)
             if torch.rand((), generator=delays) < 0.3:
                 torch.cuda._sleep(int(torch.randint(1, 20000, (), generator=delays)))
-            summed = reducer.add_rms_norm(out, residual, norm, 1e-6)[1]
-            unread = TritonDenseGemv.forward(x, weight, push=reducer.push_arguments())  # a push no call takes
-            reducer.pushed(unread)
-            plain = reducer(other)
-            return out, summed, plain
+            normed, summed = reducer.add_rms_norm(out, residual, norm, 1e-6)
+            if untaken == 1:  # a push a plain all-reduce comes before
+                push(torch.flip(x, dims=[1]))
+            return out, normed, summed, reducer(other)
 
-        def check(out, summed, residual, other, plain):
+        def check(out, normed, summed, residual, other, plain):
             parts = [torch.empty_like(out) for _ in range(world)]
             dist.all_gather(parts, out)
-            expected = all_reduce_add_rms_norm_reference(parts, residual, norm, 1e-6)[1]
-            torch.testing.assert_close(summed, expected, rtol=0, atol=0)
+            expected_normed, expected_summed = all_reduce_add_rms_norm_reference(parts, residual, norm, 1e-6)
+            torch.testing.assert_close(summed, expected_summed, rtol=0, atol=0)
+            torch.testing.assert_close(normed, expected_normed)  # bf16 tolerances: rsqrt may differ in its last bit
             others = [torch.empty_like(other) for _ in range(world)]
             dist.all_gather(others, other)
             torch.testing.assert_close(plain, all_reduce_reference(others), rtol=0, atol=0)
 
+        def inputs():
+            return (torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16),
+                    torch.randn(1, hidden, generator=generator).to(device, torch.bfloat16),
+                    torch.randn(3, hidden, generator=generator).to(device, torch.bfloat16),
+                    int(torch.randint(0, 3, (), generator=shared)))
+
         for _ in range(20):
-            batch = []
-            for _ in range(50):
-                x = torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16)
-                residual = torch.randn(1, hidden, generator=generator).to(device, torch.bfloat16)
-                other = torch.randn(3, hidden, generator=generator).to(device, torch.bfloat16)
-                batch.append((step(x, residual, other), residual, other))
-            for (out, summed, plain), residual, other in batch:
-                check(out, summed, residual, other, plain)
-        x = torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16)
-        residual = torch.randn(1, hidden, generator=generator).to(device, torch.bfloat16)
-        other = torch.randn(3, hidden, generator=generator).to(device, torch.bfloat16)
+            batch = [inputs() for _ in range(50)]
+            done = [step(*case) for case in batch]
+            for (x, residual, other, _), (out, normed, summed, plain) in zip(batch, done):
+                check(out, normed, summed, residual, other, plain)
+        cases = [inputs() for _ in range(8)]
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            captured = [step(x, residual, other) for _ in range(8)]
+            captured = [step(*case) for case in cases]
         for _ in range(30):
-            x.copy_(torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16))
+            for x, residual, other, _ in cases:  # fresh inputs, each step its own
+                x.copy_(torch.randn(1, 2048, generator=generator).to(device, torch.bfloat16))
+                residual.copy_(torch.randn(1, hidden, generator=generator).to(device, torch.bfloat16))
             graph.replay()
-            for out, summed, plain in captured:
-                check(out, summed, residual, other, plain)
+            for (x, residual, other, _), (out, normed, summed, plain) in zip(cases, captured):
+                check(out, normed, summed, residual, other, plain)
     finally:
         if graph is not None:
             graph.reset()
@@ -712,8 +743,8 @@ def _pushed_rows_rank(rank: int, world: int, init_method: str, seed: int) -> Non
 @two_gpus
 def test_pushed_all_reduces_on_two_gpus(seed):
     """symm_mem_pushed (`BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed`): 1,000 GEMV-pushed all-reduces
-    between plain ones and untaken pushes, with random lateness, then replayed from a CUDA graph:
-    all complete and equal NCCL's."""
+    between plain ones and untaken pushes (before a plain call, or before another push), with
+    random lateness, then replayed from a CUDA graph: all complete and equal NCCL's."""
     run_in_ranks(_pushed_rows_rank, 2, seed, timeout_s=300)
 
 

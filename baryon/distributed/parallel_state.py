@@ -201,6 +201,13 @@ def tp_push_target(rows: int, width: int, dtype: torch.dtype) -> Kernel | None:
     return reducer if reducer is not None and reducer.takes_pushed(rows, width, dtype) else None
 
 
+def tp_settle_pushes() -> None:
+    """The end of a model's forward pass: a GEMV-pushed output that no all-reduce took is taken
+    now, so that none is left for the next pass (another CUDA graph) to meet."""
+    if _TP_ALL_REDUCE is not None:
+        _TP_ALL_REDUCE.settle_pushes()
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate each rank's `x` along `dim` (rank order)."""
     world = tp_world_size()

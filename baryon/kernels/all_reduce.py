@@ -111,6 +111,10 @@ class Reducer(Kernel):
         on that output (`pushed` marks it) only waits for the peers' rows. None here."""
         return False
 
+    def settle_pushes(self) -> None:
+        """The end of a forward pass: a pushed output that no call took is taken now (in the same
+        CUDA graph as its push). Nothing here."""
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x: this rank's partial sum [rows, hidden] -> (rms_norm(sum + residual) * weight,

@@ -480,7 +480,9 @@ class SymmMemPushedAllReduce(SymmMemFusedAllReduce):
     `push_arguments` and marks its output (`pushed`); the next call, if it is on that output, only
     waits for the peers' rows and sums; any other call first takes the pushed output, discarding
     its sum. Every rank makes the same calls, so all take (or discard) the same pushed rows. A
-    pushed output must meet a call in the same forward pass (its CUDA graph). Chosen with
+    pushed output must meet a call in the same forward pass (its CUDA graph): the model settles
+    what is left at its end (`settle_pushes`). The output must reach the call unchanged: the call
+    adds this rank's row as it is then to the peers' rows as pushed. Chosen with
     BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed."""
 
     name = "symm_mem_pushed"
@@ -502,6 +504,9 @@ class SymmMemPushedAllReduce(SymmMemFusedAllReduce):
         return dict(buffers=self.buffers, counters=self.counters, RANK=self.rank, WORLD=self.world,
                     SLOT_ROWS=BUFFER_ROWS, ROW_STRIDE=FUSED_MAX_HIDDEN, ROW=PUSHED_ROW,
                     SENTINEL=sentinel_bits(self.dtype), BITS=8 * self.dtype.itemsize)
+
+    def settle_pushes(self) -> None:
+        self._settle_pushed(None)
 
     def pushed(self, out: torch.Tensor) -> None:
         """out [1, width], the output of the GEMV launched with `push_arguments`, is in the peers'

@@ -170,7 +170,8 @@ class RowParallelLinear(LinearBase):
         self.input_split_over_ranks = self.tp_size > 1
         self.reduce_results = reduce_results
         # True (set by the model where the next norm's all-reduce takes this layer's output as it
-        # is): a one-row output may go to the peers from the GEMV's epilogue (symm_mem_pushed).
+        # is, unchanged in between): a one-row output may go to the peers from the GEMV's
+        # epilogue (symm_mem_pushed).
         self.pushes_partial = False
         super().__init__(divide(input_size, self.tp_size, "input_size"), output_size, bias)
 

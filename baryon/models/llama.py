@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import dp_reduce_scatter, dp_world_size, tp_all_reduce, tp_world_size
+from baryon.distributed.parallel_state import (dp_reduce_scatter, dp_world_size, tp_all_reduce, tp_settle_pushes,
+                                               tp_world_size)
 from baryon.layers.attention import Attention
 from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -139,6 +140,7 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
+        tp_settle_pushes()
         return hidden_states
 
     def _layers_collecting_aux(self, positions: torch.Tensor,
