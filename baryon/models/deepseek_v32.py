@@ -34,6 +34,7 @@ class Indexer(nn.Module):
         self.wk = ReplicatedLinear(config.hidden_size, self.head_dim, bias=False)
         self.k_norm = LayerNorm(self.head_dim, INDEX_NORM_EPS)
         self.weights_proj = ReplicatedLinear(config.hidden_size, self.num_heads, bias=False)
+        self.weights_proj.quantizable = False  # float in the published FP8 checkpoint (wq_b and wk are FP8)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, I]: the first rope_dim features rotated (NeoX), the rest as they are."""
