@@ -17,8 +17,10 @@ import pytest
 from tests.test_server import API_KEY, ServerProcess
 
 MODEL = "stories"
-# Renders the tools' names (stories260K's context is 512 tokens), tool calls, tool results, and a closed <think> when enable_thinking is false.
+# Renders reasoning_effort, the tools' names (stories260K's context is 512 tokens), tool calls, tool results, and a
+# closed <think> when enable_thinking is false.
 TEMPLATE = (
+    "{%- if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}"
     "{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>\n{% endif %}"
     "{%- for m in messages %}{{ m.role }}: {% if m.content %}{{ m.content }}{% endif %}"
     "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
@@ -267,6 +269,50 @@ def test_named_tool_choice(client, seed):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     for chunk in chunks[1:-1]:  # after the role's chunk, none is empty
         assert chunk.choices[0].delta.tool_calls or chunk.choices[0].delta.content, chunk
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_keeps_one_call_when_parallel_calls_are_off(client, stream):
+    """Two calls in the model's (Hermes) format: both come back by default, the first alone with
+    parallel_tool_calls false (as vLLM), streamed or not."""
+    call = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'
+    kwargs = dict(model=MODEL, messages=USER, tools=TOOLS, temperature=0, max_tokens=250,
+                  extra_body={"structured_outputs": {"regex": call + call}})
+    for parallel, count in ((None, 2), (False, 1)):
+        options = {} if parallel is None else {"parallel_tool_calls": parallel}
+        if not stream:
+            choice = client.chat.completions.create(**kwargs, **options).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+            names = [c.function.name for c in calls]
+            arguments = [c.function.arguments for c in calls]
+        else:
+            entries, finish = [], None
+            for chunk in client.chat.completions.create(**kwargs, **options, stream=True):
+                entries += chunk.choices[0].delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+            names = [e.function.name for e in entries if e.function.name]
+            arguments = ["".join(e.function.arguments or "" for e in entries if e.index == i) for i in range(len(names))]
+            assert all(e.index < count for e in entries)
+        assert finish == "tool_calls" and names == ["get_time"] * count
+        for text in arguments:
+            jsonschema.validate(json.loads(text), TIME)
+
+
+def test_reasoning_effort_reaches_the_template(client):
+    """OpenAI's reasoning_effort becomes the chat template's reasoning_effort (GPT-OSS's template
+    reads it), as chat_template_kwargs would set it; conflicting values and unknown ones are 400s."""
+    plain = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0)
+    high = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0,
+                                          reasoning_effort="high")
+    by_kwargs = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, temperature=0,
+                                               extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    assert high.usage.prompt_tokens > plain.usage.prompt_tokens  # the template wrote "Reasoning: high"
+    assert high.usage.prompt_tokens == by_kwargs.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="differ"):
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, reasoning_effort="low",
+                                       extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2, reasoning_effort="extreme")
 
 
 @pytest.mark.parametrize("stream", [False, True])

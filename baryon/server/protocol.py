@@ -156,6 +156,8 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="none, auto (default with tools), required, or a named function")
     parallel_tool_calls: bool | None = Field(None, description="Allow several calls in one reply (default true)")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="How hard a reasoning model thinks: the chat template's reasoning_effort (GPT-OSS)")
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extension: extra variables for the chat template (e.g. enable_thinking)")
 

@@ -68,7 +68,7 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
             raise bad_request(f"tool_choice {tools.mode!r} constrains the reply itself; it cannot be combined "
                               f"with {structure[1]}", param="tool_choice")
         structure = (tools.structure, "tool_choice")
-    ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=request.chat_template_kwargs)
+    ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=_template_kwargs(request))
     top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = build_sampling_params(
         request, ctx.config, ctx.inputs.tokenizer is not None,
@@ -81,6 +81,19 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     opens = reasoning_parser in ("qwen3", "deepseek_r1") and _prompt_opens_reasoning(ctx, ids)
     return _Plan(new_id("chatcmpl"), ids, params, top_logprobs, include_usage, tools, reasoning_parser, opens)
+
+
+def _template_kwargs(request: ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs, with reasoning_effort among them as the template variable of that name
+    (GPT-OSS's template reads it; others ignore it)."""
+    kwargs = request.chat_template_kwargs
+    if request.reasoning_effort is None:
+        return kwargs
+    given = (kwargs or {}).get("reasoning_effort", request.reasoning_effort)
+    if given != request.reasoning_effort:
+        raise bad_request(f"reasoning_effort {request.reasoning_effort!r} and chat_template_kwargs.reasoning_effort "
+                          f"{given!r} differ: give one", param="reasoning_effort")
+    return {**(kwargs or {}), "reasoning_effort": request.reasoning_effort}
 
 
 def _prompt_opens_reasoning(ctx: ServerContext, ids: list[int]) -> bool:
@@ -121,7 +134,7 @@ def _calls(plan: _Plan, content: str, text: str) -> tuple[str | None, list[ToolC
     if parser is None:
         return content, []
     parsed = parser.parse(text if parser.reads_whole_reply else content)
-    return parsed.content, parsed.tool_calls
+    return parsed.content, parsed.tool_calls[:1] if plan.tools.one_call else parsed.tool_calls
 
 
 def _tool_call_json(call: ToolCall) -> dict:
@@ -226,7 +239,8 @@ class _ChoiceStream:
             parsed = self.tool_parser.stream(text if self.tool_parser.reads_whole_reply else self.content, finished)
             if parsed.get("content"):
                 fields["content"] = parsed["content"]
-            if parsed.get("tool_calls"):
-                fields["tool_calls"] = parsed["tool_calls"]
-                self.num_calls = max(self.num_calls, 1 + max(call["index"] for call in parsed["tool_calls"]))
+            calls = [c for c in parsed.get("tool_calls") or [] if c["index"] == 0 or not self.plan.tools.one_call]
+            if calls:
+                fields["tool_calls"] = calls
+                self.num_calls = max(self.num_calls, 1 + max(call["index"] for call in calls))
         return fields

@@ -3,7 +3,8 @@ tool calls.
 
 - `none` (or no tools): the reply is text; the tools still reach the template, as in vLLM.
 - `auto` (the default with tools): the model decides; the server's tool-call parser (by the
-  model family, or `--tool-call-parser`) finds the calls in the model's own format.
+  model family, or `--tool-call-parser`) finds the calls in the model's own format (the first
+  only when `parallel_tool_calls` is false).
 - `required`: the reply is constrained to a JSON array of calls `[{"name": ..., "parameters":
   {...}}]` to the given tools (one call when `parallel_tool_calls` is false), each call's
   parameters to its function's schema.
@@ -45,6 +46,7 @@ class ToolPlan:
     function: str | None = None  # the named function
     structure: StructuredOutputsParams | None = None  # the constraint of "required" / "named"
     parser: str | None = None  # "auto": the tool-call parser
+    one_call: bool = False  # "auto" with parallel_tool_calls false: the first parsed call only
 
     def new_parser(self) -> ToolParser | None:
         return TOOL_PARSERS[self.parser]() if self.mode == "auto" and self.parser else None
@@ -68,7 +70,7 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if choice == "none":
         return ToolPlan(tools, "none")
     if choice is None or choice == "auto":
-        return ToolPlan(tools, "auto", parser=parser)
+        return ToolPlan(tools, "auto", parser=parser, one_call=request.parallel_tool_calls is False)
     if choice == "required":
         array = _calls_schema(schemas, max_items=1 if request.parallel_tool_calls is False else None)
         try:
