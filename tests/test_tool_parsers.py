@@ -32,6 +32,18 @@ def deepseek_call(name: str, arguments: dict) -> str:
             + json.dumps(arguments, ensure_ascii=False) + "\n```<｜tool▁call▁end｜>")
 
 
+DSML_BEGIN, DSML_END = "<｜DSML｜function_calls>\n", "</｜DSML｜function_calls>"
+
+
+def dsml_call(name: str, arguments: dict) -> str:
+    """DeepSeek-V3.2's call: strings as text (string="true"), other values as JSON."""
+    parameters = "".join(
+        f'<｜DSML｜parameter name="{key}" string="true">{value}</｜DSML｜parameter>\n' if isinstance(value, str)
+        else f'<｜DSML｜parameter name="{key}" string="false">{json.dumps(value, ensure_ascii=False)}</｜DSML｜parameter>\n'
+        for key, value in arguments.items())
+    return f'<｜DSML｜invoke name="{name}">\n{parameters}</｜DSML｜invoke>\n'
+
+
 def harmony_call(name: str, arguments: dict, recipient_first: bool = False) -> str:
     body = json.dumps(arguments, ensure_ascii=False)
     if recipient_first:
@@ -112,6 +124,23 @@ CASES = [
      '<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"x": \n```<｜tool▁call▁end｜>', []),
     ("deepseek_v3", "ok" + DS_BEGIN + deepseek_call("f", {"a": 1})[:-len("<｜tool▁call▁end｜>")], "ok", [("f", {"a": 1})]),
     ("deepseek_v3", DS_BEGIN + deepseek_call("translate", UNICODE) + DS_END, None, [("translate", UNICODE)]),
+    # deepseek_v32 (DSML; V3.2-Exp writes V3.1's calls, read too)
+    ("deepseek_v32", "Let me check.\n\n" + DSML_BEGIN + dsml_call("get_weather", WEATHER) + DSML_END,
+     "Let me check.", [("get_weather", WEATHER)]),
+    ("deepseek_v32", DSML_BEGIN + dsml_call("a", {"x": 1, "y": [1, {"z": None}], "s": "two\nlines"})
+     + dsml_call("b", {}) + DSML_END, None, [("a", {"x": 1, "y": [1, {"z": None}], "s": "two\nlines"}), ("b", {})]),
+    ("deepseek_v32", DSML_BEGIN + dsml_call("translate", UNICODE) + DSML_END, None, [("translate", UNICODE)]),
+    ("deepseek_v32", DSML_BEGIN + '<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="n" string="false">not json'
+     '</｜DSML｜parameter>\n<｜DSML｜parameter name="q" string="true"> "quoted" </｜DSML｜parameter>\n</｜DSML｜invoke>'
+     + DSML_END, None, [("f", {"n": "not json", "q": ' "quoted" '})]),  # text kept as text
+    ("deepseek_v32", DSML_BEGIN + '<｜DSML｜invoke name="f">\nstray words\n</｜DSML｜invoke>' + DSML_END,
+     '\n<｜DSML｜invoke name="f">\nstray words\n</｜DSML｜invoke>', []),  # not parameters: content
+    ("deepseek_v32", "ok" + DSML_BEGIN + '<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="false">1',
+     'ok\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="false">1', []),  # cut off: content
+    ("deepseek_v32", "Plain ｜DSML｜ talk, < and <｜", "Plain ｜DSML｜ talk, < and <｜", []),
+    ("deepseek_v32", DS_BEGIN + '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "celsius"}'
+     "<｜tool▁call▁end｜>" + DS_END, None, [("get_weather", WEATHER)]),  # V3.2-Exp (V3.1's format)
+    ("deepseek_v32", "<｜DSML｜tool_calls>" + dsml_call("a", {"x": 2}) + "</｜DSML｜tool_calls>", None, [("a", {"x": 2})]),
     # openai (harmony)
     ("openai", THINK + harmony_message("commentary", "Checking the weather.")
      + harmony_call("get_weather", WEATHER, recipient_first=True), "Checking the weather.", [("get_weather", WEATHER)]),
@@ -268,7 +297,7 @@ def test_what_may_be_a_marker_is_held_back_until_decided():
     assert parser.stream("<|channel|>final<|message|>Hello<|end|>", finished=False) == {}
 
 
-PLAIN = {"hermes": "{}", "llama3_json": "{}", "mistral": "{}", "deepseek_v3": "{}",
+PLAIN = {"hermes": "{}", "llama3_json": "{}", "mistral": "{}", "deepseek_v3": "{}", "deepseek_v32": "{}",
          "openai": THINK + "<|start|>assistant<|channel|>final<|message|>{}<|return|>"}
 
 
@@ -287,12 +316,13 @@ def test_plain_content_streams_as_it_comes(parser_name):
 
 
 def test_registry_and_defaults():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "openai", "harmony"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v32", "openai",
+                                 "harmony"}
     assert TOOL_PARSERS["harmony"] is TOOL_PARSERS["openai"]
     assert all(cls.name in TOOL_PARSERS for cls in TOOL_PARSERS.values())
     expected = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
                 "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3",
-                "deepseek_v32": "deepseek_v3", "gpt_oss": "openai", "gemma3": None, None: None}
+                "deepseek_v32": "deepseek_v32", "gpt_oss": "openai", "gemma3": None, None: None}
     assert {model_type: default_tool_parser(model_type) for model_type in expected} == expected
 
 
@@ -329,6 +359,9 @@ def render(parser_name: str, rng: random.Random) -> tuple[str, list[tuple[str, d
         elif parser_name == "deepseek_v3":
             written = {"text": random_text(rng), "call": DS_BEGIN + deepseek_call(name, arguments) + DS_END,
                        "broken": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{]\n```<｜tool▁call▁end｜>"}[kind]
+        elif parser_name == "deepseek_v32":
+            written = {"text": random_text(rng), "call": DSML_BEGIN + dsml_call(name, arguments) + DSML_END,
+                       "broken": '<｜DSML｜invoke name="f">\n{]\n</｜DSML｜invoke>'}[kind]
         else:
             written = {"text": harmony_message(rng.choice(["final", "commentary"]), random_text(rng).replace("|", "")),
                        "call": harmony_call(name, arguments, recipient_first=rng.random() < 0.5),
@@ -346,6 +379,8 @@ def render(parser_name: str, rng: random.Random) -> tuple[str, list[tuple[str, d
         plain = "".join(text for text, call in parts if call is None)
         if parser_name == "deepseek_v3":
             plain = plain.replace(DS_BEGIN, "").replace(DS_END, "")
+        if parser_name == "deepseek_v32":
+            plain = plain.replace(DSML_BEGIN, "").replace(DSML_END, "")
     return reply, calls, plain
 
 
@@ -353,7 +388,7 @@ def without_space(text: str) -> str:
     return "".join(text.split())
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "deepseek_v3", "openai"])
+@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "deepseek_v3", "deepseek_v32", "openai"])
 def test_random_replies(seed, parser_name):
     rng = random.Random(seed)
     for _ in range(60):

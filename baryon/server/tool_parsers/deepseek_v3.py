@@ -15,8 +15,8 @@ from __future__ import annotations
 from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, arguments_text, undecided_tail
 
 _CALLS_BEGIN, _CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-_CALL_BEGIN, _CALL_END, _SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-_OPENERS = (_CALLS_BEGIN, _CALLS_END, _CALL_BEGIN)
+CALL_BEGIN, _CALL_END, _SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+V3_MARKERS = (_CALLS_BEGIN, _CALLS_END, CALL_BEGIN)  # what opens a call or a section
 
 
 def _call_in(body: str) -> ToolCall | None:
@@ -36,8 +36,20 @@ def _call_in(body: str) -> ToolCall | None:
     return ToolCall(name, arguments)
 
 
+def read_call_at(text: str, at: int, finished: bool) -> tuple[ToolCall | str, int] | None:
+    """The call whose CALL_BEGIN is at text[at] (or, unreadable, its text as content) and the
+    position after it; None while it is still being written."""
+    position = at + len(CALL_BEGIN)
+    ends = [end for end in (text.find(_CALL_END, position), text.find(_CALLS_END, position)) if end >= 0]
+    if not ends and not finished:
+        return None
+    body_end = min(ends, default=len(text))
+    after = body_end + len(_CALL_END) if text.startswith(_CALL_END, body_end) else body_end
+    return _call_in(text[position:body_end]) or text[at:after], after
+
+
 def _next_opener(text: str, position: int) -> tuple[int, str]:
-    found = [(at, marker) for marker in _OPENERS if (at := text.find(marker, position)) >= 0]
+    found = [(at, marker) for marker in V3_MARKERS if (at := text.find(marker, position)) >= 0]
     return min(found, default=(-1, ""))
 
 
@@ -52,16 +64,14 @@ class DeepSeekV3ToolParser(ToolParser):
             if at > position:
                 items.append(text[position:at])
             position = at + len(marker)
-            if marker != _CALL_BEGIN:  # a section marker: structure, not content
+            if marker != CALL_BEGIN:  # a section marker: structure, not content
                 continue
-            ends = [end for end in (text.find(_CALL_END, position), text.find(_CALLS_END, position)) if end >= 0]
-            if not ends and not finished:  # still being written
+            read = read_call_at(text, at, finished)
+            if read is None:  # still being written
                 return Scan(items, at)
-            body_end = min(ends, default=len(text))
-            after = body_end + len(_CALL_END) if text.startswith(_CALL_END, body_end) else body_end
-            items.append(_call_in(text[position:body_end]) or text[at:after])
-            position = after
-        end = len(text) if finished else undecided_tail(text, position, _OPENERS)
+            item, position = read
+            items.append(item)
+        end = len(text) if finished else undecided_tail(text, position, V3_MARKERS)
         if end > position:
             items.append(text[position:end])
         return Scan(items, end)

@@ -1,0 +1,100 @@
+"""`deepseek_v32` (DeepSeek-V3.2): text (content), then the calls in DeepSeek's markup (DSML),
+
+    <｜DSML｜function_calls>
+    <｜DSML｜invoke name="get_weather">
+    <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+    <｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜function_calls>
+
+A parameter with string="true" is text as written (sent as a JSON string); string="false" is a
+JSON value, kept as written (a value that is not JSON goes as text, as vLLM and SGLang read it).
+The arguments are the parameters as one JSON object in their order. The section markers are
+dropped (`tool_calls` is read as a section name too); an invoke that cannot be read stays in the
+content as written. DeepSeek-V3.2-Exp (the same model type) writes V3.1's calls, which this parser
+reads as `deepseek_v3` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, decode_json, undecided_tail
+from baryon.server.tool_parsers.deepseek_v3 import CALL_BEGIN, V3_MARKERS, read_call_at
+
+_DSML = "｜DSML｜"
+_SECTIONS = tuple(f"<{end}{_DSML}{name}>" for name in ("function_calls", "tool_calls") for end in ("", "/"))
+_INVOKE, _INVOKE_END = f"<{_DSML}invoke name=\"", f"</{_DSML}invoke>"
+_OPENERS = (*_SECTIONS, _INVOKE, *V3_MARKERS)
+_PARAMETER = re.compile(rf'\s*<{_DSML}parameter name="([^"<>]*)"(?: string="(true|false)")?>(.*?)</{_DSML}parameter>',
+                        re.DOTALL)
+
+
+def _value_json(value: str, is_string: str | None) -> str:
+    """A parameter's value as JSON text: a string="false" value that is JSON, as written; else the
+    text as a JSON string."""
+    if is_string != "true":
+        stripped = value.strip()
+        decoded = decode_json(stripped, 0) if stripped else None
+        if decoded is not None and decoded[1] == len(stripped):
+            return stripped
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _invoke(body: str) -> ToolCall | None:
+    """NAME">PARAMETERS (what follows `<｜DSML｜invoke name="` up to `</｜DSML｜invoke>`)."""
+    name, quote, rest = body.partition('">')
+    if not quote or not name or any(c.isspace() or c in "<>\"" for c in name):
+        return None
+    members, position = [], 0
+    while match := _PARAMETER.match(rest, position):
+        key, is_string, value = match.groups()
+        members.append(f"{json.dumps(key, ensure_ascii=False)}: {_value_json(value, is_string)}")
+        position = match.end()
+    if rest[position:].strip():  # something that is not a parameter
+        return None
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return ToolCall(name, "{" + ", ".join(members) + "}")
+
+
+def _next_opener(text: str, position: int) -> tuple[int, str]:
+    found = [(at, marker) for marker in _OPENERS if (at := text.find(marker, position)) >= 0]
+    return min(found, default=(-1, ""))
+
+
+class DeepSeekV32ToolParser(ToolParser):
+    name = "deepseek_v32"
+
+    def scan(self, text: str, start: int, finished: bool) -> Scan:
+        items: list[str | ToolCall] = []
+        position = start
+        while (found := _next_opener(text, position))[0] >= 0:
+            at, marker = found
+            if at > position:
+                items.append(text[position:at])
+            position = at + len(marker)
+            if marker == CALL_BEGIN:  # V3.2-Exp's (V3.1's) call
+                read = read_call_at(text, at, finished)
+                if read is None:  # still being written
+                    return Scan(items, at)
+                item, position = read
+                items.append(item)
+                continue
+            if marker != _INVOKE:  # a section marker: structure, not content
+                continue
+            end = text.find(_INVOKE_END, position)
+            if end < 0 and not finished:
+                return Scan(items, at)
+            body_end = end if end >= 0 else len(text)
+            after = body_end + len(_INVOKE_END) if end >= 0 else body_end
+            call = _invoke(text[position:body_end]) if end >= 0 else None  # unclosed at the end: content
+            items.append(call or text[at:after])
+            position = after
+        end = len(text) if finished else undecided_tail(text, position, _OPENERS)
+        if end > position:
+            items.append(text[position:end])
+        return Scan(items, end)
