@@ -497,6 +497,18 @@ def test_unsupported_compressed_tensors_scheme(float_llama, tmp_path, scheme, na
     assert re.search(named, str(e.value)), f"the error does not name the scheme ({named}): {e.value}"
 
 
+def test_a_quantized_lm_head_is_refused_by_name(float_llama, tmp_path):
+    """A compressed-tensors checkpoint whose ignore list leaves lm_head out stores the LM head
+    quantized: the load error says so and what would load, not only which tensor surprised it."""
+    from baryon.loader.weights import WeightLoadError
+
+    path = tmp_path / "quantized_head"
+    qc.compressed_tensors(float_llama, path, qc.ct_scheme("W4A16", group_size=32), ignore=[])
+    assert any(name.startswith("lm_head.weight_") for name in load_file(path / "model.safetensors"))
+    with pytest.raises(WeightLoadError, match=r"LM head quantized \('lm_head\.weight_.*ignore: \[\"lm_head\"\]"):
+        LLM(str(path), **ENGINE)
+
+
 @pytest.mark.parametrize("case_id,asked", [("fp8-block32-llama", "gptq"), ("ct-w8a8-int8-qwen3", "awq"),
                                            ("gptq-4bit-g32-sym-llama", "fp8")])
 def test_quantization_argument_contradicting_the_checkpoint(workdir, case_id, asked):

@@ -156,6 +156,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
             skipped += 1
             continue
         param = params.get(target.param)
+        if param is None and target.param.startswith("lm_head.") and name.startswith("lm_head."):
+            raise WeightLoadError(f"the checkpoint stores the LM head quantized ({name!r} in {file}); the LM head "
+                                  f"loads in float only: use a checkpoint whose quantization leaves lm_head out "
+                                  f"(compressed-tensors `ignore: [\"lm_head\"]`, llm-compressor's default)")
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {type(model).__name__} "
                                   f"has no parameter {target.param!r}")
