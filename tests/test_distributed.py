@@ -98,6 +98,9 @@ PARITY_CASES = {
     "qwen2-1kv-tied": ("qwen2", dict(num_key_value_heads=1, tie_word_embeddings=True), {}),  # KV head replicated
     "qwen3_moe-ep": ("qwen3_moe", {}, dict(enable_expert_parallel=True)),  # 4 experts per rank
     "qwen3_moe-tp": ("qwen3_moe", {}, {}),  # every expert, half its intermediate size per rank
+    "qwen3-qknorm": ("qwen3", {}, {}),  # per-head QK RMSNorm on each rank's heads
+    "deepseek_v2-mla": ("deepseek_v2", {}, {}),  # latent attention: heads split, the latent whole
+    "gpt_oss-sinks": ("gpt_oss", {}, {}),  # attention sinks split with the heads, MXFP4-free experts
 }
 
 
