@@ -64,6 +64,32 @@ def test_killed_worker_fails_generation_within_seconds(llama_path, seed):
         assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_killed_dp_attention_replica_is_named(tmp_path, seed):
+    """DP attention (two replicas sharing MoE experts, gloo on CPU): a replica killed mid-generation
+    fails the engine within seconds, naming that replica as the cause, though its peer's exchange
+    with it is what fails first."""
+    from baryon.engine.core_processes import ReplicaFailedError
+
+    path = make_checkpoint(tmp_path / "moe", "qwen3_moe", seed=seed % 2**31)
+    llm = LLM(str(path), data_parallel_size=2, enable_expert_parallel=True, device="cpu", skip_tokenizer_init=True)
+    try:
+        engine = llm.engine
+        for i, prompt in enumerate(random_prompts(4, 128, 4, 12, seed)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=300, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        assert engine.has_unfinished_requests()
+        victim = engine.core.replicas[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ReplicaFailedError, match=r"engine replica 1 exited unexpectedly \(exit code -9\)"):
+            while engine.has_unfinished_requests():
+                engine.step()
+                assert time.monotonic() - start < 15, "the engine kept stepping without its replica"
+    finally:
+        llm.shutdown()
+
+
 def test_worker_that_dies_before_joining_is_named(llama_path, tmp_path, monkeypatch):
     """A worker that exits at start-up (before the ranks meet) fails the engine within the join
     timeout, naming the worker, instead of leaving rank 0 waiting for the collective timeout."""

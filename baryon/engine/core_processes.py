@@ -29,6 +29,7 @@ from baryon.engine.replica_load import ReplicaLoad, request_tokens
 from baryon.sampling_params import SamplingParams
 
 _POLL_MS = 100  # how often a wait for outputs checks that the replicas are alive
+_PEER_EXIT_WAIT_S = 1.0  # a failed replica's report: how long to look for a peer that died first
 
 
 class ReplicaFailedError(RuntimeError):
@@ -124,7 +125,7 @@ class EngineCoreProcesses:
         for index, replica in enumerate(self.replicas):
             while (message := replica.receive_now()) is not None:
                 if isinstance(message, EngineFailed):
-                    raise ReplicaFailedError(f"engine replica {index}: {message.message}")
+                    raise self._failure(index, message.message)
                 if isinstance(message, EngineOutputs):
                     self.stats[index] = message.stats
                     if message.rejected:  # the prompt was checked here: a bug if it happens
@@ -152,6 +153,20 @@ class EngineCoreProcesses:
         if output.finish_reason is not None:
             self.load.release(output.request_id)
         return output
+
+    def _failure(self, index: int, message: str) -> ReplicaFailedError:
+        """Replica `index` reported `message`. A replica whose peer died fails too (DP attention's
+        collectives with it break: "Connection reset"), so a replica that has exited, or exits
+        within a short wait, is named as the cause."""
+        deadline = time.monotonic() + _PEER_EXIT_WAIT_S
+        while not (dead := [(i, r.exit_code()) for i, r in enumerate(self.replicas)
+                            if i != index and r.exit_code() is not None]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if dead:
+            peer, code = dead[0]
+            return ReplicaFailedError(f"engine replica {peer} exited unexpectedly (exit code {code}); replica "
+                                      f"{index} then failed: {message}")
+        return ReplicaFailedError(f"engine replica {index}: {message}")
 
     def _check_alive(self) -> None:
         for index, replica in enumerate(self.replicas):
