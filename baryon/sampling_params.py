@@ -24,6 +24,8 @@ class StructuredOutputsParams:
     - ``grammar``: an EBNF grammar (xgrammar's dialect, GBNF-like: ``root ::= ...``).
 
     ``disable_any_whitespace`` makes JSON output compact (no free whitespace between tokens).
+    ``reasoning_end``: token ids after which the constraint starts (a reasoning model's end of
+    thinking, ``</think>``): the output is free until it holds them in a row, the language after.
     Syntax (a schema that is not JSON, an unclosed group in a regex) is checked when a request
     is submitted (`structured_output.grammar.check_spec`); here only the shape.
     """
@@ -34,6 +36,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    reasoning_end: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -59,10 +62,17 @@ class StructuredOutputsParams:
                              f"7.5 s); use a regex or grammar for larger sets")
         if self.json_object not in (None, True, False) or not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("StructuredOutputsParams.json_object and disable_any_whitespace must be true or false")
+        if self.reasoning_end is not None:
+            ids = self.reasoning_end
+            if not isinstance(ids, (list, tuple)) or not ids or \
+                    not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError("StructuredOutputsParams.reasoning_end must be a non-empty list of token ids")
+            self.reasoning_end = list(ids)
 
     @property
     def key(self) -> tuple:
-        """What identifies the compiled grammar (equal keys share one compilation)."""
+        """What identifies the compiled grammar (equal keys share one compilation; reasoning_end
+        only says where it starts)."""
         choice = tuple(self.choice) if self.choice is not None else None
         return (self.json, self.regex, choice, self.grammar, bool(self.json_object), self.disable_any_whitespace)
 

@@ -465,3 +465,38 @@ def test_a_slow_constraint_check_holds_only_its_own_request(monkeypatch):
         release.set()
         ctx.preparer.shutdown()
         ctx.spec_checker.shutdown()
+
+
+# A <think> template: the generation prompt opens the reasoning, or (enable_thinking false) closes it.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    "{% if enable_thinking is defined and not enable_thinking %} <think></think>{% else %} <think>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(stories_path, tmp_path_factory):
+    template = tmp_path_factory.mktemp("thinking") / "think.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    proc = ServerProcess(stories_path, "--served-model-name", MODEL, "--chat-template", str(template),
+                         "--max-model-len", "512", "--reasoning-parser", "qwen3")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_a_constrained_reply_of_a_reasoning_model_thinks_first(thinking_server):
+    """With a <think> reasoning parser a response_format starts after `</think>`: the model's
+    reasoning before it is its own (here it never closes it within max_tokens: all reasoning, no
+    content); where the prompt has closed the reasoning (enable_thinking false) the reply is
+    constrained from its first token and is all content."""
+    body = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 12,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "type": "integer", "minimum": 100, "maximum": 999}}}}
+    thinking = httpx.post(f"{thinking_server.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert thinking["finish_reason"] == "length" and not thinking["message"]["content"]
+    assert re.search(r"[A-Za-z]", thinking["message"]["reasoning_content"])  # free text, not the integer
+    closed = httpx.post(f"{thinking_server.url}/v1/chat/completions", timeout=60,
+                        json={**body, "chat_template_kwargs": {"enable_thinking": False}}).json()["choices"][0]
+    assert closed["finish_reason"] == "stop" and not closed["message"].get("reasoning_content")
+    assert 100 <= json.loads(closed["message"]["content"]) <= 999

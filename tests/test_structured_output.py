@@ -106,6 +106,30 @@ def test_outputs_follow_their_constraints_beside_unconstrained_requests(llm, see
         assert got.token_ids == expected.outputs[0].token_ids and got.text == expected.outputs[0].text
 
 
+@pytest.mark.parametrize("spec", [dict(regex="[0-9]{3}"), dict(choice=["yes", "no"])], ids=["regex", "choice"])
+def test_a_constraint_starts_after_the_reasoning_end(llm, seed, spec):
+    """reasoning_end (a reasoning model's `</think>` ids): the output is the model's own until it
+    holds them, then follows the constraint. Here the marker is a pair of the unconstrained greedy
+    reply's own tokens, so greedy decoding reaches it as that reply did."""
+    rng = random.Random(seed)
+    prompt = " ".join(rng.choice(["Once", "upon", "a", "time", "Lily", "Tom"]) for _ in range(3))
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    pairs = [(free[k], free[k + 1]) for k in range(len(free) - 1)]
+    k = next(k for k in range(2, len(pairs)) if pairs.index(pairs[k]) == k)  # the pair's first occurrence
+    marker = list(pairs[k])
+    gated = StructuredOutputsParams(**spec, reasoning_end=marker)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, structured_outputs=gated),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:k + 2] == free[:k + 2]  # free up to and including the marker
+    answer = llm.get_tokenizer().decode(out.token_ids[k + 2:], skip_special_tokens=True)
+    assert out.finish_reason == "stop"
+    assert re.fullmatch(spec["regex"], answer) if "regex" in spec else answer in spec["choice"], answer
+    constrained = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60, structured_outputs=
+                                                      StructuredOutputsParams(**spec)), use_tqdm=False)[0].outputs[0]
+    assert constrained.token_ids[:k + 2] != free[:k + 2]  # constrained from the start, it could not think
+
+
 def test_unconstrained_model_breaks_the_constraints(llm):
     """The check above can fail: without the constraint the same model's text is not JSON."""
     text = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text

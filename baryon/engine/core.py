@@ -160,7 +160,8 @@ class EngineCore:
         if params.seed is not None:
             request.generator = torch.Generator(self.config.device).manual_seed(params.seed)
         if params.structured_outputs is not None:
-            request.grammar = RequestGrammar(self._grammars().submit(params.structured_outputs), eos_token_ids)
+            request.grammar = RequestGrammar(self._grammars().submit(params.structured_outputs), eos_token_ids,
+                                             params.structured_outputs.reasoning_end)
         self.requests[request_id] = request
         self.scheduler.add(request)
 

@@ -69,12 +69,18 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
                               f"with {structure[1]}", param="tool_choice")
         structure = (tools.structure, "tool_choice")
     ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=_template_kwargs(request))
+    reasoning_parser = ctx.reasoning_parser
+    if structure[0] is not None:  # a reasoning model thinks first: the constraint starts after </think>
+        end = _reasoning_end(ctx, reasoning_parser, ids)
+        if end is None:
+            reasoning_parser = None  # constrained from the first token: nothing to split
+        else:
+            structure = (dataclasses.replace(structure[0], reasoning_end=end), structure[1])
     top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = build_sampling_params(
         request, ctx.config, ctx.inputs.tokenizer is not None,
         max_tokens=ctx.inputs.max_tokens(ids, requested, None, limit_name, request.min_tokens), logprobs=top_logprobs,
         renamed={"max_tokens": limit_name, "logprobs": "top_logprobs"}, structure=structure)
-    reasoning_parser = ctx.reasoning_parser if structure[0] is None else None
     if reasoning_parser is not None or tools.new_parser() is not None:
         # Their markers may be special tokens (harmony's, Mistral's [TOOL_CALLS]): keep them in the text.
         params = dataclasses.replace(params, skip_special_tokens=False)
@@ -94,6 +100,18 @@ def _template_kwargs(request: ChatCompletionRequest) -> dict | None:
         raise bad_request(f"reasoning_effort {request.reasoning_effort!r} and chat_template_kwargs.reasoning_effort "
                           f"{given!r} differ: give one", param="reasoning_effort")
     return {**(kwargs or {}), "reasoning_effort": request.reasoning_effort}
+
+
+def _reasoning_end(ctx: ServerContext, parser: str | None, ids: list[int]) -> list[int] | None:
+    """The token ids after which a constrained reply's constraint starts: `</think>`'s for a
+    <think> reasoning parser, unless the prompt has closed the reasoning already (Qwen3's template
+    with enable_thinking false); None: the constraint applies from the first token. (GPT-OSS's
+    harmony channels are not gated: its constrained replies are not split.)"""
+    if parser not in ("qwen3", "deepseek_r1"):
+        return None
+    if ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith("</think>"):
+        return None
+    return ctx.inputs.tokenizer.encode("</think>", add_special_tokens=False)
 
 
 def _prompt_opens_reasoning(ctx: ServerContext, ids: list[int]) -> bool:

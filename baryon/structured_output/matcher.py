@@ -4,6 +4,9 @@ A matcher has accepted the request's first `num_accepted` output tokens. Before 
 it catches up on the tokens sampled since (the one still pending on the device included: the
 runner reads it from the previous step, which has finished by the time this step's forward
 pass is queued), then fills its row of the bitmask: bit t of the row set = token t may follow.
+A grammar that starts after the model's reasoning (`reasoning_end`: the token ids that end it)
+passes the output's tokens up to and including them without its matcher, every bit of its row
+set meanwhile.
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ logger = get_logger(__name__)
 
 
 class RequestGrammar:
-    def __init__(self, compiled: Future, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, compiled: Future, stop_token_ids: Sequence[int],
+                 reasoning_end: Sequence[int] | None = None) -> None:
         self._compiled = compiled
+        self._reasoning_end = list(reasoning_end or ())
+        self.started = not self._reasoning_end  # the output has passed reasoning_end: the grammar applies
         self._stop_token_ids = list(stop_token_ids)
         self._stop_token_set = frozenset(self._stop_token_ids)
         self.matcher: xgrammar.GrammarMatcher | None = None
-        self.num_accepted = 0
+        self.num_accepted = 0  # output tokens passed (before the start) or accepted by the matcher
+        self._recent: list[int] = []  # before the start: the last tokens passed, to find reasoning_end
         self.rejected_token: int | None = None  # a token the grammar refused (the mask was not applied)
         self._ended = False  # the matcher accepted a stop token (read once per accepted token)
 
@@ -63,7 +70,17 @@ class RequestGrammar:
                 token = pending_token
             else:
                 return
+            if not self.started:
+                self.pass_token(token)
+                continue
             self.note_accept(token, self.get_matcher().accept_token(token))
+
+    def pass_token(self, token: int) -> None:
+        """Before the start: the output's next token goes by, unconstrained (the start follows
+        the token that completes reasoning_end)."""
+        self.num_accepted += 1
+        self._recent = (self._recent + [token])[-len(self._reasoning_end):]
+        self.started = self._recent == self._reasoning_end
 
     def tokens_behind(self, output_token_ids: Sequence[int], pending_token: int | None) -> int:
         """How many tokens `advance` would accept (0 once terminated; a token after the end is one
@@ -102,11 +119,11 @@ def advance_all(grammars: list[RequestGrammar], outputs: list[Sequence[int]], pe
     one_behind, matchers, tokens = [], [], []
     for grammar, output, pending_token in zip(grammars, outputs, pending):
         behind = grammar.tokens_behind(output, pending_token)
-        if behind == 1:
+        if behind == 1 and grammar.started:
             one_behind.append(grammar)
             matchers.append(grammar.get_matcher())
             tokens.append(pending_token if pending_token is not None else output[grammar.num_accepted])
-        elif behind > 1:
+        elif behind > 0:  # several tokens, or tokens before the grammar's start
             grammar.advance(output, pending_token)
     if one_behind:
         accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
@@ -117,9 +134,9 @@ def advance_all(grammars: list[RequestGrammar], outputs: list[Sequence[int]], pe
 def fill_bitmask(grammars: list[RequestGrammar], bitmask: torch.Tensor, threaded: bool = True) -> None:
     """bitmask: int32 [len(grammars), ceil(vocab_size / 32)] on the host; row i <- what may follow
     grammar i's accepted tokens (every token where its matcher has ended: that row's token is
-    dropped). threaded: several rows at once on xgrammar's threads (not where the engine's own
+    dropped; and before a grammar's start). threaded: several rows at once on xgrammar's threads (not where the engine's own
     kernels run on every core: a CPU device)."""
-    ended = [g.is_terminated() for g in grammars]
+    ended = [g.is_terminated() or not g.started for g in grammars]  # every token may follow
     live = [i for i, e in enumerate(ended) if not e]
     if len(live) < len(grammars):
         bitmask[[i for i, e in enumerate(ended) if e]] = -1  # all bits set
