@@ -18,6 +18,7 @@ from baryon.server.tool_parsers import (
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 UNICODE = {"text": "Grüße aus Zürich 🌧", "to": "日本語", "quote": "\"¿qué?\""}
+UNICODE_PLAIN = {k: v for k, v in UNICODE.items() if k != "quote"}
 
 
 def hermes_call(name: str, arguments: dict) -> str:
@@ -42,6 +43,14 @@ def dsml_call(name: str, arguments: dict) -> str:
         else f'<｜DSML｜parameter name="{key}" string="false">{json.dumps(value, ensure_ascii=False)}</｜DSML｜parameter>\n'
         for key, value in arguments.items())
     return f'<｜DSML｜invoke name="{name}">\n{parameters}</｜DSML｜invoke>\n'
+
+
+def glm_call(name: str, arguments: dict) -> str:
+    """GLM-4.5's call: strings as text, other values as JSON."""
+    pairs = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>"
+                    f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}</arg_value>\n"
+                    for key, value in arguments.items())
+    return f"<tool_call>{name}\n{pairs}</tool_call>"
 
 
 def harmony_call(name: str, arguments: dict, recipient_first: bool = False) -> str:
@@ -141,6 +150,16 @@ CASES = [
     ("deepseek_v32", DS_BEGIN + '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "celsius"}'
      "<｜tool▁call▁end｜>" + DS_END, None, [("get_weather", WEATHER)]),  # V3.2-Exp (V3.1's format)
     ("deepseek_v32", "<｜DSML｜tool_calls>" + dsml_call("a", {"x": 2}) + "</｜DSML｜tool_calls>", None, [("a", {"x": 2})]),
+    # glm45 (GLM-4.5 / 4.6)
+    ("glm45", "Let me check.\n" + glm_call("get_weather", WEATHER), "Let me check.", [("get_weather", WEATHER)]),
+    ("glm45", glm_call("a", {"x": 1, "y": [1, {"z": None}]}) + "\n" + glm_call("b", {}), None,
+     [("a", {"x": 1, "y": [1, {"z": None}]}), ("b", {})]),
+    # (without the tool's schema a text that reads as JSON, UNICODE's '"¿qué?"', is read as JSON)
+    ("glm45", glm_call("translate", UNICODE_PLAIN), None, [("translate", UNICODE_PLAIN)]),
+    ("glm45", "<tool_call>f\nstray\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+     "<tool_call>f\nstray\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>", []),  # a name with a space
+    ("glm45", "ok <tool_call>f\n<arg_key>a</arg_key><arg_value>1", "ok <tool_call>f\n<arg_key>a</arg_key><arg_value>1",
+     []),  # cut off: content
     # openai (harmony)
     ("openai", THINK + harmony_message("commentary", "Checking the weather.")
      + harmony_call("get_weather", WEATHER, recipient_first=True), "Checking the weather.", [("get_weather", WEATHER)]),
@@ -297,7 +316,7 @@ def test_what_may_be_a_marker_is_held_back_until_decided():
     assert parser.stream("<|channel|>final<|message|>Hello<|end|>", finished=False) == {}
 
 
-PLAIN = {"hermes": "{}", "llama3_json": "{}", "mistral": "{}", "deepseek_v3": "{}", "deepseek_v32": "{}",
+PLAIN = {"hermes": "{}", "llama3_json": "{}", "mistral": "{}", "deepseek_v3": "{}", "deepseek_v32": "{}", "glm45": "{}",
          "openai": THINK + "<|start|>assistant<|channel|>final<|message|>{}<|return|>"}
 
 
@@ -316,13 +335,13 @@ def test_plain_content_streams_as_it_comes(parser_name):
 
 
 def test_registry_and_defaults():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v32", "openai",
-                                 "harmony"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v32", "glm45",
+                                 "openai", "harmony"}
     assert TOOL_PARSERS["harmony"] is TOOL_PARSERS["openai"]
     assert all(cls.name in TOOL_PARSERS for cls in TOOL_PARSERS.values())
     expected = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
                 "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3",
-                "deepseek_v32": "deepseek_v32", "gpt_oss": "openai", "gemma3": None, None: None}
+                "deepseek_v32": "deepseek_v32", "gpt_oss": "openai", "glm4_moe": "glm45", "gemma3": None, None: None}
     assert {model_type: default_tool_parser(model_type) for model_type in expected} == expected
 
 
@@ -359,6 +378,9 @@ def render(parser_name: str, rng: random.Random) -> tuple[str, list[tuple[str, d
         elif parser_name == "deepseek_v3":
             written = {"text": random_text(rng), "call": DS_BEGIN + deepseek_call(name, arguments) + DS_END,
                        "broken": "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{]\n```<｜tool▁call▁end｜>"}[kind]
+        elif parser_name == "glm45":
+            written = {"text": random_text(rng).replace("<tool", "<toOl"), "call": glm_call(name, arguments),
+                       "broken": "<tool_call>f g\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"}[kind]
         elif parser_name == "deepseek_v32":
             written = {"text": random_text(rng), "call": DSML_BEGIN + dsml_call(name, arguments) + DSML_END,
                        "broken": '<｜DSML｜invoke name="f">\n{]\n</｜DSML｜invoke>'}[kind]
@@ -388,7 +410,7 @@ def without_space(text: str) -> str:
     return "".join(text.split())
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "deepseek_v3", "deepseek_v32", "openai"])
+@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "deepseek_v3", "deepseek_v32", "glm45", "openai"])
 def test_random_replies(seed, parser_name):
     rng = random.Random(seed)
     for _ in range(60):
@@ -418,3 +440,19 @@ def test_random_llama3_replies(seed):
         content, streamed = reassemble(stream_in_pieces(TOOL_PARSERS["llama3_json"](), reply, rng))
         assert content == (parsed.content or "")
         assert [(call["name"], json.loads(call["arguments"])) for call in streamed] == calls
+
+
+def test_glm_values_are_typed_by_the_tools_schema():
+    """GLM writes values without their type: a parameter the tool declares a string stays the text
+    even where it reads as JSON ("123", "true"); others are JSON where they are, else text."""
+    from baryon.server.tool_parsers import Glm45ToolParser
+
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+        "zip": {"type": "string"}, "flag": {"type": "string"}, "count": {"type": "integer"}}}}}]
+    reply = ("<tool_call>lookup\n<arg_key>zip</arg_key>\n<arg_value>01234</arg_value>\n<arg_key>flag</arg_key>\n"
+             "<arg_value>true</arg_value>\n<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n<arg_key>note</arg_key>\n"
+             "<arg_value>plain words</arg_value>\n</tool_call>")
+    (typed,) = Glm45ToolParser(tools).parse(reply).tool_calls
+    assert json.loads(typed.arguments) == {"zip": "01234", "flag": "true", "count": 3, "note": "plain words"}
+    (untyped,) = Glm45ToolParser().parse(reply).tool_calls
+    assert json.loads(untyped.arguments)["flag"] is True  # no schema: JSON where it reads as JSON

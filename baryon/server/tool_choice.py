@@ -49,7 +49,7 @@ class ToolPlan:
     one_call: bool = False  # "auto" with parallel_tool_calls false: the first parsed call only
 
     def new_parser(self) -> ToolParser | None:
-        return TOOL_PARSERS[self.parser]() if self.mode == "auto" and self.parser else None
+        return TOOL_PARSERS[self.parser](self.tools) if self.mode == "auto" and self.parser else None
 
 
 def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:

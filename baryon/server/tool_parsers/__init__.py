@@ -7,6 +7,7 @@ from __future__ import annotations
 from baryon.server.tool_parsers.base import ParsedReply, ToolCall, ToolParser
 from baryon.server.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from baryon.server.tool_parsers.deepseek_v32 import DeepSeekV32ToolParser
+from baryon.server.tool_parsers.glm45 import Glm45ToolParser
 from baryon.server.tool_parsers.harmony import HarmonyToolParser
 from baryon.server.tool_parsers.hermes import HermesToolParser
 from baryon.server.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -16,13 +17,15 @@ __all__ = ["TOOL_PARSERS", "ParsedReply", "ToolCall", "ToolParser", "default_too
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                       DeepSeekV3ToolParser, DeepSeekV32ToolParser, HarmonyToolParser)}
+                                       DeepSeekV3ToolParser, DeepSeekV32ToolParser, Glm45ToolParser,
+                                       HarmonyToolParser)}
 TOOL_PARSERS["harmony"] = HarmonyToolParser
 
 _BY_MODEL_TYPE = {
     "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
     "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral",
     "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32", "gpt_oss": "openai",
+    "glm4_moe": "glm45",
 }
 
 

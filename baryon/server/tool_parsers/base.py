@@ -98,7 +98,8 @@ class ToolParser:
     # channels), rather than the content a reasoning parser leaves.
     reads_whole_reply: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.tools = tools or []  # the request's tools (OpenAI's shape): formats that write values untyped read them
         self._assembler = _Assembler()
         self._resume = 0  # where the next streaming scan starts
         self._pending_sent = 0  # characters of the content just after _resume already taken
