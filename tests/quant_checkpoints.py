@@ -465,14 +465,15 @@ def gptq_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, perm: 
 
 
 def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False, sym: bool = True,
-         seed: int = 0, shared_order: bool = True, static_groups: bool = False) -> QuantizedCheckpoint:
+         seed: int = 0, shared_order: bool = True, static_groups: bool = False, v2: bool = False) -> QuantizedCheckpoint:
     """AutoGPTQ / GPTQModel checkpoint_format "gptq" (v1): qweight, qzeros (zero - 1), scales fp16,
     g_idx; desc_act: columns grouped in a random order (g_idx[k] = position(k) // group_size), one
     order per input (GPTQ's order sorts the diagonal of the input's Hessian, so q/k/v share one,
     gate/up another; an expert's gate/up share theirs). shared_order=False gives every module its
     own order (not what GPTQ writes: for testing that an engine refuses or handles it).
     static_groups (with desc_act): the groups are fixed before the columns are reordered, so g_idx
-    stays k // group_size (GPTQModel's static_groups=True)."""
+    stays k // group_size (GPTQModel's static_groups=True). v2: checkpoint_format "gptq_v2"
+    (GPTQModel's), whose qzeros hold the zeros themselves."""
     assert bits in (4, 8)
     state = load_float(src)
     gen = torch.Generator().manual_seed(seed)
@@ -492,13 +493,14 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
             perm = perms[key]
         q, zeros, scales, g_idx = gptq_quantize(t, bits, group_size, sym, perm)
         out[f"{module}.qweight"] = pack_rows(q.T, bits)
-        out[f"{module}.qzeros"] = pack_cols(zeros - 1, bits)
+        v1_zeros = pack_cols(zeros - 1, bits)
+        out[f"{module}.qzeros"] = pack_cols(zeros, bits) if v2 else v1_zeros
         out[f"{module}.scales"] = scales
         out[f"{module}.g_idx"] = g_idx
         tensors[module] = [f"{module}.{p}" for p in ("qweight", "qzeros", "scales", "g_idx")]
-        deq[module] = gptq_dequantize(out[f"{module}.qweight"], out[f"{module}.qzeros"], scales, g_idx, bits)
+        deq[module] = gptq_dequantize(out[f"{module}.qweight"], v1_zeros, scales, g_idx, bits)
     config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
-              "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True,
+              "checkpoint_format": "gptq_v2" if v2 else "gptq", "damp_percent": 0.01, "true_sequential": True,
               "static_groups": static_groups, "lm_head": False, "model_name_or_path": None,
               "model_file_base_name": "model"}
     path = write_checkpoint(src, dst, out, config)

@@ -136,6 +136,9 @@ CASES = [
          lambda s, d, seed: qc.gptq(s, d, 4, 32, desc_act=True, seed=seed), "gptq", bits=4),
     Case("gptq-4bit-one-group-asym-llama", "llama", {}, lambda s, d, seed: qc.gptq(s, d, 4, -1, sym=False, seed=seed),
          "gptq", bits=4),
+    # GPTQModel's checkpoint_format gptq_v2: qzeros hold the zeros (v1: zero - 1)
+    Case("gptq-v2-4bit-g16-asym-llama", "llama", {}, lambda s, d, seed: qc.gptq(s, d, 4, 16, sym=False, seed=seed, v2=True),
+         "gptq", bits=4, victims=("model.layers.0.mlp.up_proj.qzeros",)),
     Case("gptq-8bit-g32-act-order-llama", "llama", {},
          lambda s, d, seed: qc.gptq(s, d, 8, 32, desc_act=True, seed=seed), "gptq", bits=8),
     Case("gptq-8bit-one-group-qwen3", "qwen3", QWEN3, lambda s, d, seed: qc.gptq(s, d, 8, -1, seed=seed), "gptq",
@@ -717,12 +720,13 @@ def test_compressed_tensors_awq_converter_reads_the_same_weights(workdir, case_i
         assert torch.equal(got, want), f"{module}: {_describe(got, want)}"
 
 
-def _autogptq_dequantize(qweight, qzeros, scales, g_idx, bits) -> torch.Tensor:
-    """AutoGPTQ's qlinear_cuda_old forward (torch path), transcribed: [N, K] float32."""
+def _autogptq_dequantize(qweight, qzeros, scales, g_idx, bits, v2: bool = False) -> torch.Tensor:
+    """AutoGPTQ's qlinear_cuda_old forward (torch path), transcribed: [N, K] float32 (v2: GPTQModel's
+    gptq_v2, whose zeros are stored as they are, not less one)."""
     wf = torch.tensor(list(range(0, 32, bits)), dtype=torch.int32).unsqueeze(0)
     zeros = torch.bitwise_right_shift(torch.unsqueeze(qzeros, 2).expand(-1, -1, 32 // bits), wf.unsqueeze(0))
     zeros = torch.bitwise_and(zeros.to(torch.int16 if bits == 8 else torch.int8), (2**bits) - 1)
-    zeros = (zeros + 1).reshape(scales.shape)
+    zeros = (zeros + (0 if v2 else 1)).reshape(scales.shape)
     weight = torch.bitwise_right_shift(torch.unsqueeze(qweight, 1).expand(-1, 32 // bits, -1), wf.unsqueeze(-1))
     weight = torch.bitwise_and(weight.to(torch.int16 if bits == 8 else torch.int8), (2**bits) - 1)
     weight = weight.reshape(weight.shape[0] * weight.shape[1], weight.shape[2])
@@ -749,7 +753,7 @@ def test_autogptq_unpacking_reads_the_same_weights(workdir, case_id):
             assert torch.equal(torch.bincount(g_idx.long()), torch.full((groups,), k // groups))
         if config["sym"]:  # v1 stores zero - 1: 2**(bits-1) - 1 in every field
             assert bool((qzeros == {4: 0x77777777, 8: 0x7F7F7F7F}[bits]).all())
-        got = _autogptq_dequantize(qweight, qzeros, scales, g_idx, bits)
+        got = _autogptq_dequantize(qweight, qzeros, scales, g_idx, bits, v2=config["checkpoint_format"] == "gptq_v2")
         want = built.qc.reference[f"{module}.weight"]
         assert torch.equal(got, want), f"{module}: {_describe(got, want)}"
 
