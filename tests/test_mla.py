@@ -404,3 +404,23 @@ def test_sparse_attention_is_dense_up_to_index_topk(tmp_path, seed, index_topk, 
         assert max(gaps) < 1e-5, gaps
     else:
         assert max(gaps) > 1e-3, f"4 of 20-40 keys per token should change the logprobs: {gaps}"
+
+
+def test_moe_layer_freq_places_the_expert_layers(tmp_path, seed):
+    """DeepSeek-V2's moe_layer_freq (transformers ignores it, so no parity test reaches it): routed
+    experts in the layers from first_k_dense_replace on whose index the frequency divides, a dense
+    MLP in the others, as vLLM builds them."""
+    from transformers import AutoConfig
+
+    from baryon.layers.fused_moe.block import SparseMoeBlock
+    from baryon.layers.mlp import GatedMLP
+    from baryon.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from conftest import make_checkpoint
+
+    config = AutoConfig.from_pretrained(make_checkpoint(tmp_path / "v2", "deepseek_v2", seed=seed % 2**31))
+    config.first_k_dense_replace, config.moe_layer_freq = 1, 2
+    kinds = [type(DeepseekV2ForCausalLM.build_mlp(config, i)) for i in range(6)]
+    assert kinds == [GatedMLP, GatedMLP, SparseMoeBlock, GatedMLP, SparseMoeBlock, GatedMLP]
+    config.moe_layer_freq = 1
+    assert [type(DeepseekV2ForCausalLM.build_mlp(config, i)) for i in range(3)] == \
+        [GatedMLP, SparseMoeBlock, SparseMoeBlock]
