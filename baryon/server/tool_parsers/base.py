@@ -143,6 +143,44 @@ class ToolParser:
         return delta
 
 
+def scan_tagged(text: str, start: int, finished: bool, opening: str, closing: str, read) -> Scan:
+    """A ToolParser.scan for calls between `opening` and `closing` tags among content: read(body)
+    is the call a tag's body holds, or None (the tagged text then stays content as written). A call
+    still open when the reply ends is read from its body to the end."""
+    items: list[str | ToolCall] = []
+    position = start
+    while (at := text.find(opening, position)) >= 0:
+        if at > position:
+            items.append(text[position:at])
+        body_start = at + len(opening)
+        close = text.find(closing, body_start)
+        if close < 0 and not finished:  # still being written
+            return Scan(items, at)
+        body_end = close if close >= 0 else len(text)
+        position = body_end + len(closing) if close >= 0 else len(text)
+        items.append(read(text[body_start:body_end]) or text[at:position])
+    end = len(text) if finished else undecided_tail(text, position, (opening,))
+    if end > position:
+        items.append(text[position:end])
+    return Scan(items, end)
+
+
+def value_json(value: str, as_text: bool) -> str:
+    """A value a format writes without its type, as JSON text: as_text, the text as a JSON string;
+    else the value as written where it is JSON, the text where it is not."""
+    if not as_text:
+        stripped = value.strip()
+        decoded = decode_json(stripped, 0) if stripped else None
+        if decoded is not None and decoded[1] == len(stripped):
+            return stripped
+    return json.dumps(value, ensure_ascii=False)
+
+
+def sendable(name: str) -> bool:
+    """Whether a call's name can go out as UTF-8 (see _encodable)."""
+    return _encodable(name)
+
+
 def undecided_tail(text: str, start: int, markers: tuple[str, ...]) -> int:
     """Where text[start:] ends in the beginning of a marker (len(text) when it does not): text from
     there on may still become that marker."""

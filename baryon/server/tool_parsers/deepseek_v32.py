@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, decode_json, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, sendable, undecided_tail, value_json
 from baryon.server.tool_parsers.deepseek_v3 import CALL_BEGIN, V3_MARKERS, read_call_at
 
 _DSML = "｜DSML｜"
@@ -31,17 +31,6 @@ _PARAMETER = re.compile(rf'\s*<{_DSML}parameter name="([^"<>]*)"(?: string="(tru
                         re.DOTALL)
 
 
-def _value_json(value: str, is_string: str | None) -> str:
-    """A parameter's value as JSON text: a string="false" value that is JSON, as written; else the
-    text as a JSON string."""
-    if is_string != "true":
-        stripped = value.strip()
-        decoded = decode_json(stripped, 0) if stripped else None
-        if decoded is not None and decoded[1] == len(stripped):
-            return stripped
-    return json.dumps(value, ensure_ascii=False)
-
-
 def _invoke(body: str) -> ToolCall | None:
     """NAME">PARAMETERS (what follows `<｜DSML｜invoke name="` up to `</｜DSML｜invoke>`)."""
     name, quote, rest = body.partition('">')
@@ -50,13 +39,9 @@ def _invoke(body: str) -> ToolCall | None:
     members, position = [], 0
     while match := _PARAMETER.match(rest, position):
         key, is_string, value = match.groups()
-        members.append(f"{json.dumps(key, ensure_ascii=False)}: {_value_json(value, is_string)}")
+        members.append(f"{json.dumps(key, ensure_ascii=False)}: {value_json(value, is_string == 'true')}")
         position = match.end()
-    if rest[position:].strip():  # something that is not a parameter
-        return None
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
+    if rest[position:].strip() or not sendable(name):  # something that is not a parameter; or the name
         return None
     return ToolCall(name, "{" + ", ".join(members) + "}")
 

@@ -11,7 +11,7 @@ line, then its arguments as key / value tags,
 in a row or among text, which is content. A value is written without its type: one the tool's
 schema declares a string is that text; any other value is read as JSON where it is JSON (kept as
 written), else as text, as vLLM's parser reads it. The arguments are one JSON object in the order
-written. A call that cannot be read stays in the content as written.
+written. A call that cannot be read stays in the content as written (also one cut off at the end).
 """
 
 from __future__ import annotations
@@ -19,20 +19,10 @@ from __future__ import annotations
 import json
 import re
 
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, decode_json, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, scan_tagged, sendable, value_json
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-
-
-def _value_json(value: str, declared: str | None) -> str:
-    """A value as JSON text: a declared string is the text; else JSON as written, or the text."""
-    if declared != "string":
-        stripped = value.strip()
-        decoded = decode_json(stripped, 0) if stripped else None
-        if decoded is not None and decoded[1] == len(stripped):
-            return stripped
-    return json.dumps(value, ensure_ascii=False)
 
 
 class Glm45ToolParser(ToolParser):
@@ -56,30 +46,12 @@ class Glm45ToolParser(ToolParser):
         members, position = [], 0 if first < 0 else first
         while match := _ARGUMENT.match(body, position):
             key, value = match.group(1).strip(), match.group(2)
-            members.append(f"{json.dumps(key, ensure_ascii=False)}: {_value_json(value, self._declared_type(name, key))}")
+            as_text = self._declared_type(name, key) == "string"
+            members.append(f"{json.dumps(key, ensure_ascii=False)}: {value_json(value, as_text)}")
             position = match.end()
-        if first >= 0 and body[position:].strip():  # something that is not an argument
-            return None
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
+        if first >= 0 and body[position:].strip() or not sendable(name):  # not an argument; or the name
             return None
         return ToolCall(name, "{" + ", ".join(members) + "}")
 
     def scan(self, text: str, start: int, finished: bool) -> Scan:
-        items: list[str | ToolCall] = []
-        position = start
-        while (opening := text.find(_OPEN, position)) >= 0:
-            if opening > position:
-                items.append(text[position:opening])
-            body_start = opening + len(_OPEN)
-            closing = text.find(_CLOSE, body_start)
-            if closing < 0 and not finished:  # still being written
-                return Scan(items, opening)
-            position = closing + len(_CLOSE) if closing >= 0 else len(text)
-            call = self._call_in(text[body_start:closing]) if closing >= 0 else None  # unclosed at the end: content
-            items.append(call or text[opening:position])
-        end = len(text) if finished else undecided_tail(text, position, (_OPEN,))
-        if end > position:
-            items.append(text[position:end])
-        return Scan(items, end)
+        return scan_tagged(text, start, finished, _OPEN, _CLOSE, self._call_in)

@@ -10,7 +10,7 @@ content as written; so does an unclosed one at the end, unless its body is a who
 
 from __future__ import annotations
 
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, calls_at, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, calls_at, scan_tagged
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
@@ -28,19 +28,4 @@ class HermesToolParser(ToolParser):
     name = "hermes"
 
     def scan(self, text: str, start: int, finished: bool) -> Scan:
-        items: list[str | ToolCall] = []
-        position = start
-        while (opening := text.find(_OPEN, position)) >= 0:
-            if opening > position:
-                items.append(text[position:opening])
-            body_start = opening + len(_OPEN)
-            closing = text.find(_CLOSE, body_start)
-            if closing < 0 and not finished:  # still being written
-                return Scan(items, opening)
-            body_end = closing if closing >= 0 else len(text)
-            position = body_end + len(_CLOSE) if closing >= 0 else len(text)
-            items.append(_call_in(text[body_start:body_end]) or text[opening:position])
-        end = len(text) if finished else undecided_tail(text, position, (_OPEN,))
-        if end > position:
-            items.append(text[position:end])
-        return Scan(items, end)
+        return scan_tagged(text, start, finished, _OPEN, _CLOSE, _call_in)
