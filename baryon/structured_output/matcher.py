@@ -134,8 +134,8 @@ def advance_all(grammars: list[RequestGrammar], outputs: list[Sequence[int]], pe
 def fill_bitmask(grammars: list[RequestGrammar], bitmask: torch.Tensor, threaded: bool = True) -> None:
     """bitmask: int32 [len(grammars), ceil(vocab_size / 32)] on the host; row i <- what may follow
     grammar i's accepted tokens (every token where its matcher has ended: that row's token is
-    dropped; and before a grammar's start). threaded: several rows at once on xgrammar's threads (not where the engine's own
-    kernels run on every core: a CPU device)."""
+    dropped; and before the grammar's start). threaded: several rows at once on xgrammar's threads
+    (not where the engine's own kernels run on every core: a CPU device)."""
     ended = [g.is_terminated() or not g.started for g in grammars]  # every token may follow
     live = [i for i, e in enumerate(ended) if not e]
     if len(live) < len(grammars):
