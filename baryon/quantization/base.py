@@ -187,7 +187,9 @@ class QuantizationConfig:
     def moe_method(self, layer: nn.Module, prefix: str):
         """The MoEMethod for a FusedMoE layer (prefix `model.layers.0.mlp.experts`), None to leave
         it unquantized; a format that cannot hold experts says so."""
-        raise ValueError(f"{self.name} checkpoints with mixture-of-experts layers are not supported")
+        raise ValueError(f"{self.name} quantization does not cover mixture-of-experts layers ({prefix}); for MoE "
+                         f"models use quantization fp8 (online, or an FP8 checkpoint) or an MXFP4, compressed-tensors, "
+                         f"GPTQ or AWQ checkpoint")
 
 
 def is_ignored(prefix: str, patterns: list[str] | None) -> bool:
