@@ -47,7 +47,8 @@ def server(stories_path, tmp_path_factory):
     template = tmp_path_factory.mktemp("chat") / "tools.jinja"
     template.write_text(TEMPLATE)
     proc = ServerProcess(stories_path, "--api-key", API_KEY, "--served-model-name", MODEL, "--chat-template",
-                         str(template), "--max-model-len", "512", "--tool-call-parser", "hermes")
+                         str(template), "--max-model-len", "512", "--tool-call-parser", "hermes",
+                         "--enable-auto-tool-choice")  # vLLM's flag, accepted
     try:
         yield proc.wait_ready()
     finally:

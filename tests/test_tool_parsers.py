@@ -334,6 +334,16 @@ def test_plain_content_streams_as_it_comes(parser_name):
     assert sent == text
 
 
+def test_enable_auto_tool_choice_needs_a_parser():
+    from baryon.server.tool_parsers import required_tool_parser
+
+    assert required_tool_parser(None, "qwen3") == "hermes"
+    assert required_tool_parser("mistral", "gemma3") == "mistral"
+    with pytest.raises(ValueError, match=r"no tool-call parser for this model \(model_type 'gemma3' has no default\); "
+                                         r"give --tool-call-parser, one of \["):
+        required_tool_parser(None, "gemma3")
+
+
 def test_registry_and_defaults():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v32", "glm45",
                                  "openai", "harmony"}

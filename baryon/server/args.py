@@ -37,6 +37,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="The format of tool calls in chat replies (default: by the model family: hermes for "
                              "Qwen, llama3_json for Llama, mistral, deepseek_v3, openai for GPT-OSS)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="vLLM's flag: tool_choice auto is on whenever a tool-call parser is known; with this "
+                             "flag a model without one (no --tool-call-parser, no default for its family) is an "
+                             "error at start instead of replies whose calls stay text")
     server.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
                         help="Log level of the HTTP server (access log at info)")
     # A server's token budget (config.default_token_budget); its engine always runs in a process of its own.

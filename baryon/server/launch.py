@@ -47,6 +47,10 @@ def run_server(args: argparse.Namespace) -> int:
     engines = [EngineProcess() for _ in range(max(args.data_parallel_size, 1))]
     try:
         config = EngineConfig.create(**kwargs)
+        if args.enable_auto_tool_choice:
+            from baryon.server.tool_parsers import required_tool_parser
+
+            required_tool_parser(args.tool_call_parser, getattr(config.model.hf_config, "model_type", None))
         for engine, replica in zip(engines, config.replicas()):
             engine.configure(replica)  # the model loads while this process loads the tokenizer
         tokenizer = None

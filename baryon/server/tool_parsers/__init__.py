@@ -13,7 +13,7 @@ from baryon.server.tool_parsers.hermes import HermesToolParser
 from baryon.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from baryon.server.tool_parsers.mistral import MistralToolParser
 
-__all__ = ["TOOL_PARSERS", "ParsedReply", "ToolCall", "ToolParser", "default_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ParsedReply", "ToolCall", "ToolParser", "default_tool_parser", "required_tool_parser"]
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
@@ -32,3 +32,13 @@ _BY_MODEL_TYPE = {
 def default_tool_parser(model_type: str | None) -> str | None:
     """The parser a model's replies need, by its Hugging Face `model_type` (None: no default)."""
     return _BY_MODEL_TYPE.get(model_type) if model_type else None
+
+
+def required_tool_parser(given: str | None, model_type: str | None) -> str:
+    """The parser `--enable-auto-tool-choice` needs: the one given, else the family's default;
+    a ValueError naming the way out where there is none."""
+    parser = given or default_tool_parser(model_type)
+    if parser is None:
+        raise ValueError(f"--enable-auto-tool-choice: no tool-call parser for this model (model_type "
+                         f"{model_type!r} has no default); give --tool-call-parser, one of {sorted(TOOL_PARSERS)}")
+    return parser
