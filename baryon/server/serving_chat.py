@@ -70,8 +70,11 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
         structure = (tools.structure, "tool_choice")
     ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=_template_kwargs(request))
     reasoning_parser = ctx.reasoning_parser
+    # <think> parsers: how the generation prompt ends (a template may open or close the reasoning)
+    tail = ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip() \
+        if reasoning_parser in _THINK_PARSERS else ""
     if structure[0] is not None:  # a reasoning model thinks first: the constraint starts after </think>
-        end = _reasoning_end(ctx, reasoning_parser, ids)
+        end = _reasoning_end(ctx, reasoning_parser, tail)
         if end is None:
             reasoning_parser = None  # constrained from the first token: nothing to split
         else:
@@ -85,7 +88,7 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
         # Their markers may be special tokens (harmony's, Mistral's [TOOL_CALLS]): keep them in the text.
         params = dataclasses.replace(params, skip_special_tokens=False)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    opens = reasoning_parser in ("qwen3", "deepseek_r1") and _prompt_opens_reasoning(ctx, ids)
+    opens = reasoning_parser in _THINK_PARSERS and tail.endswith("<think>")  # the template opened it
     return _Plan(new_id("chatcmpl"), ids, params, top_logprobs, include_usage, tools, reasoning_parser, opens)
 
 
@@ -102,22 +105,18 @@ def _template_kwargs(request: ChatCompletionRequest) -> dict | None:
     return {**(kwargs or {}), "reasoning_effort": request.reasoning_effort}
 
 
-def _reasoning_end(ctx: ServerContext, parser: str | None, ids: list[int]) -> list[int] | None:
+_THINK_PARSERS = ("qwen3", "deepseek_r1")  # reasoning between <think> and </think>
+
+
+def _reasoning_end(ctx: ServerContext, parser: str | None, prompt_tail: str) -> list[int] | None:
     """The token ids after which a constrained reply's constraint starts: `</think>`'s for a
-    <think> reasoning parser, unless the prompt has closed the reasoning already (Qwen3's template
-    with enable_thinking false); None: the constraint applies from the first token. (GPT-OSS's
-    harmony channels are not gated: its constrained replies are not split.)"""
-    if parser not in ("qwen3", "deepseek_r1"):
-        return None
-    if ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip().endswith("</think>"):
+    <think> reasoning parser, unless the prompt (its last tokens' text, `prompt_tail`) has closed
+    the reasoning already (Qwen3's template with enable_thinking false); None: the constraint
+    applies from the first token. (GPT-OSS's harmony channels are not gated: its constrained
+    replies are not split.)"""
+    if parser not in _THINK_PARSERS or prompt_tail.endswith("</think>"):
         return None
     return ctx.inputs.tokenizer.encode("</think>", add_special_tokens=False)
-
-
-def _prompt_opens_reasoning(ctx: ServerContext, ids: list[int]) -> bool:
-    """The generation prompt ends inside <think> (a template that starts the reasoning itself)."""
-    tail = ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False)
-    return tail.rstrip().endswith("<think>")
 
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request) -> Response:

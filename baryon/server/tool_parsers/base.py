@@ -143,6 +143,29 @@ class ToolParser:
         return delta
 
 
+def scan_markers(text: str, start: int, finished: bool, openers: tuple[str, ...], read) -> Scan:
+    """A ToolParser.scan for formats whose calls and sections open with markers among content:
+    read(marker, at) for the first of `openers` found (at its position) gives (the item there: a
+    call, its text as content, or None for a section marker, which is dropped; the position after
+    it), or None while that call is still being written."""
+    items: list[str | ToolCall] = []
+    position = start
+    while found := [(at, marker) for marker in openers if (at := text.find(marker, position)) >= 0]:
+        at, marker = min(found)
+        if at > position:
+            items.append(text[position:at])
+        read_at = read(marker, at)
+        if read_at is None:
+            return Scan(items, at)
+        item, position = read_at
+        if item is not None:
+            items.append(item)
+    end = len(text) if finished else undecided_tail(text, position, openers)
+    if end > position:
+        items.append(text[position:end])
+    return Scan(items, end)
+
+
 def scan_tagged(text: str, start: int, finished: bool, opening: str, closing: str, read) -> Scan:
     """A ToolParser.scan for calls between `opening` and `closing` tags among content: read(body)
     is the call a tag's body holds, or None (the tagged text then stays content as written). A call

@@ -12,7 +12,7 @@ dropped; a call that cannot be read stays in the content as written.
 
 from __future__ import annotations
 
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, arguments_text, undecided_tail
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, arguments_text, scan_markers
 
 _CALLS_BEGIN, _CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, _CALL_END, _SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -48,30 +48,13 @@ def read_call_at(text: str, at: int, finished: bool) -> tuple[ToolCall | str, in
     return _call_in(text[position:body_end]) or text[at:after], after
 
 
-def _next_opener(text: str, position: int) -> tuple[int, str]:
-    found = [(at, marker) for marker in V3_MARKERS if (at := text.find(marker, position)) >= 0]
-    return min(found, default=(-1, ""))
-
-
 class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
 
     def scan(self, text: str, start: int, finished: bool) -> Scan:
-        items: list[str | ToolCall] = []
-        position = start
-        while (found := _next_opener(text, position))[0] >= 0:
-            at, marker = found
-            if at > position:
-                items.append(text[position:at])
-            position = at + len(marker)
+        def read(marker: str, at: int):
             if marker != CALL_BEGIN:  # a section marker: structure, not content
-                continue
-            read = read_call_at(text, at, finished)
-            if read is None:  # still being written
-                return Scan(items, at)
-            item, position = read
-            items.append(item)
-        end = len(text) if finished else undecided_tail(text, position, V3_MARKERS)
-        if end > position:
-            items.append(text[position:end])
-        return Scan(items, end)
+                return None, at + len(marker)
+            return read_call_at(text, at, finished)
+
+        return scan_markers(text, start, finished, V3_MARKERS, read)

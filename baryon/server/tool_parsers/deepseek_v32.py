@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 
-from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, sendable, undecided_tail, value_json
+from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, scan_markers, sendable, value_json
 from baryon.server.tool_parsers.deepseek_v3 import CALL_BEGIN, V3_MARKERS, read_call_at
 
 _DSML = "｜DSML｜"
@@ -46,40 +46,22 @@ def _invoke(body: str) -> ToolCall | None:
     return ToolCall(name, "{" + ", ".join(members) + "}")
 
 
-def _next_opener(text: str, position: int) -> tuple[int, str]:
-    found = [(at, marker) for marker in _OPENERS if (at := text.find(marker, position)) >= 0]
-    return min(found, default=(-1, ""))
-
-
 class DeepSeekV32ToolParser(ToolParser):
     name = "deepseek_v32"
 
     def scan(self, text: str, start: int, finished: bool) -> Scan:
-        items: list[str | ToolCall] = []
-        position = start
-        while (found := _next_opener(text, position))[0] >= 0:
-            at, marker = found
-            if at > position:
-                items.append(text[position:at])
-            position = at + len(marker)
+        def read(marker: str, at: int):
             if marker == CALL_BEGIN:  # V3.2-Exp's (V3.1's) call
-                read = read_call_at(text, at, finished)
-                if read is None:  # still being written
-                    return Scan(items, at)
-                item, position = read
-                items.append(item)
-                continue
+                return read_call_at(text, at, finished)
             if marker != _INVOKE:  # a section marker: structure, not content
-                continue
-            end = text.find(_INVOKE_END, position)
-            if end < 0 and not finished:
-                return Scan(items, at)
-            body_end = end if end >= 0 else len(text)
-            after = body_end + len(_INVOKE_END) if end >= 0 else body_end
-            call = _invoke(text[position:body_end]) if end >= 0 else None  # unclosed at the end: content
-            items.append(call or text[at:after])
-            position = after
-        end = len(text) if finished else undecided_tail(text, position, _OPENERS)
-        if end > position:
-            items.append(text[position:end])
-        return Scan(items, end)
+                return None, at + len(marker)
+            body_start = at + len(marker)
+            end = text.find(_INVOKE_END, body_start)
+            if end < 0 and not finished:  # still being written
+                return None
+            if end < 0:  # unclosed at the end: content
+                return text[at:], len(text)
+            after = end + len(_INVOKE_END)
+            return _invoke(text[body_start:end]) or text[at:after], after
+
+        return scan_markers(text, start, finished, _OPENERS, read)
