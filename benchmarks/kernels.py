@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling|vocab_argmax]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling|vocab_argmax|dense]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -71,6 +71,25 @@ def vocab_argmax_kernels(record, device: torch.device, dtype: torch.dtype, rows:
         for impl in selector.candidates("vocab_argmax"):
             if impl.unsupported_reason(device) is None:
                 record(f"vocab_argmax.{impl.name}", shape, lambda: impl.argmax(local, width))
+
+
+def dense_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """The 16-bit projections of a decode batch (CUDA): F.linear (cuBLAS) against the one-row GEMV
+    (`dense_gemv`) and the decode GEMM (`dense_decode_linear`, at its table's tiles or its default
+    ones) on one Qwen3-8B TP=2 rank's qkv and o (narrow: where cuBLAS launches few tiles)."""
+    if device.type != "cuda":
+        return
+    from baryon.kernels.dense_decode_gemm import TritonDenseDecodeLinear
+    from baryon.kernels.dense_gemv import TritonDenseGemv
+
+    scale = 4 if small else 1
+    for n, k in ((3072 // scale, 4096 // scale), (4096 // scale, 2048 // scale)):
+        weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        for m in (1, 16, 64):
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            record("dense_linear.cublas", f"M={m} N={n} K={k}", lambda: F.linear(x, weight))
+            kernel = TritonDenseGemv if m == 1 else TritonDenseDecodeLinear
+            record(f"{kernel.family}.triton", f"M={m} N={n} K={k}", lambda: kernel.forward(x, weight))
 
 
 def sampling_kernels(record, device: torch.device, rows: int, vocab: int) -> None:
@@ -486,7 +505,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch",
-                                           "token_bitmask", "long_context", "sampling", "vocab_argmax"],
+                                           "token_bitmask", "long_context", "sampling", "vocab_argmax", "dense"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
@@ -530,6 +549,9 @@ def main() -> None:
     if args.only == "vocab_argmax":  # a greedy decode step's token (graph-timer friendly)
         for rows in (1, 64, 256):
             vocab_argmax_kernels(record, device, dtype, rows // scale or 1, vocab // scale)
+        return
+    if args.only == "dense":  # a decode batch's projections (CUDA)
+        dense_kernels(record, device, dtype, args.small)
         return
     if args.only == "spec":
         rejection_sampling_kernels(record, device, vocab, args.small)
@@ -587,6 +609,7 @@ def main() -> None:
                                         heads, kv_heads, head_dim))
     if device.type == "cpu":
         block_quant_kernels(record, device)
+    dense_kernels(record, device, dtype, args.small)
     rows = 64 // scale
     sampling_kernels(record, device, rows, vocab)
     token_bitmask_kernels(record, device, vocab)

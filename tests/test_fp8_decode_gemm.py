@@ -11,9 +11,10 @@ from baryon.kernels.quant.act_quant import FP8, FP8_MAX, quantize_per_token_refe
 from baryon.kernels.quant.fp8_decode_gemm import (MAX_M, DecodeTiles, TorchFp8DecodeLinear,
                                                   TritonFp8DecodeLinear)
 from baryon.kernels.quant.fp8_gemm import fp8_linear_reference
+from baryon.kernels.triton_utils import triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(fp8_decode_gemm.triton is None, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(triton is None, reason="triton is not installed")
 
 
 def _case(gen, m, n, k):

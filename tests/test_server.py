@@ -396,12 +396,11 @@ def test_disconnect_mid_stream_frees_the_request(server):
             events += line.startswith("data:")
             if events == 3:
                 break
-        during = scrape(server)
-        assert during["baryon:num_requests_running"] == 1
-        assert during["baryon:kv_cache_used_blocks"] > baseline["baryon:kv_cache_used_blocks"]
+        # Closed at once: stories260K runs the rest of the request in ~0.1 s, so anything in
+        # between (a metrics scrape took long enough once on a busy CI machine) can let it finish.
     after = wait_for_idle_engine(server, baseline)
     generated = after["baryon:generation_tokens_total"] - baseline["baryon:generation_tokens_total"]
-    assert generated < max_tokens  # aborted, not run to the end
+    assert 3 <= generated < max_tokens  # it ran, and was aborted, not run to the end
 
 
 def test_disconnect_while_waiting_for_a_full_response_frees_the_request(server):

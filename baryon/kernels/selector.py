@@ -55,6 +55,8 @@ _REGISTRY: dict[str, list[str]] = {
     "decoder_layer": ["baryon.kernels.decoder_layer:CpuDecoderLayer", "baryon.kernels.decoder_layer:ModulesDecoderLayer"],
     "dense_linear": ["baryon.kernels.dense_linear:ZentorchDenseLinear", "baryon.kernels.dense_linear:TorchDenseLinear"],
     "dense_gemv": ["baryon.kernels.dense_gemv:TritonDenseGemv", "baryon.kernels.dense_gemv:TorchDenseGemv"],
+    "dense_decode_linear": ["baryon.kernels.dense_decode_gemm:TritonDenseDecodeLinear",
+                            "baryon.kernels.dense_decode_gemm:TorchDenseDecodeLinear"],
     "block_quant_linear": ["baryon.kernels.block_quant:CpuInt8BlockQuantLinear",
                            "baryon.kernels.block_quant:CpuBlockQuantLinear",
                            "baryon.kernels.block_quant:TorchBlockQuantLinear"],

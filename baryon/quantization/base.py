@@ -62,7 +62,8 @@ class DenseLinearMethod(LinearMethod):
     """A float weight [out, in] multiplied with F.linear; on CPU by the `dense_linear` kernel
     that measured fastest on the layer's shape (F.linear unless zentorch is installed and wins);
     on a GPU a decode batch of one row takes the `dense_gemv` kernel (the weight streamed with
-    programmatic dependent launch), larger batches cuBLAS."""
+    programmatic dependent launch), batches of up to 64 rows the `dense_decode_linear` GEMM where
+    its table has tiles for the layer's shape, other batches cuBLAS."""
 
     def create_weights(self, layer: nn.Module) -> None:
         layer.add_param("weight", (layer.output_size, layer.input_size))
@@ -77,6 +78,8 @@ class DenseLinearMethod(LinearMethod):
 
             gemv = select("dense_gemv", weight.device, dtype=weight.dtype)
             layer.dense_gemv = gemv if gemv.name != "torch" else None
+            decode = select("dense_decode_linear", weight.device, dtype=weight.dtype)
+            layer.dense_decode = decode if decode.name != "torch" else None
         if weight.device.type != "cpu":
             return
         from baryon.kernels.selector import select_fastest
@@ -106,6 +109,9 @@ class DenseLinearMethod(LinearMethod):
             if reducer is not None:
                 reducer.pushed(out)
             return out
+        decode = layer.__dict__.get("dense_decode")
+        if decode is not None and x.dim() == 2 and decode.serves(x.shape[0], *layer.weight.shape):
+            return decode.forward(x, layer.weight, bias)
         kernel = layer.__dict__.get("dense_kernel")
         if kernel is not None:
             return kernel.forward(x, layer.weight, bias)

@@ -4,17 +4,10 @@
     x_q [M, K], w_q [N, K] float8_e4m3fn (row-major, the layout every FP8 kernel keeps),
     x_scale [M, 1] (per token, or a static scale expanded), w_scale [N] float32 -> y [M, N]
 
-A decode batch is a weight stream: a few tokens against the whole weight. The general GEMMs tile
-the tokens on the MMA's tall side (cuBLAS picks 128 x 128 tiles, `fp8_gemm`'s Triton kernel 16 x
-64 with Ampere-style MMAs) and waste most of it. This kernel computes the transposed product
-out^T[n, m] = sum_k w[n, k] x[m, k] ("swap AB"): BLOCK_N = 64 (or 128) weight rows are the left
-operand (a warpgroup MMA's 64 rows), the tokens padded to BLOCK_M = 16, 32 or 64 the right one
-(past 64 tokens, several token tiles), both K-major as FP8 MMAs need; each program owns a token
-tile and BLOCK_N rows over the whole of K with deep software pipelining (BLOCK_K = 128 or 256,
-`TILE_TABLE`), or over a slice of K when the tiles alone leave SMs idle
-(`split_k`; the float32 partial sums are then added in a fixed order by a second kernel, which
-applies the scales). The FP8 partial sums are promoted to float32 every K tile; the scales, the
-bias and the cast come in the epilogue.
+The swap-AB GEMM (`kernels/swap_ab_gemm.py`) on FP8 operands: weight rows on the MMA's tall side,
+the tokens padded to 16, 32 or 64 on the other, K sliced over programs when the tiles alone leave
+SMs idle (`split_k`); the FP8 partial sums are promoted to float32 every K tile; the scales, the
+bias and the cast come in the epilogue (or in the split's second pass).
 
 Measured on an H100 (`python benchmarks/fp8_decode.py`, Qwen3-8B's projections, CUDA-graph
 replays over L2-overflowing weight copies): qkv / o / gate-up / down at 16 tokens 11.8 / 8.9 /
@@ -30,28 +23,17 @@ float32 product of the dequantized operands).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.quant.fp8_gemm import fp8_linear_reference
-from baryon.kernels.quant.split_k import reduce_split_k, store_transposed_tile
 from baryon.kernels.selector import Kernel
-from baryon.kernels.triton_utils import TritonKernel, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton
+from baryon.kernels.swap_ab_gemm import DecodeTiles, split_slices, swap_ab_linear
+from baryon.kernels.triton_utils import TritonKernel, multiprocessor_count
 
 MAX_M = 128  # the most tokens a call takes (cuBLAS's GEMM is as fast or faster past it)
-
-
-class DecodeTiles(NamedTuple):
-    """One launch: BLOCK_M tokens x BLOCK_N weight rows per program, BLOCK_K columns per
-    pipelined step, num_warps, num_stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
 
 
 # (largest M, smallest N, smallest K, DecodeTiles): first match wins. Tuned on an H100 with
@@ -76,9 +58,6 @@ TILE_TABLE: tuple[tuple[int, int, int, DecodeTiles], ...] = (
 
 def tile_config(m: int, n: int, k: int) -> DecodeTiles:
     return next(cfg[3] for cfg in TILE_TABLE if m <= cfg[0] and n >= cfg[1] and k >= cfg[2])
-
-
-MIN_SPLIT_TILES = 4  # K tiles a slice keeps at least when K is split
 
 
 def _check(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> None:
@@ -107,69 +86,15 @@ class TorchFp8DecodeLinear(Kernel):
                                     w_scale.reshape(-1), out_dtype, bias, None)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _fp8_swap_ab_kernel(x, w, xs, ws, bias, out, partial, M, N, K, blocks_per_split, stride_xm, stride_xsm,
-                            stride_om, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        """out[m tile, n tile] for BLOCK_M tokens and BLOCK_N weight rows over the K tiles
-        [pid_k * blocks_per_split, ...): acc [BN, BM] = w [BN, BK] @ x^T [BK, BM]. Program
-        (token tile, weight tile, K slice): the token tiles of one weight tile are neighbours in
-        launch order, so they read it from L2 together. SPLIT: write the unscaled float32 sums to
-        partial[pid_k] instead (`split_k.reduce_split_k` finishes). With PDL the programs let the
-        next kernel launch at once and wait for the one that wrote x before the pipelined loop."""
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        pid_m = tl.program_id(0)
-        pid = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-        rows_n = offs_n % N  # wrapped: the loop loads without row masks
-        rows_m = offs_m % M
-        offs_k = tl.arange(0, BLOCK_K)
-        k_start = pid_k * blocks_per_split * BLOCK_K
-        w_ptrs = w + rows_n[:, None].to(tl.int64) * K + k_start + offs_k[None, :]  # [BN, BK]
-        x_ptrs = x + rows_m[None, :].to(tl.int64) * stride_xm + k_start + offs_k[:, None]  # [BK, BM]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        k_tiles = tl.minimum(blocks_per_split, tl.cdiv(K - k_start, BLOCK_K))
-        for kt in range(0, k_tiles):
-            if EVEN_K:
-                a = tl.load(w_ptrs)
-                b = tl.load(x_ptrs)
-            else:
-                k_left = K - k_start - kt * BLOCK_K
-                a = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b = tl.load(x_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            # Promote the FP8 partial sums to float32 every tile (Hopper's tensor cores otherwise
-            # accumulate the whole K in reduced precision).
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        if not SPLIT:  # the scales here; a split's second pass applies them to the sum
-            acc = acc * tl.load(ws + rows_n)[:, None] * tl.load(xs + rows_m * stride_xsm)[None, :]
-        store_transposed_tile(acc, out, partial, bias, offs_n, offs_m, N, M, stride_om, pid_k, SPLIT, HAS_BIAS)
-
-
 def split_k(m: int, n: int, k: int, device: torch.device, tiles: DecodeTiles | None = None) -> int:
     """K slices per (token tile, weight tile) for m tokens: doubled while the tiles times the slices
-    still fit one wave on the device's SMs and each slice keeps MIN_SPLIT_TILES tiles of K, for more
+    still fit one wave on the device's SMs and each slice keeps a few tiles of K (`split_slices`), for more
     than 32 tokens only (the smaller token tiles measured slower split). On an H100 (Qwen3-8B, 64
     tokens; `benchmarks/fp8_decode.py --splits`, 2026-11-24) o and down (64 tiles) take 2: 10.2 ->
     9.6 and 24.9 -> 22.4 us; qkv (96 tiles) and gate/up lose with any split."""
     if m <= 32:
         return 1
-    tiles = tiles or tile_config(m, n, k)
-    count = -(-n // tiles.block_n) * -(-m // tiles.block_m)
-    blocks = -(-k // tiles.block_k)
-    split = 1
-    sms = multiprocessor_count(device, off_gpu=4)
-    while count * split * 2 <= sms and blocks // (split * 2) >= MIN_SPLIT_TILES:
-        split *= 2
-    return split
+    return split_slices(m, n, k, tiles or tile_config(m, n, k), multiprocessor_count(device, off_gpu=4))
 
 
 class TritonFp8DecodeLinear(TritonKernel):
@@ -198,19 +123,5 @@ class TritonFp8DecodeLinear(TritonKernel):
         if m == 0:
             return out
         x_scale = x_scale.float().reshape(-1)  # [M] or [1]; an expanded static scale may keep stride 0
-        stride_xsm = x_scale.stride(0) if x_scale.numel() > 1 else 0
         cfg = tiles or tile_config(m, n, k)
-        block_m = min(cfg.block_m, max(16, next_power_of_2(m)))  # one token tile of a small batch
-        blocks = triton.cdiv(k, cfg.block_k)
-        per_split = triton.cdiv(blocks, split or split_k(m, n, k, x_q.device, cfg))
-        split = triton.cdiv(blocks, per_split)  # no empty slices
-        partial = torch.empty(split, m, n, dtype=torch.float32, device=x_q.device) if split > 1 else out
-        bias_arg = bias if bias is not None else out
-        _fp8_swap_ab_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n), split)](
-            x_q, w_q, x_scale, w_scale, bias_arg, out, partial, m, n, k, per_split, x_q.stride(0), stride_xsm,
-            out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0, SPLIT=split > 1,
-            BLOCK_N=cfg.block_n, BLOCK_M=block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl_launch(x_q.device))
-        if split > 1:
-            reduce_split_k(partial, out, bias, x_scale.expand(m) if x_scale.numel() == 1 else x_scale, w_scale)
-        return out
+        return swap_ab_linear(x_q, w_q, out, bias, cfg, split or split_k(m, n, k, x_q.device, cfg), x_scale, w_scale)
