@@ -109,7 +109,7 @@ def test_table_and_split_rules(monkeypatch):
     for m in range(2, MAX_M + 1):
         for n, k in ((96, 96), (3072, 4096), (4096, 2048), (12288, 4096), (4096, 12288)):
             assert TritonDenseDecodeLinear.serves(m, n, k) == (plan(m, n, k)[0] is not None)
-    assert TritonDenseDecodeLinear.serves(16, 12288, 4096) and not TritonDenseDecodeLinear.serves(17, 12288, 4096)
+    assert TritonDenseDecodeLinear.serves(32, 12288, 4096) and not TritonDenseDecodeLinear.serves(33, 12288, 4096)
     monkeypatch.setattr(dense_decode_gemm, "multiprocessor_count", lambda device, off_gpu=4: 132)
     cuda = torch.device("cuda", 0)
     tiles = DecodeTiles(64, 64, 128, 4, 4)

@@ -29,13 +29,15 @@ MAX_M = 64  # the most rows a call takes
 T = DecodeTiles
 
 # (largest M, smallest N, smallest K, tiles or None for cuBLAS, K slices or 0 for `split_k`'s rule):
-# first match wins. Tuned on an H200 with `python benchmarks/tune_decode_gemm.py --quick`
-# (2026-11-27; Qwen3-8B's projections at TP=1 and one TP=2 rank's, us per call, CUDA-graph
-# replays): at 16 rows the kernel beats cuBLAS on every layer (TP=2 qkv / o / gate-up / down 9.1 /
-# 6.7 / 25.5 / 14.8 against 11.1 / 7.3 / 27.2 / 17.6; TP=1 15.1 / 10.8 / 47.5 / 26.4 against 15.5 /
-# 13.7 / 49.2 / 29.0); at 64 rows cuBLAS is as fast or faster on most (TP=2 10.5 / 7.5 / 31.0 /
-# 16.6 against 10.4 / 7.4 / 28.8 / 15.7; TP=1 16.9 / 12.0 / 55.0 / 28.7 against 16.2 / 12.1 / 50.2
-# / 32.1), so past 16 rows the kernel keeps only the layers where it tied or won.
+# first match wins. Tuned on an H200 with `python benchmarks/tune_decode_gemm.py --quick --m 16 32 64`
+# (2026-11-27; Qwen3-8B's projections at TP=1 and one TP=2 rank's, us per call, CUDA-graph replays,
+# the best tiles against cuBLAS): at 16 rows TP=2 qkv / o / gate-up / down 9.1 / 6.7 / 25.5 / 14.8
+# against 11.1 / 7.3 / 27.2 / 17.6, TP=1 15.1 / 10.8 / 47.5 / 26.4 against 15.5 / 13.7 / 49.2 /
+# 29.0; at 32 rows TP=2 9.6 / 7.1 / 27.2 / 15.6 against 11.4 / 7.4 / 29.1 / 18.0, TP=1 15.9 / 11.4
+# / 49.8 / 27.5 against 16.1 / 14.2 / 51.1 / 30.1; at 64 rows TP=2 10.5 / 7.5 / 31.0 / 16.6 against
+# 10.4 / 7.4 / 28.8 / 15.7, TP=1 16.9 / 12.0 / 55.0 / 28.7 against 16.2 / 12.1 / 50.2 / 32.1, so
+# past 32 rows the kernel keeps only the layers where it won. Other models' shapes take the rows
+# of the nearest sizes (not tuned).
 TILE_TABLE: tuple[tuple[int, int, int, DecodeTiles | None, int], ...] = (
     (16, 12288, 0, T(16, 64, 128, 4, 3), 1),     # gate/up
     (16, 6144, 0, T(16, 64, 128, 4, 4), 2),      # qkv of an 8B
@@ -45,12 +47,20 @@ TILE_TABLE: tuple[tuple[int, int, int, DecodeTiles | None, int], ...] = (
     (16, 4096, 0, T(16, 64, 256, 4, 4), 1),      # o of an 8B at TP=2
     (16, 3072, 4096, T(16, 64, 128, 4, 3), 4),   # qkv of an 8B at TP=2
     (16, 0, 0, T(16, 64, 128, 4, 4), 0),
+    (32, 12288, 0, T(32, 64, 128, 4, 3), 1),     # gate/up
+    (32, 6144, 0, T(32, 64, 128, 4, 3), 2),      # qkv of an 8B
+    (32, 4096, 12288, T(32, 64, 128, 4, 3), 4),  # down of an 8B
+    (32, 4096, 6144, T(32, 64, 128, 4, 4), 2),   # down of an 8B at TP=2
+    (32, 4096, 4096, T(32, 64, 128, 4, 4), 2),   # o of an 8B
+    (32, 4096, 0, T(32, 64, 256, 4, 4), 1),      # o of an 8B at TP=2
+    (32, 3072, 4096, T(32, 64, 128, 4, 3), 4),   # qkv of an 8B at TP=2
+    (32, 0, 0, T(32, 64, 128, 4, 3), 0),
     (MAX_M, 6144, 0, None, 0),                   # gate/up, qkv of an 8B: cuBLAS
     (MAX_M, 4096, 12288, T(64, 64, 128, 4, 4), 0),  # down of an 8B
     (MAX_M, 4096, 6144, None, 0),                # down of an 8B at TP=2: cuBLAS
     (MAX_M, 4096, 4096, T(64, 64, 128, 4, 4), 0),   # o of an 8B
-    (MAX_M, 4096, 0, None, 0),                   # o of an 8B at TP=2: cuBLAS
-    (MAX_M, 0, 0, T(32, 64, 128, 4, 3), 4),      # qkv of an 8B at TP=2, narrower layers
+    (MAX_M, 3072, 0, None, 0),                   # o, qkv of an 8B at TP=2: cuBLAS
+    (MAX_M, 0, 0, T(32, 64, 128, 4, 3), 0),
 )
 DEFAULT_TILES = T(64, 64, 128, 4, 4)  # a direct call on a shape the table leaves to cuBLAS
 
