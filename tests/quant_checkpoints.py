@@ -509,6 +509,53 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
     return QuantizedCheckpoint(path, _float_reference(out, deq), modules, float_linears, config, tensors)
 
 
+def ct_group_act_order(src: Path, dst: Path, bits: int = 4, group_size: int = 32, sym: bool = True,
+                       seed: int = 0) -> QuantizedCheckpoint:
+    """compressed-tensors pack-quantized with `actorder: "group"` (llm-compressor's GPTQ with
+    activation ordering before compressed-tensors 0.20 removed the mode; published checkpoints
+    keep it): GPTQ's grid and random column order per input (`gptq_quantize`), stored as
+    weight_packed int32 [N, K*bits/32] (codes along K, low bits first), weight_scale [N, G],
+    weight_zero_point int32 [N*bits/32, G] (asymmetric only, packed along N), weight_shape and
+    weight_g_idx int32 [K]. Written independently of the package (it no longer reads the mode)."""
+    assert bits in (4, 8)
+    state = load_float(src)
+    gen = torch.Generator().manual_seed(seed)
+    out, deq, tensors, perms = {}, {}, {}, {}
+    modules = linear_names(state)
+    for name, t in state.items():
+        module = name[: -len(".weight")]
+        if module not in modules:
+            out[name] = t
+            continue
+        key = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", module))
+        if key not in perms:  # modules reading one input share its order (as GPTQ's g_idx)
+            perms[key] = torch.randperm(t.shape[1], generator=gen)
+        q, zeros, scales, g_idx = gptq_quantize(t, bits, group_size, sym, perms[key])  # q [N, K] unsigned
+        if sym:  # compressed-tensors' symmetric grid: absmax / (2**bits - 1) * 2, zero 2**(bits-1)
+            # (GPTQ's leaves a group of one sign a scale of xmax / maxq with the zero mid-range)
+            g, w = g_idx.long(), t.float()
+            absmax = torch.stack([w[:, g == i].abs().amax(1) for i in range(scales.shape[0])])  # [G, N]
+            scales = (absmax / ((2**bits - 1) / 2)).clamp(min=1e-8).half()
+            q = torch.clamp(torch.round(w / scales.float()[g].T) + zeros[g].T, 0, 2**bits - 1).to(torch.int64)
+        out[f"{module}.weight_packed"] = pack_cols(q, bits)  # unsigned code = signed code + 2**(bits-1)
+        out[f"{module}.weight_scale"] = scales.T.contiguous()  # [N, G]
+        if not sym:
+            out[f"{module}.weight_zero_point"] = pack_rows(zeros.T, bits)  # [N*bits/32, G]
+        out[f"{module}.weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+        out[f"{module}.weight_g_idx"] = g_idx
+        tensors[module] = sorted(k for k in out if k.startswith(f"{module}.weight_"))
+        g = g_idx.long()
+        deq[module] = ((q - zeros[g].T).float() * scales.float()[g].T).contiguous()  # [N, K]
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group_size,
+               "actorder": "group", "dynamic": False, "observer": "minmax", "block_structure": None}
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                            "output_activations": None, "format": "pack-quantized"}},
+              "ignore": ["lm_head"], "kv_cache_scheme": None}
+    path = write_checkpoint(src, dst, out, config)
+    return QuantizedCheckpoint(path, _float_reference(out, deq), modules, float_linear_names(state), config, tensors)
+
+
 def gptq_dequantize(qweight, qzeros, scales, g_idx, bits) -> torch.Tensor:
     """w[n, k] = (q[k, n] - (stored_zero[g_idx[k], n] + 1)) * scales[g_idx[k], n], float32 [N, K]."""
     q = unpack_rows(qweight, bits)  # [K, N]

@@ -126,6 +126,18 @@ CASES = [
     Case("ct-w4a16-channel-sym-bf16-llama", "llama", {},
          _ct("W4A16", strategy="channel", group_size=None, dtype=torch.bfloat16), "compressed-tensors", bits=4),
     Case("ct-w8a16-g32-llama", "llama", {}, _ct("W8A16", group_size=32), "compressed-tensors", bits=8),
+    # actorder "weight" (the package's spelling since 0.20; "static" before): a calibration-time
+    # order only, the layout of no act order
+    Case("ct-w4a16-actorder-weight-g32-llama", "llama", {}, _ct("W4A16", group_size=32, actorder="weight"),
+         "compressed-tensors", bits=4),
+    # compressed-tensors actorder "group" (weight_g_idx), written without the package (0.20 dropped it)
+    Case("ct-w4a16-actorder-group-g16-asym-qwen3", "qwen3", QWEN3,
+         lambda s, d, seed: qc.ct_group_act_order(s, d, 4, 16, sym=False, seed=seed), "compressed-tensors", bits=4,
+         victims=("model.layers.1.self_attn.k_proj.weight_g_idx",)),
+    Case("ct-w8a16-actorder-group-g32-llama", "llama", {},
+         lambda s, d, seed: qc.ct_group_act_order(s, d, 8, 32, seed=seed), "compressed-tensors", bits=8),
+    Case("ct-w4a16-actorder-group-g16-qwen3moe", "qwen3_moe", {},
+         lambda s, d, seed: qc.ct_group_act_order(s, d, 4, 16, seed=seed), "compressed-tensors", bits=4),
     # GPTQ (AutoGPTQ / GPTQModel, checkpoint_format "gptq").
     Case("gptq-4bit-g32-sym-llama", "llama", {}, lambda s, d, seed: qc.gptq(s, d, 4, 32, seed=seed), "gptq", bits=4,
          victims=("model.layers.0.mlp.gate_proj.scales", "model.layers.1.self_attn.v_proj.qzeros")),
@@ -657,7 +669,7 @@ def test_builder_reference_is_within_quantization_error(workdir, case):
 # builder checks them against compressed_tensors' own decompressor), and the DeepSeek case, whose
 # latent projections have partial blocks too (24 and 40 rows in blocks of 16).
 READ_BACK = [c.id for c in CASES if (c.fmt == "compressed-tensors" or c.id.startswith("fp8-block"))
-             and "partial" not in c.id and c.id not in ("ct-fp8-block16-qwen3moe", "ct-w8a8-int8-qwen3moe",
+             and "partial" not in c.id and "actorder-group" not in c.id and c.id not in ("ct-fp8-block16-qwen3moe", "ct-w8a8-int8-qwen3moe",
                                                          "fp8-block16-deepseekv3")]
 
 

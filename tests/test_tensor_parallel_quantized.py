@@ -83,15 +83,21 @@ def test_online_fp8_tp2_follows_tp1(float_llama, seed):
     assert mean_two < 3 * mean_one + 0.1, (errors_one, errors_two)
 
 
-@pytest.mark.parametrize("bits, sym, static_groups", [(4, False, False), (8, True, False), (4, True, True)])
-def test_gptq_act_order_tp2_matches_tp1(float_llama, tmp_path, seed, bits, sym, static_groups):
-    """GPTQ act order (desc_act=True): a row-parallel layer's ranks each hold a share of every
-    group's columns, so each loads every group's scales and zero points and dequantizes its columns
-    at load (its weights exactly the checkpoint's dequantized columns); with static groups (g_idx in
-    column order) each rank keeps its own groups packed. Column-parallel layers keep the packed
-    kernel. TP=2 gives TP=1's greedy tokens and logprobs."""
-    checkpoint = qc.gptq(float_llama, tmp_path / "gptq-act", bits=bits, group_size=32, desc_act=True, sym=sym,
-                         seed=seed, static_groups=static_groups)
+@pytest.mark.parametrize("fmt, bits, sym, static_groups", [("gptq", 4, False, False), ("gptq", 8, True, False),
+                                                          ("gptq", 4, True, True), ("ct", 4, False, False)])
+def test_gptq_act_order_tp2_matches_tp1(float_llama, tmp_path, seed, fmt, bits, sym, static_groups):
+    """GPTQ act order (desc_act=True) and compressed-tensors' actorder "group": a row-parallel
+    layer's ranks each hold a share of every group's columns, so each loads every group's scales
+    and zero points and dequantizes its columns at load (its weights exactly the checkpoint's
+    dequantized columns); with static groups (g_idx in column order) each rank keeps its own
+    groups packed. Column-parallel layers keep the packed kernel. TP=2 gives TP=1's greedy tokens
+    and logprobs."""
+    if fmt == "ct":
+        checkpoint = qc.ct_group_act_order(float_llama, tmp_path / "ct-act", bits=bits, group_size=32, sym=sym,
+                                           seed=seed)
+    else:
+        checkpoint = qc.gptq(float_llama, tmp_path / "gptq-act", bits=bits, group_size=32, desc_act=True, sym=sym,
+                             seed=seed, static_groups=static_groups)
     prompts = random_prompts(3, 128, 3, 12, seed)
     one = greedy(checkpoint.path, prompts, 1)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=1)

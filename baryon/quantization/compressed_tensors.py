@@ -28,7 +28,7 @@ from baryon.quantization.wna16 import WNA16LinearMethod
 
 SUPPORTED = ("FP8 (float 8-bit weights tensor/channel/block + float 8-bit activations)",
              "W8A8 (int 8-bit channel weights + dynamic per-token int 8-bit activations)",
-             "WNA16 (int 4/8-bit group or channel weights, float activations)")
+             "WNA16 (int 4/8-bit group or channel weights, actorder none / weight / group, float activations)")
 
 
 class CompressedTensorsConfig(QuantizationConfig):
@@ -105,13 +105,19 @@ def _scheme_method(group: dict[str, Any], fmt: str | None) -> LinearMethod:
             raise unsupported
         return Int8LinearMethod()
     if kind == "int" and bits in (4, 8) and not acts and fmt in ("pack-quantized", None):
+        act_order = False
         if strategy == "group":
             group_size = int(weights.get("group_size") or 0)
-            if group_size <= 0 or weights.get("actorder") not in (None, "static"):
+            actorder = weights.get("actorder")
+            # "weight" / "static" (its older name) reorder columns during calibration only; "group" /
+            # "dynamic" (and True, the oldest spelling) store each column's group (weight_g_idx).
+            if group_size <= 0 or actorder not in (None, False, "weight", "static", "group", "dynamic", True):
                 raise unsupported
+            act_order = actorder in ("group", "dynamic", True)
         elif strategy == "channel":
             group_size = None
         else:
             raise unsupported
-        return WNA16LinearMethod("compressed-tensors", bits, group_size, bool(weights.get("symmetric", True)))
+        return WNA16LinearMethod("compressed-tensors", bits, group_size, bool(weights.get("symmetric", True)),
+                                 act_order)
     raise unsupported

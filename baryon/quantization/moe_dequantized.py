@@ -46,7 +46,8 @@ class DequantizedMoEMethod(MoEMethod):
     def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
         if getattr(self.linear, "act_order", False) and layer.tp_size > 1:
             # Each rank would hold a share of every group's columns of the down projection.
-            raise ValueError(f"{self.name} experts with act order (GPTQ desc_act=True) cannot split their "
+            raise ValueError(f"{self.name} experts with act order (GPTQ desc_act=True, compressed-tensors actorder "
+                             f"'group') cannot split their "
                              f"intermediate size over {layer.tp_size} tensor-parallel ranks; use "
                              f"enable_expert_parallel=True (whole experts on each rank) or tensor_parallel_size=1")
         self.float_method = UnquantizedMoEMethod(torch.get_default_device(), torch.get_default_dtype(),

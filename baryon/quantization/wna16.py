@@ -10,7 +10,8 @@ which the `w4a16_linear` kernel repacks into its own layout. The published layou
 
     compressed-tensors  weight_packed int32 [N, K*bits/32] (codes + 2**(bits-1), along K, low bits
                         first), weight_scale [N, G], weight_zero_point int32 [N*bits/32, G]
-                        (asymmetric only, signed zero + 2**(bits-1), packed along N), weight_shape
+                        (asymmetric only, signed zero + 2**(bits-1), packed along N), weight_shape,
+                        weight_g_idx int32 [K] (actorder "group" only: as GPTQ's g_idx)
     GPTQ                qweight int32 [K*bits/32, N] (along K), qzeros int32 [G, N*bits/32] (along
                         N; the "gptq" format stores zero - 1, "gptq_v2" the zero), scales [G, N],
                         g_idx int32 [K] (act-order: column k belongs to group g_idx[k])
@@ -68,7 +69,8 @@ class WNA16LinearMethod(LinearMethod):
     def __init__(self, layout: str, bits: int, group_size: int | None, symmetric: bool = True,
                  act_order: bool = False) -> None:
         """layout: the checkpoint format (see LAYOUTS); group_size None: one group per row
-        (channel); act_order: GPTQ's desc_act (g_idx carries a permutation)."""
+        (channel); act_order: GPTQ's desc_act or compressed-tensors' actorder "group" (g_idx /
+        weight_g_idx carries a permutation)."""
         if layout not in LAYOUTS:
             raise ValueError(f"weight-only layout {layout!r} is not supported; supported: {list(LAYOUTS)}")
         if bits not in (4, 8) or (layout == "awq" and bits != 4):
@@ -90,13 +92,18 @@ class WNA16LinearMethod(LinearMethod):
         if self.layout == "online":
             DENSE.create_weights(layer)
         elif self.layout == "compressed-tensors":
+            groups_dim = None if self.dense_columns else 1
             layer.add_param("weight_packed", (n, -(-k // per_word)), torch.int32)
-            layer.add_param("weight_scale", (n, groups), dtype)
+            layer.add_param("weight_scale", (n, groups), dtype, input_dim=groups_dim)
             if not self.symmetric:
-                layer.add_param("weight_zero_point", (-(-n // per_word), groups), torch.int32, output_block=per_word)
+                layer.add_param("weight_zero_point", (-(-n // per_word), groups), torch.int32, input_dim=groups_dim,
+                                output_block=per_word)
             shape = layer.add_param("weight_shape", (2,), torch.int64, output_dim=None, input_dim=None)
             shape.expected_shards = frozenset()  # informative only: not required, not used
             shape.weight_loader = lambda param, loaded, shard_id=None: None
+            if self.act_order:  # actorder "group": column k belongs to group weight_g_idx[k]
+                g_idx = layer.add_param("weight_g_idx", (k,), torch.int32, output_dim=None, input_dim=0)
+                g_idx.weight_loader = self._g_idx_loader(layer)
         elif self.layout in ("gptq", "gptq_v2"):
             layer.add_param("qweight", (-(-k // per_word), n), torch.int32, output_dim=1, input_dim=0)
             layer.add_param("qzeros", (groups, -(-n // per_word)), torch.int32, output_dim=1,
@@ -145,7 +152,7 @@ class WNA16LinearMethod(LinearMethod):
                 zeros = torch.full_like(scales, 1 << (bits - 1), dtype=torch.uint8)
             else:
                 zeros = unpack_int32(layer.weight_zero_point.data.t().contiguous(), bits, n).t()
-            return codes, scales, zeros.contiguous(), None
+            return codes, scales, zeros.contiguous(), layer.weight_g_idx.data if self.act_order else None
         if self.layout == "awq":
             codes = unpack_int32(layer.qweight.data, bits, n, AWQ_ORDER).t()
             zeros = unpack_int32(layer.qzeros.data, bits, n, AWQ_ORDER).t()
@@ -220,7 +227,7 @@ class WNA16LinearMethod(LinearMethod):
 
 def _drop_checkpoint_params(layer: nn.Module) -> None:
     """Delete the parameters the checkpoint loaded into, once their contents are repacked."""
-    for name in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",
+    for name in ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
                  "qweight", "qzeros", "scales", "g_idx"):
         if name in layer._parameters:
             delattr(layer, name)
