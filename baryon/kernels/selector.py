@@ -82,6 +82,8 @@ _REGISTRY: dict[str, list[str]] = {
                   "baryon.kernels.moe.experts_torch:TorchFusedExperts"],
     "fused_moe_mxfp4": ["baryon.kernels.moe.experts_triton:TritonMxfp4FusedExperts",
                         "baryon.kernels.moe.experts_torch:TorchMxfp4FusedExperts"],
+    "fused_moe_int4": ["baryon.kernels.moe.experts_triton:TritonInt4FusedExperts",
+                       "baryon.kernels.moe.experts_torch:TorchInt4FusedExperts"],
     # symm_mem_fused: the one-shot all-reduce, and the all-reduce + residual add + RMSNorm of decode
     # rows as one kernel that pushes each rank's rows to its peers and polls for theirs (no barrier):
     # two H100s, `benchmarks/all_reduce.py`, 4.1 / 6.1 / 9.1 / 14.2 us at 1 / 64 / 128 / 256 rows

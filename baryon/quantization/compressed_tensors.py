@@ -23,7 +23,7 @@ from baryon.quantization.base import LinearMethod, QuantizationConfig, is_ignore
 from baryon.quantization.fp8 import Fp8LinearMethod
 from baryon.quantization.int8 import Int8LinearMethod
 from baryon.quantization.moe_fp8 import Fp8MoEMethod
-from baryon.quantization.moe_dequantized import DequantizedMoEMethod
+from baryon.quantization.moe_int4 import weight_only_moe_method
 from baryon.quantization.wna16 import WNA16LinearMethod
 
 SUPPORTED = ("FP8 (float 8-bit weights tensor/channel/block + float 8-bit activations)",
@@ -68,7 +68,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             if method.strategy == "block":
                 return Fp8MoEMethod(method.block, scale_name="weight_scale")
             return Fp8MoEMethod(None, strategy=method.strategy, static_input=method.static_input)
-        return DequantizedMoEMethod(method, f"{self.name} {_describe(group)}")
+        return weight_only_moe_method(method, f"{self.name} {_describe(group)}")
 
 
 def _describe(group: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from baryon.quantization.base import LinearMethod, QuantizationConfig, is_ignored
-from baryon.quantization.moe_dequantized import DequantizedMoEMethod
+from baryon.quantization.moe_int4 import weight_only_moe_method
 from baryon.quantization.wna16 import WNA16LinearMethod
 
 
@@ -46,7 +46,7 @@ class GPTQConfig(QuantizationConfig):
 
     def moe_method(self, layer: nn.Module, prefix: str):
         method = self.linear_method(layer, prefix)
-        return None if method is None else DequantizedMoEMethod(method, self.name)
+        return None if method is None else weight_only_moe_method(method, self.name)
 
 
 class AWQConfig(QuantizationConfig):
@@ -72,4 +72,4 @@ class AWQConfig(QuantizationConfig):
 
     def moe_method(self, layer: nn.Module, prefix: str):
         method = self.linear_method(layer, prefix)
-        return None if method is None else DequantizedMoEMethod(method, self.name)
+        return None if method is None else weight_only_moe_method(method, self.name)

@@ -24,6 +24,8 @@ logger = get_logger(__name__)
 
 
 class DequantizedMoEMethod(MoEMethod):
+    holds_dequantized = True  # float experts, not the checkpoint's bytes
+
     def __init__(self, linear: LinearMethod, name: str) -> None:
         self.linear = linear  # says the layout of one expert's projection, and dequantizes it
         self.name = name  # the scheme, for the log

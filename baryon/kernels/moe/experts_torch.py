@@ -159,3 +159,27 @@ class TorchMxfp4FusedExperts(Kernel):
     @staticmethod
     def forward(*args, **kwargs) -> torch.Tensor:
         return fused_experts_mxfp4_reference(*args, **kwargs)
+
+
+def fused_experts_int4_reference(x: torch.Tensor, w13_blocks: torch.Tensor, w2_blocks: torch.Tensor,
+                                 w13_pairs: torch.Tensor, w2_pairs: torch.Tensor, topk_weights: torch.Tensor,
+                                 topk_ids: torch.Tensor, expert_start: int = 0, num_experts: int | None = None
+                                 ) -> torch.Tensor:
+    """The int4 experts (`quant/int4_experts.py`) dequantized in float32 and rounded once to
+    x.dtype, then the float reference."""
+    from baryon.kernels.quant.int4_experts import dequantize_int4_experts
+
+    w13 = dequantize_int4_experts(w13_blocks, w13_pairs, x.dtype)
+    w2 = dequantize_int4_experts(w2_blocks, w2_pairs, x.dtype)
+    return fused_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+class TorchInt4FusedExperts(Kernel):
+    """Packed int4 experts on any device: dequantized per call (a reference; the CPU path of
+    int4 MoE checkpoints dequantizes once at load instead, `quantization/moe_dequantized.py`)."""
+
+    name = "torch"
+
+    @staticmethod
+    def forward(*args, **kwargs) -> torch.Tensor:
+        return fused_experts_int4_reference(*args, **kwargs)

@@ -62,14 +62,22 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, dtype: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOUR_BIT: tl.constexpr):
         """A K tile of packed weights w_ptrs [BN, BK / 32, 16] (bytes) with scales s_ptrs [BN, BK / 32]
         -> (even-k values, odd-k values), each [BN, BK / 2] in dtype: column j holds k = 2j and
-        2j + 1 of the tile (exact)."""
+        2j + 1 of the tile. FOUR_BIT 1: e2m1 codes, e8m0 scales (exact); 2: unsigned int4 codes,
+        s_ptrs at (scale, zero) pairs: (code - zero) * scale in float32."""
         packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & byte_mask[None, :, :], other=0)
-        scale = _e8m0_to_float(tl.load(s_ptrs, mask=n_mask[:, None] & group_mask[None, :], other=0))[:, :, None]
-        even = tl.reshape(_e2m1_to_float(packed & 0xF) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
-        odd = tl.reshape(_e2m1_to_float(packed >> 4) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+        s_mask = n_mask[:, None] & group_mask[None, :]
+        if FOUR_BIT == 2:
+            scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+            zero = tl.load(s_ptrs + 1, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+            even = tl.reshape(((packed & 0xF).to(tl.float32) - zero) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+            odd = tl.reshape(((packed >> 4).to(tl.float32) - zero) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+        else:
+            scale = _e8m0_to_float(tl.load(s_ptrs, mask=s_mask, other=0))[:, :, None]
+            even = tl.reshape(_e2m1_to_float(packed & 0xF) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+            odd = tl.reshape(_e2m1_to_float(packed >> 4) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
         return even, odd
 
     @triton.jit
@@ -100,7 +108,7 @@ if triton is not None:
                      b_expert, alpha, limit,
                      GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                     FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                     FP8: tl.constexpr, SCALE_BN: tl.constexpr, FOUR_BIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """[BLOCK_M, BLOCK_N] float32: rows a_rows of x times columns offs_n of the expert's weight
         (w_expert[n, k]) plus its bias b_expert[n] (HAS_BIAS); with GATED, act(that, the same
@@ -109,12 +117,13 @@ if triton is not None:
         FP8: x and the weight are float8 with block scales, BLOCK_K being the scales' block width:
         each K tile's dot is multiplied by a_scale[row, kb] (per row, kb-th group of x's row) and
         ws_expert[n // SCALE_BN, kb] (per weight row) before it is added (float32).
-        MXFP4: the weight is packed e2m1 (w_expert[n, k // 2] bytes) with e8m0 scales
-        ws_expert[n, k // 32], dequantized in registers to x's dtype: the low nibbles (even k)
-        and the high nibbles (odd k) each meet their half of x's columns in a dot of BLOCK_K / 2."""
+        FOUR_BIT: the weight is packed two 4-bit codes a byte (w_expert[n, k // 2]) with a scale
+        per 32 values ws_expert[n, k // 32] (1: e2m1 codes, e8m0 scales; 2: unsigned int4 codes,
+        (scale, zero) pairs), dequantized in registers to x's dtype: the low nibbles (even k) and
+        the high nibbles (odd k) each meet their half of x's columns in a dot of BLOCK_K / 2."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if MXFP4:
+        if FOUR_BIT:
             offs_kp = tl.arange(0, BLOCK_K // 2)
             offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
             a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + 2 * offs_kp[None, :]  # [BM, BK/2]: even k
@@ -127,11 +136,12 @@ if triton is not None:
                 a = tl.load(a_ptrs, mask=pair_mask, other=0.0)
                 a_odd = tl.load(a_ptrs + 1, mask=pair_mask, other=0.0)
                 byte_mask, group_mask = byte < (K - k0) // 2, offs_g < (K - k0) // 32
-                w, w_odd = _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, a.dtype, BLOCK_N, BLOCK_K)
+                w, w_odd = _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, a.dtype, BLOCK_N, BLOCK_K,
+                                         FOUR_BIT)
                 acc = _dot_halves(a, a_odd, w, w_odd, acc, IEEE)
                 if GATED:
                     w, w_odd = _mxfp4_halves(w_ptrs + up_offset, s_ptrs + s_up_offset, n_mask, byte_mask,
-                                             group_mask, a.dtype, BLOCK_N, BLOCK_K)
+                                             group_mask, a.dtype, BLOCK_N, BLOCK_K, FOUR_BIT)
                     acc_up = _dot_halves(a, a_odd, w, w_odd, acc_up, IEEE)
                 a_ptrs += BLOCK_K
                 w_ptrs += (BLOCK_K // 2) * stride_wk
@@ -194,12 +204,13 @@ if triton is not None:
                  acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
     @triton.jit
-    def _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, BLOCK_K: tl.constexpr):
-        """[BN] float32: one row of x (x_row) times MXFP4 weight rows read as int32 words (w_ptrs
+    def _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, stride_wsk, BLOCK_K: tl.constexpr, FOUR_BIT: tl.constexpr):
+        """[BN] float32: one row of x (x_row) times 4-bit weight rows read as int32 words (w_ptrs
         [BN, BK / 32, 4]: word w of scale group g holds the codes of k = 32g + 8w + i in its
         nibble i) with scales s_ptrs [BN, BK / 32], both at k = 0: per group, the products of the
-        codes with x are summed first, then scaled once. Words rather than bytes: a quarter of the
-        load instructions (measured 36 against 54 us for 33 MB on an H100)."""
+        codes with x are summed first, then scaled once (FOUR_BIT 2, int4 codes with (scale, zero)
+        pairs: minus the zero times the group's sum of x, then scaled). Words rather than bytes: a
+        quarter of the load instructions (measured 36 against 54 us for 33 MB on an H100)."""
         G: tl.constexpr = BLOCK_K // 32
         offs_g = tl.arange(0, G)
         word = offs_g[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
@@ -208,13 +219,24 @@ if triton is not None:
             k_mask = word * 8 < K - k0
             words = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
             part = tl.zeros(words.shape, tl.float32)
+            x_sum = tl.zeros(word.shape, tl.float32)  # [G, 4]
             for i in tl.static_range(8):
                 a = tl.load(x_row + k0 + word * 8 + i, mask=k_mask, other=0.0).to(tl.float32)
-                part += _e2m1_to_float((words >> (4 * i)) & 0xF) * a[None, :, :]
-            scale = _e8m0_to_float(tl.load(s_ptrs, mask=n_mask[:, None] & (offs_g * 32 < K - k0)[None, :], other=0))
-            acc += tl.sum(tl.sum(part, axis=2) * scale, axis=1)
+                if FOUR_BIT == 2:
+                    part += ((words >> (4 * i)) & 0xF).to(tl.float32) * a[None, :, :]
+                    x_sum += a
+                else:
+                    part += _e2m1_to_float((words >> (4 * i)) & 0xF) * a[None, :, :]
+            s_mask = n_mask[:, None] & (offs_g * 32 < K - k0)[None, :]
+            if FOUR_BIT == 2:
+                scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+                zero = tl.load(s_ptrs + 1, mask=s_mask, other=0.0).to(tl.float32)
+                acc += tl.sum((tl.sum(part, axis=2) - zero * tl.sum(x_sum, axis=1)[None, :]) * scale, axis=1)
+            else:
+                scale = _e8m0_to_float(tl.load(s_ptrs, mask=s_mask, other=0))
+                acc += tl.sum(tl.sum(part, axis=2) * scale, axis=1)
             w_ptrs += BLOCK_K // 8
-            s_ptrs += BLOCK_K // 32
+            s_ptrs += (BLOCK_K // 32) * stride_wsk
         return acc
 
     @triton.jit
@@ -223,11 +245,11 @@ if triton is not None:
                           stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, alpha, limit,
                           ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                          FP8: tl.constexpr, SCALE_BN: tl.constexpr, FOUR_BIT: tl.constexpr,
                           HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Program (pair, column tile): one row times its expert's weight columns, as a GEMV on
         the CUDA cores (a decode step of a few tokens: every program has work). FP8, bias and
-        activation as in _expert_tile; MXFP4 weights are read as int32 words (_gemv_mxfp4)."""
+        activation as in _expert_tile; 4-bit weights are read as int32 words (_gemv_mxfp4)."""
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -238,15 +260,15 @@ if triton is not None:
         w_rows = w + local_expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
         up_offset = N.to(tl.int64) * stride_wn
         acc_up = tl.zeros([BLOCK_N], tl.float32)
-        if MXFP4:  # w: the packed rows as int32 words (stride_wn in words)
+        if FOUR_BIT:  # w: the packed rows as int32 words (stride_wn in words)
             offs_g = tl.arange(0, BLOCK_K // 32)
             w_ptrs = w_rows[:, :, None] + (offs_g[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]  # [BN, BK/32, 4]
             s_ptrs = (w_scale + local_expert.to(tl.int64) * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
-                      + offs_g[None, :])  # [BN, BK/32]
-            acc = _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, BLOCK_K)
+                      + offs_g[None, :] * stride_wsk)  # [BN, BK/32]
+            acc = _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, stride_wsk, BLOCK_K, FOUR_BIT)
             if GATED:
                 acc_up = _gemv_mxfp4(x_row, w_ptrs + up_offset, s_ptrs + N.to(tl.int64) * stride_wsn, n_mask, K,
-                                     BLOCK_K)
+                                     stride_wsk, BLOCK_K, FOUR_BIT)
         else:
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = x_row + offs_k
@@ -316,7 +338,7 @@ if triton is not None:
                        ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCAN: tl.constexpr,
                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, SCALE_BN: tl.constexpr,
-                       MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+                       FOUR_BIT: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Rows first_row .. first_row + BLOCK_M - 1 of the expert's pairs (`pairs` holds the first
         tile's, found with the count)."""
         if first_row > 0:
@@ -325,7 +347,7 @@ if triton is not None:
         acc = _expert_tile(x, stride_xm, pairs // ROWS_PER_X, row_mask, w_expert, stride_wn, stride_wk, offs_n,
                            n_mask, N, K, up_offset, a_scale, stride_asm, stride_ask, ws_expert, stride_wsn,
                            stride_wsk, b_expert, alpha, limit, GATED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, IEEE, FP8,
-                           SCALE_BN, MXFP4, HAS_BIAS, ACT)
+                           SCALE_BN, FOUR_BIT, HAS_BIAS, ACT)
         _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
 
     @triton.jit
@@ -335,7 +357,7 @@ if triton is not None:
                          ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SCAN: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                         FP8: tl.constexpr, SCALE_BN: tl.constexpr, FOUR_BIT: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTERPRETED: tl.constexpr):
         """Program (local expert, column tile): every pair routed to that expert. Row of x for pair
         p: p // ROWS_PER_X (the token for gate/up, the pair itself for down)."""
@@ -357,7 +379,7 @@ if triton is not None:
                                offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
                                a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk, b_expert, alpha,
                                limit, ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
-                               FP8, SCALE_BN, MXFP4, HAS_BIAS, ACT)
+                               FP8, SCALE_BN, FOUR_BIT, HAS_BIAS, ACT)
                 first_row += BLOCK_M
         else:
             for first_row in range(0, count, BLOCK_M):
@@ -365,7 +387,7 @@ if triton is not None:
                                offs_n, n_mask, N, K, up_offset, stride_xm, stride_wn, stride_wk, stride_om,
                                a_scale, stride_asm, stride_ask, ws_expert, stride_wsn, stride_wsk, b_expert, alpha,
                                limit, ROWS_PER_X, GATED, MUL_WEIGHT, BLOCK_M, BLOCK_N, BLOCK_K, SCAN, EVEN_K, IEEE,
-                               FP8, SCALE_BN, MXFP4, HAS_BIAS, ACT)
+                               FP8, SCALE_BN, FOUR_BIT, HAS_BIAS, ACT)
 
     @triton.jit
     def _moe_sorted_kernel(x, w, out, sorted_pairs, block_experts, num_padded, topk_weights, a_scale, w_scale, bias,
@@ -374,7 +396,7 @@ if triton is not None:
                            ROWS_PER_X: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-                           FP8: tl.constexpr, SCALE_BN: tl.constexpr, MXFP4: tl.constexpr,
+                           FP8: tl.constexpr, SCALE_BN: tl.constexpr, FOUR_BIT: tl.constexpr,
                            HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
         """Program (row tile, column tile) over the sorted, padded pairs; GROUP_M row tiles share
         their column tiles in launch order (the standard tile swizzle)."""
@@ -396,7 +418,7 @@ if triton is not None:
                            stride_wn, stride_wk, offs_n, n_mask, N, K, N.to(tl.int64) * stride_wn,
                            a_scale, stride_asm, stride_ask, w_scale + local_expert * stride_wse, stride_wsn,
                            stride_wsk, bias + local_expert * stride_be, alpha, limit, GATED, BLOCK_M, BLOCK_N,
-                           BLOCK_K, EVEN_K, IEEE, FP8, SCALE_BN, MXFP4, HAS_BIAS, ACT)
+                           BLOCK_K, EVEN_K, IEEE, FP8, SCALE_BN, FOUR_BIT, HAS_BIAS, ACT)
         _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT)
 
 
@@ -440,23 +462,25 @@ def sum_topk(y: torch.Tensor, num_tokens: int, top_k: int, topk_ids: torch.Tenso
 def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_per_x: int, gated: bool,
             topk_weights: torch.Tensor | None, cfg: TileConfig, layout,
             fp8: tuple[torch.Tensor, torch.Tensor, int] | None = None, mxfp4_scale: torch.Tensor | None = None,
-            bias: torch.Tensor | None = None, activation: ExpertActivation = SILU) -> None:
+            bias: torch.Tensor | None = None, activation: ExpertActivation = SILU, int4: bool = False) -> None:
     """One grouped GEMM: out[p, :n] for every pair p, from rows of x and the expert weights w
     [experts, (2 if gated else 1) * n, K], plus bias [experts, (2 if gated else 1) * n] if given;
     gated: the activation of the gate and up columns. fp8: (x_scale [rows of x, ceil(K / bk)],
     w_scale [experts, ceil(rows of w / bn), ceil(K / bk)], bn) for float8 x and w with block
     scales, cfg.block_k being bk. mxfp4_scale: w is packed MXFP4 [experts, rows, K / 2] uint8
-    with these e8m0 scales [experts, rows, K / 32]."""
+    with these e8m0 scales [experts, rows, K / 32]; with int4, w holds unsigned int4 codes the
+    same way and mxfp4_scale is (scale, zero) pairs [experts, rows, K / 32, 2] (`int4_experts`)."""
     num_local, K = w.shape[0], w.shape[2] * (2 if mxfp4_scale is not None else 1)
     a_scale, w_scale, scale_bn = x, w, 1  # pointers never read without scales
     a_strides, w_strides = (0, 0), (0, 0, 0)
     if fp8 is not None:
         a_scale, w_scale, scale_bn = fp8
         a_strides, w_strides = a_scale.stride(), w_scale.stride()
-    elif mxfp4_scale is not None:
-        w_scale, w_strides = mxfp4_scale, mxfp4_scale.stride()
+    elif mxfp4_scale is not None:  # int4's (scale, zero) pairs: the zero is the element after the scale
+        w_scale, w_strides = mxfp4_scale, mxfp4_scale.stride()[:3]
     bias_arg = bias if bias is not None else out
-    extra = dict(FP8=fp8 is not None, SCALE_BN=scale_bn, MXFP4=mxfp4_scale is not None, HAS_BIAS=bias is not None,
+    four_bit = 0 if mxfp4_scale is None else 2 if int4 else 1
+    extra = dict(FP8=fp8 is not None, SCALE_BN=scale_bn, FOUR_BIT=four_bit, HAS_BIAS=bias is not None,
                  ACT=activation.code)
     common = dict(ROWS_PER_X=rows_per_x, GATED=gated, MUL_WEIGHT=topk_weights is not None,
                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
@@ -492,12 +516,13 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      topk_ids: torch.Tensor, expert_start: int, num_experts: int | None, tiles: MoETiles,
                      dtype: torch.dtype, fp8: tuple | None = None, mxfp4: tuple | None = None,
                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                     activation: ExpertActivation = SILU) -> torch.Tensor:
+                     activation: ExpertActivation = SILU, int4: bool = False) -> torch.Tensor:
     """The gate/up and down GEMMs in tiles' layout, the intermediate and each pair's output in
     dtype, then the sum over k. fp8: (x_scale, w13_scale, w2_scale, (bn, bk), act_quant kernel)
     when x, w13 and w2 are float8 with block scales; the intermediate is quantized like x (per
     row, 1 x bk groups) before the down GEMM. mxfp4: (w13_scale, w2_scale) e8m0 scales when
-    w13 and w2 are packed MXFP4 (the activations stay as they are)."""
+    w13 and w2 are packed MXFP4, or with int4 their (scale, zero) pairs when they are packed
+    int4 codes (the activations stay as they are)."""
     num_tokens = x.shape[0]
     hidden, top_k = w2.shape[1], topk_ids.shape[1]
     num_local, inter = w13.shape[0], w2.shape[2] * (2 if mxfp4 is not None else 1)
@@ -521,15 +546,18 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         up_fp8 = (x_scale, w13_scale, block_n)
     w13_mx, w2_mx = mxfp4 if mxfp4 is not None else (None, None)
     if up_cfg.fuse_act:
-        _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias, activation)
+        _launch(x, w13, inter_out, inter, top_k, True, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias, activation,
+                int4)
     else:  # gate/up product [pairs, 2 * inter] to memory, then SiLU-and-mul
         gate_up = torch.empty(num_pairs, 2 * inter, dtype=dtype, device=x.device)  # other ranks' pairs: never read
-        _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias)
+        _launch(x, w13, gate_up, 2 * inter, top_k, False, None, up_cfg, up_layout, up_fp8, w13_mx, w13_bias,
+                int4=int4)
         inter_out = TritonSiluAndMul.forward(gate_up)
     if fp8 is not None:
         inter_out, inter_scale = quant.per_group(inter_out, block_k, FP8)
         down_fp8 = (inter_scale, w2_scale, block_n)
-    _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout, down_fp8, w2_mx, w2_bias)
+    _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout, down_fp8, w2_mx, w2_bias,
+            int4=int4)
     if partial:
         return sum_topk(y, num_tokens, top_k, topk_ids, expert_start, num_local)
     return sum_topk(y, num_tokens, top_k)
@@ -711,3 +739,47 @@ class TritonMxfp4FusedExperts(TritonKernel):
                                 topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
                                 mxfp4=(w13_scales, w2_scales), w13_bias=w13_bias, w2_bias=w2_bias,
                                 activation=activation)
+
+
+# From this many tokens a step dequantizes the layer's int4 experts (as MXFP4 does, same reason).
+INT4_DEQUANTIZE_MIN_TOKENS = MXFP4_DEQUANTIZE_MIN_TOKENS
+
+
+class TritonInt4FusedExperts(TritonKernel):
+    """Packed int4 experts (GPTQ / AWQ / compressed-tensors W4A16 MoE checkpoints, the layout of
+    `quant/int4_experts.py`): the MXFP4 kernels' loads and tiles with each 4-bit code decoded as
+    (code - zero) * scale in registers; activations stay unquantized. Reference:
+    `experts_torch.fused_experts_int4_reference`."""
+
+    family = "fused_moe_int4"
+
+    @classmethod
+    def cannot_implement_reason(cls, dtype: torch.dtype = torch.bfloat16, hidden: int = 32, inter: int = 32,
+                                **config) -> str | None:
+        return TritonMxfp4FusedExperts.cannot_implement_reason(dtype, hidden, inter)
+
+    @staticmethod
+    def forward(x: torch.Tensor, w13_blocks: torch.Tensor, w2_blocks: torch.Tensor, w13_pairs: torch.Tensor,
+                w2_pairs: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int = 0,
+                num_experts: int | None = None) -> torch.Tensor:
+        """x: [num_tokens, hidden]; w13_blocks uint8 [local experts, 2 * inter, hidden / 2] with
+        w13_pairs [local experts, 2 * inter, hidden / 32, 2]; w2_blocks [local experts, hidden,
+        inter / 2] with w2_pairs [local experts, hidden, inter / 32, 2]; routing as in
+        TritonFusedExperts.forward. Returns [num_tokens, hidden] in x.dtype."""
+        from baryon.kernels.quant.int4_experts import dequantize_int4_experts
+
+        num_tokens, hidden = x.shape
+        top_k = topk_ids.shape[1]
+        num_local, inter = w13_blocks.shape[0], 2 * w2_blocks.shape[2]
+        if num_tokens >= INT4_DEQUANTIZE_MIN_TOKENS:
+            w13 = dequantize_int4_experts(w13_blocks, w13_pairs, x.dtype)
+            w2 = dequantize_int4_experts(w2_blocks, w2_pairs, x.dtype)
+            return TritonFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
+        tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, x.device)
+        if tiles.mode == "grouped_mm":
+            tiles = default_tiles(num_local, num_tokens * top_k)
+        if tiles.mode == "pairs":
+            tiles = MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE)
+        return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
+                                topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
+                                mxfp4=(w13_pairs, w2_pairs), int4=True)
