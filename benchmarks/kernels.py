@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling|vocab_argmax|dense]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|int4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling|vocab_argmax|dense]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -400,6 +400,39 @@ def mxfp4_moe_kernels(record, device: torch.device, dtype: torch.dtype, small: b
                           "mxfp4_TFLOP_per_s": round(6 * tokens * top_k * hidden * inter / us / 1e6, 1)}), flush=True)
 
 
+def int4_moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """Qwen3-30B-A3B's MoE layer (128 experts, top-8, hidden 2048, intermediate 768) as a GPTQ /
+    AWQ / W4A16 checkpoint holds it: the int4 expert kernels (packed codes, a (scale, zero) pair
+    per 32 values: 5 bits a value) against the bf16 kernels on the same experts dequantized, at
+    decode batches and a prefill chunk; uniform routing."""
+    from baryon.kernels.quant.int4_experts import dequantize_int4_experts, pack_int4_experts
+
+    experts, top_k, hidden, inter = (16, 4, 256, 128) if small else (128, 8, 2048, 768)
+    gen = torch.Generator().manual_seed(0)
+
+    def packed(n: int, k: int):
+        codes = torch.randint(0, 16, (experts, n, k), generator=gen, dtype=torch.int32).to(torch.uint8)
+        scales = torch.rand(experts, n, k // 128, generator=gen) * 0.01  # groups of 128
+        zeros = torch.full((experts, n, k // 128), 8, dtype=torch.uint8)
+        return [t.to(device) for t in pack_int4_experts(codes, scales, zeros, dtype)]
+
+    (w13, w13_p), (w2, w2_p) = packed(2 * inter, hidden), packed(hidden, inter)
+    w13_f, w2_f = dequantize_int4_experts(w13, w13_p, dtype), dequantize_int4_experts(w2, w2_p, dtype)
+    int4 = selector.select("fused_moe_int4", device, dtype=dtype, hidden=hidden, inter=inter)
+    dense = selector.select("fused_moe", device, dtype=dtype, hidden=hidden, inter=inter, device_type=device.type)
+    for tokens in (1, 4, 16, 64, 8192 // (16 if small else 1)):
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+        ids = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k].to(device, torch.int32)
+        weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
+        shape = f"tokens={tokens} E={experts} top{top_k} H={hidden} I={inter}"
+        read = ids.unique().numel() * 3 * hidden * inter
+        us = record(f"fused_moe_int4.{int4.name}", shape, lambda: int4.forward(x, w13, w2, w13_p, w2_p, weights, ids))
+        dense_us = record(f"fused_moe.{dense.name} (the same experts in {str(dtype).split('.')[1]})", shape,
+                          lambda: dense.forward(x, w13_f, w2_f, weights, ids))
+        print(json.dumps({"int4_expert_GB_per_s": round(read * 5 / 8 / us / 1e3, 1),
+                          "bf16_expert_GB_per_s": round(read * 2 / dense_us / 1e3, 1)}), flush=True)
+
+
 QUANT_SCHEMES = ("dense", "fp8-channel", "fp8-block", "w8a8", "w4a16")
 
 
@@ -504,7 +537,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--only", choices=["moe", "mxfp4", "quant", "mla", "spec", "block_quant", "zentorch",
+    parser.add_argument("--only", choices=["moe", "mxfp4", "int4", "quant", "mla", "spec", "block_quant", "zentorch",
                                            "token_bitmask", "long_context", "sampling", "vocab_argmax", "dense"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
@@ -529,6 +562,9 @@ def main() -> None:
         return
     if args.only == "mxfp4":
         mxfp4_moe_kernels(record, device, dtype, args.small)
+        return
+    if args.only == "int4":
+        int4_moe_kernels(record, device, dtype, args.small)
         return
     if args.only == "quant":
         quant_kernels(record, device, dtype, args.small)

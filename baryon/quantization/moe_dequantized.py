@@ -1,12 +1,9 @@
-"""Experts in a layout no fused MoE kernel reads yet (GPTQ, AWQ, compressed-tensors pack-quantized
-and INT8 W8A8): loaded in their published per-expert layout (the linear method's parameters with
-a leading expert dimension), then each expert's projection is repacked and dequantized by that
-linear method once, into float experts in the model dtype, which the unquantized `fused_moe`
-kernel runs.
-
-A stopgap with an honest cost: the experts take float memory (4x a bf16 model's 4-bit experts),
-so such checkpoints load and run correctly but without the memory or bandwidth saving; fused MoE
-kernels that read these layouts are the next step.
+"""Experts in a layout no fused MoE kernel here reads (INT8 W8A8, 8-bit or act-order weight-only
+experts, and every weight-only layout on CPU; 4-bit GPTQ / AWQ / pack-quantized experts on a GPU
+stay packed instead, `moe_int4.py`): loaded in their published per-expert layout (the linear
+method's parameters with a leading expert dimension), then each expert's projection is repacked
+and dequantized by that linear method once, into float experts in the model dtype, which the
+unquantized `fused_moe` kernel runs: correct, at float memory (4x a bf16 model's 4-bit experts).
 """
 
 from __future__ import annotations
