@@ -179,3 +179,30 @@ def test_int4_moe_checkpoints_keep_their_experts_packed(tmp_path, seed, monkeypa
     with LLM(str(checkpoint.path), **engine) as llm:  # the torch kernel: dequantized once at load
         experts = llm.engine.core.runner.model.model.layers[0].mlp.experts
         assert not experts.method.packed and experts.method.holds_dequantized and hasattr(experts, "w13_weight")
+
+
+@needs_triton
+def test_online_w4a16_packs_the_experts_it_quantizes(tmp_path, seed, monkeypatch):
+    """quantization="w4a16" on a float MoE checkpoint: the experts rounded to int4 at load are
+    held packed where the int4 kernel runs (the interpreter here), exactly the weights the CPU
+    path holds dequantized, and the engine gives the same greedy tokens either way."""
+    from baryon import LLM, SamplingParams
+    from conftest import make_checkpoint, random_prompts
+
+    src = make_checkpoint(tmp_path / "float", "qwen3_moe", seed=seed, **MOE)
+    engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01,
+                  quantization="w4a16")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 128, 3, 8, seed)]
+    results = []
+    for kernel in ("torch", "triton"):
+        monkeypatch.setenv("BARYON_KERNEL_FUSED_MOE_INT4", kernel)
+        with LLM(str(src), **engine) as llm:
+            experts = llm.engine.core.runner.model.model.layers[1].mlp.experts
+            assert experts.method.packed == (kernel == "triton")
+            held = [w.clone() for w in experts.method.dequantize(experts)]
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            results.append((held, tokens))
+    (held_cpu, tokens_cpu), (held_packed, tokens_packed) = results
+    assert all(torch.equal(a, b) for a, b in zip(held_cpu, held_packed))
+    assert tokens_cpu == tokens_packed

@@ -153,7 +153,7 @@ def test_online_quantized_engine_generates(tmp_path, seed):
     prompts = [{"prompt_token_ids": [3, 5, 7, 11]}]
     for quantization, linear, experts in [("fp8", "Fp8LinearMethod", "Fp8MoEMethod"),
                                           ("w8a8", "Int8LinearMethod", None),
-                                          ("w4a16", "WNA16LinearMethod", None)]:
+                                          ("w4a16", "WNA16LinearMethod", "Int4MoEMethod")]:
         try:
             llm = LLM(model=str(path), dtype="float32", device="cpu", quantization=quantization)
         except ValueError as e:

@@ -55,7 +55,7 @@ def _online(name: str) -> QuantizationConfig:
         from baryon.quantization.int8 import OnlineInt8Config
 
         return OnlineInt8Config()
-    from baryon.quantization.wna16 import OnlineW4A16Config
+    from baryon.quantization.online_w4a16 import OnlineW4A16Config
 
     return OnlineW4A16Config()
 

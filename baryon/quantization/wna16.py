@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from baryon.kernels.selector import select
-from baryon.quantization.base import DENSE, LinearMethod, QuantizationConfig
+from baryon.quantization.base import DENSE, LinearMethod
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 LAYOUTS = ("compressed-tensors", "gptq", "gptq_v2", "awq", "online")
@@ -235,14 +235,3 @@ def _drop_checkpoint_params(layer: nn.Module) -> None:
 
 def layer_name(layer: nn.Module) -> str:
     return getattr(layer, "checkpoint_prefix", type(layer).__name__)
-
-
-class OnlineW4A16Config(QuantizationConfig):
-    """`quantization="w4a16"` on a float checkpoint: 4-bit symmetric groups of 128 (one group per
-    row when a row is shorter), round to nearest."""
-
-    name = "w4a16"
-
-    def linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
-        group = 128 if layer.input_size >= 128 else None
-        return WNA16LinearMethod("online", 4, group)
