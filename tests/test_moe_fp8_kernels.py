@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from baryon.kernels.moe import experts_triton
-from baryon.kernels.moe.experts_torch import (TorchFp8FusedExperts, dequantize_block_fp8, fused_experts_fp8_reference,
+from baryon.kernels.moe.experts_torch import (TorchFp8FusedExperts, TorchInt8FusedExperts, dequantize_block_fp8,
+                                              fused_experts_fp8_reference,
                                               fused_experts_reference)
 from baryon.kernels.moe.routing import RoutingConfig, route_reference
 from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, default_tiles, fp8_block_tiles
@@ -247,3 +248,79 @@ def test_torch_kernel_is_float_on_dequantized_weights(seed, dtype):
                                        expert_start=half, num_experts=experts)
     expected = fused_experts_reference(x.float(), w13_f[half:], w2_f[half:], weights, ids, expert_start=half)
     torch.testing.assert_close(got.float(), expected, atol=tol * float(expected.abs().max()), rtol=tol)
+
+
+# -- INT8 W8A8 experts: the same kernels on int8 codes ------------------------------------------
+
+def _int8_case(gen, tokens, experts, top_k, hidden, inter, bk):
+    """Routed tokens and int8 experts with per-channel scales spread into (1 x bk) blocks (as
+    quantization/moe_int8.py holds a compressed-tensors W8A8 checkpoint's experts)."""
+    def weight(n, k):
+        w = torch.randn(experts, n, k, generator=gen) / k ** 0.5 * torch.exp(torch.randn(experts, n, 1, generator=gen))
+        scale = w.abs().amax(-1, keepdim=True) / 127  # [E, N, 1]
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        return q, scale.expand(experts, n, -(-k // bk)).contiguous()
+
+    x = torch.randn(tokens, hidden, generator=gen) * torch.exp(torch.randn(tokens, 1, generator=gen))
+    (w13, w13_s), (w2, w2_s) = weight(2 * inter, hidden), weight(hidden, inter)
+    weights, ids = route_reference(torch.randn(tokens, experts, generator=gen),
+                                   RoutingConfig(experts, top_k, renormalize=True))
+    return x, w13, w2, w13_s, w2_s, weights, ids
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["pairs", "scan", "sorted"])
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_triton_int8_experts_match_reference(seed, monkeypatch, layout, tokens):
+    """int8 codes through the FP8 kernels: activations quantized to int8 per token in groups of
+    bk, int32 dots scaled per K tile; the reference quantizes alike (w8a8). The torch kernel
+    (weight-only, the CPU path) is within the activation rounding."""
+    monkeypatch.setattr(experts_triton, "tile_configs", lambda *args: MoETiles(*LAYOUTS[layout]))
+    gen = torch.Generator().manual_seed(seed)
+    block = (1, 32)
+    x, w13, w2, w13_s, w2_s, weights, ids = _int8_case(gen, tokens, 6, 2, 96, 64, block[1])
+    expected = fused_experts_fp8_reference(x, w13, w2, w13_s, w2_s, block, weights, ids)
+    got = experts_triton.TritonInt8FusedExperts.forward(*(t.to(DEVICE) for t in (x, w13, w2, w13_s, w2_s)), block,
+                                                        weights.to(DEVICE), ids.to(DEVICE))
+    assert got.dtype == x.dtype and got.shape == x.shape
+    _assert_matches_reference(got, expected, x.dtype)
+    half = 3  # expert parallelism: the second half of the experts here
+    local = [t[half:] for t in (w13, w2, w13_s, w2_s)]
+    expected = fused_experts_fp8_reference(x, *local, block, weights, ids, expert_start=half, num_experts=6)
+    got = experts_triton.TritonInt8FusedExperts.forward(x.to(DEVICE), *(t.to(DEVICE) for t in local), block,
+                                                        weights.to(DEVICE), ids.to(DEVICE), expert_start=half,
+                                                        num_experts=6)
+    _assert_matches_reference(got, expected, x.dtype)
+    dequant = TorchInt8FusedExperts.forward(x, *local, block, weights, ids, expert_start=half, num_experts=6)
+    assert _relative_error(dequant, expected) < 0.05  # the activations' int8 rounding only
+
+
+@needs_triton
+def test_int8_w8a8_moe_checkpoint_keeps_int8_experts(tmp_path, seed, monkeypatch):
+    """A compressed-tensors W8A8 MoE checkpoint holds its experts as int8 codes (a quarter of
+    float32) with their channel scales, exactly the checkpoint's dequantized experts, on either
+    kernel; the Triton one (interpreted here) generates."""
+    import quant_checkpoints as qc
+    from baryon import LLM, SamplingParams
+    from conftest import make_checkpoint, random_prompts
+
+    src = make_checkpoint(tmp_path / "float", "qwen3_moe", seed=seed, hidden_size=64, intermediate_size=128,
+                          moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16)
+    checkpoint = qc.compressed_tensors(src, tmp_path / "w8a8", qc.ct_scheme("W8A8"), seed=seed)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 128, 3, 8, seed)]
+    for kernel in ("torch", "triton"):
+        monkeypatch.setenv("BARYON_KERNEL_FUSED_MOE_INT8", kernel)
+        with LLM(str(checkpoint.path), skip_tokenizer_init=True, device="cpu", dtype="float32",
+                 kv_cache_memory_gib=0.01) as llm:
+            experts = llm.engine.core.runner.model.model.layers[0].mlp.experts
+            assert type(experts.method).__name__ == "Int8MoEMethod" and experts.method.kernel.name == kernel
+            assert experts.method.w13.dtype == experts.method.w2.dtype == torch.int8
+            w13, w2 = experts.method.dequantize(experts)
+            for e in range(4):
+                prefix = f"model.layers.0.mlp.experts.{e}"
+                ref = checkpoint.reference
+                assert torch.equal(w13[e], torch.cat([ref[f"{prefix}.gate_proj.weight"], ref[f"{prefix}.up_proj.weight"]]))
+                assert torch.equal(w2[e], ref[f"{prefix}.down_proj.weight"])
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == 3 for o in outs)

@@ -96,6 +96,8 @@ _REGISTRY: dict[str, list[str]] = {
                    "baryon.kernels.all_reduce:TorchDistributedAllReduce"],
     "fused_moe_fp8": ["baryon.kernels.moe.experts_triton:TritonFp8FusedExperts",
                       "baryon.kernels.moe.experts_torch:TorchFp8FusedExperts"],
+    "fused_moe_int8": ["baryon.kernels.moe.experts_triton:TritonInt8FusedExperts",
+                       "baryon.kernels.moe.experts_torch:TorchInt8FusedExperts"],
 }
 _logged: set[tuple[str, str]] = set()
 _fastest: dict[tuple, type[Kernel]] = {}

@@ -24,6 +24,7 @@ from baryon.quantization.fp8 import Fp8LinearMethod
 from baryon.quantization.int8 import Int8LinearMethod
 from baryon.quantization.moe_fp8 import Fp8MoEMethod
 from baryon.quantization.moe_int4 import weight_only_moe_method
+from baryon.quantization.moe_int8 import Int8MoEMethod
 from baryon.quantization.wna16 import WNA16LinearMethod
 
 SUPPORTED = ("FP8 (float 8-bit weights tensor/channel/block + float 8-bit activations)",
@@ -68,6 +69,8 @@ class CompressedTensorsConfig(QuantizationConfig):
             if method.strategy == "block":
                 return Fp8MoEMethod(method.block, scale_name="weight_scale")
             return Fp8MoEMethod(None, strategy=method.strategy, static_input=method.static_input)
+        if isinstance(method, Int8LinearMethod):
+            return Int8MoEMethod()
         return weight_only_moe_method(method, f"{self.name} {_describe(group)}")
 
 

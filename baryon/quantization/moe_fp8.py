@@ -31,6 +31,9 @@ ROW_BLOCKS = (1, 128)  # the kernel layout of channel and tensor scales
 
 
 class Fp8MoEMethod(MoEMethod):
+    code_dtype = FP8  # the stored weights' dtype
+    family = "fused_moe_fp8"  # the kernel family that multiplies them
+
     def __init__(self, block: tuple[int, int] | None, scale_name: str = "weight_scale_inv", online: bool = False,
                  strategy: str = "block", static_input: bool = False) -> None:
         """strategy: block (needs `block`), channel or tensor; static_input: the checkpoint has
@@ -45,7 +48,7 @@ class Fp8MoEMethod(MoEMethod):
     def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
         experts, hidden, inter = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_rank
-        self.kernel = select("fused_moe_fp8", device, dtype=dtype, hidden=hidden, inter=inter, block=self.block)
+        self.kernel = select(self.family, device, dtype=dtype, hidden=hidden, inter=inter, block=self.block)
         if self.online:
             return UnquantizedMoEMethod.float_weights(experts, hidden, inter)
         bn, bk = self.block
@@ -58,8 +61,8 @@ class Fp8MoEMethod(MoEMethod):
             param.per_shard = per_shard
             return param
 
-        params = {"w13_weight": empty(experts, 2 * inter, hidden, dtype=FP8),
-                  "w2_weight": empty(experts, hidden, inter, dtype=FP8)}
+        params = {"w13_weight": empty(experts, 2 * inter, hidden, dtype=self.code_dtype),
+                  "w2_weight": empty(experts, hidden, inter, dtype=self.code_dtype)}
         if self.strategy == "block":
             params[f"w13_{self.scale_name}"] = empty(experts, 2 * inter // bn, -(-hidden // bk))
             params[f"w2_{self.scale_name}"] = empty(experts, -(-hidden // bn), -(-inter // bk))

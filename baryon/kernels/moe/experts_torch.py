@@ -53,12 +53,12 @@ class TorchFusedExperts(Kernel):
 
 
 def dequantize_block_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """w [..., N, K] float8 with scale [..., ceil(N / bn), ceil(K / bk)] -> float32 [..., N, K]
-    (the last blocks of a row or column may be partial)."""
+    """w [..., N, K] float8 (or int8: the INT8 W8A8 experts) with scale [..., ceil(N / bn),
+    ceil(K / bk)] -> float32 [..., N, K] (the last blocks of a row or column may be partial)."""
     bn, bk = block
     n, k = w.shape[-2:]
     full = scale.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
-    return fp8_to_float(w) * full
+    return (fp8_to_float(w) if w.dtype == FP8 else w.float()) * full
 
 
 def _dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
@@ -82,7 +82,7 @@ def fused_experts_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
     _, bk = block
     num_tokens, top_k = topk_ids.shape
     num_local, inter = w13.shape[0], w2.shape[2]
-    xq, xs = quantize_per_group_reference(x, bk, FP8)
+    xq, xs = quantize_per_group_reference(x, bk, w13.dtype)  # float8 (or int8 codes: INT8 W8A8)
     xd = _dequantize_groups(xq, xs, bk)
     y = torch.zeros(num_tokens, top_k, x.shape[1], dtype=torch.float32, device=x.device)
     local = topk_ids.long() - expert_start
@@ -90,7 +90,7 @@ def fused_experts_fp8_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Te
         token_idx, k_idx = torch.where(local == expert)
         gate, up = F.linear(xd[token_idx], dequantize_block_fp8(w13[expert], w13_scale[expert], block)).split(inter, -1)
         act = (F.silu(gate) * up).to(x.dtype)
-        aq, as_ = quantize_per_group_reference(act, bk, FP8)
+        aq, as_ = quantize_per_group_reference(act, bk, w2.dtype)
         out = F.linear(_dequantize_groups(aq, as_, bk), dequantize_block_fp8(w2[expert], w2_scale[expert], block))
         y[token_idx, k_idx] = (out * topk_weights[token_idx, k_idx, None].float()).to(x.dtype).float()
     return y.sum(dim=1).to(x.dtype)
@@ -130,6 +130,11 @@ class TorchFp8FusedExperts(Kernel):
                 expert_start: int = 0, num_experts: int | None = None) -> torch.Tensor:
         return fused_experts_fp8_dequant(x, w13, w2, w13_scale, w2_scale, tuple(block), topk_weights, topk_ids,
                                          expert_start, num_experts)
+
+
+class TorchInt8FusedExperts(TorchFp8FusedExperts):
+    """INT8 W8A8 experts (int8 codes, scales in (1 x 128) blocks) on any device: the FP8 path's
+    weight-only dequantization."""
 
 
 # MXFP4 experts (GPT-OSS): w13_blocks uint8 [E, 2I, H / 2] with w13_scales uint8 [E, 2I, H / 32],

@@ -25,7 +25,8 @@ FP8 checkpoints with block weight scales (`TritonFp8FusedExperts`, family fused_
 same kernels with FP8=True: x and the intermediate are quantized per token in 1 x bk groups
 (act_quant) to float8_e4m3fn, BLOCK_K is the scales' block width bk, and each K tile's float8
 dot is multiplied by its row's activation scale and its column's weight-block scale before it
-is added to the float32 accumulator.
+is added to the float32 accumulator. INT8 W8A8 experts (`TritonInt8FusedExperts`) take the same
+path with int8 codes (int32 dots).
 """
 
 from __future__ import annotations
@@ -554,7 +555,7 @@ def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                 int4=int4)
         inter_out = TritonSiluAndMul.forward(gate_up)
     if fp8 is not None:
-        inter_out, inter_scale = quant.per_group(inter_out, block_k, FP8)
+        inter_out, inter_scale = quant.per_group(inter_out, block_k, w2.dtype)  # float8, or int8 codes
         down_fp8 = (inter_scale, w2_scale, block_n)
     _launch(inter_out, w2, y, hidden, 1, False, topk_weights, down_cfg, down_layout, down_fp8, w2_mx, w2_bias,
             int4=int4)
@@ -649,13 +650,26 @@ class TritonFp8FusedExperts(TritonKernel):
         top_k = topk_ids.shape[1]
         num_local, inter = w13.shape[0], w2.shape[2]
         quant = _act_quant(x.device)  # per_group(x, group_size, dtype) -> (q, scale)
-        x_q, x_scale = quant.per_group(x.contiguous(), block_k, FP8)
+        x_q, x_scale = quant.per_group(x.contiguous(), block_k, w13.dtype)
         topk_ids = topk_ids.contiguous()
         topk_weights = topk_weights.contiguous()
         tiles = fp8_block_tiles(tile_configs(num_local, hidden, inter, num_tokens, top_k, FP8, x.device),
                                 num_local, num_tokens * top_k, block_k, block_n)
         return _grouped_experts(x_q, w13, w2, topk_weights, topk_ids, expert_start, num_experts, tiles, x.dtype,
                                 (x_scale, w13_scale, w2_scale, (block_n, block_k), quant))
+
+
+class TritonInt8FusedExperts(TritonFp8FusedExperts):
+    """INT8 W8A8 experts (compressed-tensors `int-quantized` MoE checkpoints: int8 codes with
+    per-channel scales, spread into (1 x 128) blocks at load): the FP8 kernels with int8 operands,
+    the activations quantized to int8 per token in groups of 128, each K tile's int32 dot scaled
+    into the float32 accumulator. Reference: `experts_torch.fused_experts_fp8_reference` on int8."""
+
+    family = "fused_moe_int8"
+
+    @classmethod
+    def unsupported_reason(cls, device: torch.device) -> str | None:
+        return super(TritonFp8FusedExperts, cls).unsupported_reason(device)  # int8 dots: no float8 needed
 
 
 if triton is not None:
