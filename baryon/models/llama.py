@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import (dp_reduce_scatter, dp_world_size, tp_all_reduce, tp_settle_pushes,
-                                               tp_world_size)
+from baryon.distributed.parallel_state import dp_world_size, tp_settle_pushes, tp_world_size
 from baryon.layers.attention import Attention
 from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -80,11 +79,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.forward_modules(positions, hidden_states, residual)
 
     def forward_modules(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                        residual: torch.Tensor | None, streams: list[torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams: also append the residual stream entering the layer (hidden + residual, summed
+        over the ranks: what the input norm adds up) to it (EAGLE-3's auxiliary states)."""
         if residual is None:
             residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if streams is not None:
+            streams.append(residual.clone())  # (the norms after this one may update it in place)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
@@ -134,37 +138,21 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
-        if self.aux_hidden_state_layers:
-            hidden_states, residual = self._layers_collecting_aux(positions, hidden_states)
-        else:
-            for layer in self.layers:
+        # EAGLE-3's auxiliary states: the residual stream entering the chosen layers, as their input
+        # norms return it (under tensor parallelism already summed over the ranks: no extra collective)
+        aux = [] if self.aux_hidden_state_layers else None
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in self.aux_hidden_state_layers:
+                hidden_states, residual = layer.forward_modules(positions, hidden_states, residual, aux)
+            else:
                 hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states, stream = self.norm(hidden_states, residual)
+        if aux is not None:
+            if len(self.layers) in self.aux_hidden_state_layers:
+                aux.append(stream)  # the last layer's output before the final norm
+            self.aux_hidden_states = torch.cat(aux, dim=-1)  # [num_tokens, len(aux) * hidden]
         tp_settle_pushes()
         return hidden_states
-
-    def _layers_collecting_aux(self, positions: torch.Tensor,
-                               hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        aux, residual = [], None
-        for i, layer in enumerate(self.layers):
-            if i in self.aux_hidden_state_layers:
-                aux.append(_residual_stream(hidden_states, residual, layer.input_layernorm))
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if len(self.layers) in self.aux_hidden_state_layers:
-            aux.append(_residual_stream(hidden_states, residual, self.norm))
-        self.aux_hidden_states = torch.cat(aux, dim=-1)  # [num_tokens, len(aux) * hidden]
-        return hidden_states, residual
-
-
-def _residual_stream(hidden_states: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> torch.Tensor:
-    """What enters `norm`: hidden + residual. A norm that reduces its input receives each rank's
-    partial sum: the stream is that sum over the ranks (an extra all-reduce or, under DP
-    attention, reduce-scatter, of a copy, leaving the norm its own input) plus the residual."""
-    if norm.reduces_input and dp_world_size() > 1:
-        hidden_states = dp_reduce_scatter(hidden_states.clone())[: residual.shape[0]]
-    elif norm.reduces_input:
-        hidden_states = tp_all_reduce(hidden_states.clone())
-    return hidden_states if residual is None else hidden_states + residual
 
 
 class LlamaForCausalLM(nn.Module):
