@@ -63,9 +63,11 @@ def sweep(model: str, ms: list[int], quick: bool) -> tuple[list[dict], dict]:
                 if best is None or us < best[0]:
                     best = (us, tiles, split)
         row = {"model": model, "N": n, "K": k, "M": m, "cublas_us": round(cublas, 2),
-               "table": list(table) if table else None, "table_split": table_split, "table_us": round(table_us, 2) if table_us else None,
+               "table": list(table) if table else None, "table_split": table_split,
+               "table_us": round(table_us, 2) if table_us else None,
                "best_us": round(best[0], 2), "best_tiles": list(best[1]), "best_split": best[2],
-               "best_TB_per_s": round(2 * n * k / best[0] / 1e6, 2), "cublas_TB_per_s": round(2 * n * k / cublas / 1e6, 2)}
+               "best_TB_per_s": round(2 * n * k / best[0] / 1e6, 2),
+               "cublas_TB_per_s": round(2 * n * k / cublas / 1e6, 2)}
         winners[(n, k, m)] = ("triton", best[1], best[2]) if best[0] < cublas else ("cublas", None, None)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -119,11 +121,13 @@ def main() -> None:
         model_rows, winners = sweep(model, args.m, args.quick)
         rows += model_rows
         chains += [chain(model, m, winners) for m in args.chain_m]
-    print(f"\n{'model':14} {'N x K':12} {'M':>3} {'cublas':>8} {'table':>8} {'best':>8}  best tiles (BM, BN, BK, warps, stages) split")
+    print(f"\n{'model':14} {'N x K':12} {'M':>3} {'cublas':>8} {'table':>8} {'best':>8}  "
+          "best tiles (BM, BN, BK, warps, stages) split")
     for r in rows:
         print(f"{r['model']:14} {str(r['N']) + 'x' + str(r['K']):12} {r['M']:>3} {r['cublas_us']:>8} "
               f"{r['table_us'] or '-':>8} {r['best_us']:>8}  {r['best_tiles']} {r['best_split']}")
-    print(f"\n{'model':14} {'M':>3} {'cublas ms':>10} {'table ms':>10} {'best ms':>10}   (chained projections of one step)")
+    print(f"\n{'model':14} {'M':>3} {'cublas ms':>10} {'table ms':>10} {'best ms':>10}   "
+          "(chained projections of one step)")
     for c in chains:
         print(f"{c['model']:14} {c['M']:>3} {c['cublas_ms']:>10} {c['table_ms']:>10} {c.get('best_ms', '-'):>10}")
 

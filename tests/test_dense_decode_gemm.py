@@ -64,8 +64,8 @@ def test_split_k_and_given_tiles_match_reference(seed, split, tiles):
 
 @needs_triton
 def test_strided_rows_and_empty_batch(seed):
-    """x as a view with a row stride wider than K (a slice of a wider activation) reads the right
-    columns; M = 0 returns an empty [0, N]."""
+    """x and the weight as views with a row stride wider than K (slices of wider tensors) read the
+    right columns; M = 0 returns an empty [0, N]."""
     gen = torch.Generator().manual_seed(seed)
     wide = torch.randn(7, 96 + 16, generator=gen).to(DTYPE)
     _, w, _ = _case(gen, 1, 80, 96)
@@ -73,6 +73,11 @@ def test_strided_rows_and_empty_batch(seed):
     _assert_close(out, dense_gemv_reference(wide[:, 8:104], w))
     empty = TritonDenseDecodeLinear.forward(wide[:0, :96].to(DEVICE), w.to(DEVICE))
     assert empty.shape == (0, 80) and empty.dtype == DTYPE
+    # the weight as a view whose rows are wider than K (a slice of a wider matrix)
+    wide_w = torch.randn(80, 96 + 32, generator=gen).to(DTYPE) * 0.05
+    x = wide[:, 8:104]
+    out = TritonDenseDecodeLinear.forward(x.to(DEVICE), wide_w[:, 16:112].to(DEVICE))
+    _assert_close(out, dense_gemv_reference(x, wide_w[:, 16:112]))
 
 
 def test_bad_inputs_are_named(seed):

@@ -98,6 +98,15 @@ def test_triton_int4_experts_match_reference(seed, monkeypatch, layout, name, to
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_dequantization_equals_the_reference(seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    blocks, pairs = pack_int4_experts(*_random_int4(gen, 3, 5, 96 * 2, group=64), dtype)
+    got = experts_triton.dequantize_int4_triton(blocks.to(DEVICE), pairs.to(DEVICE), dtype)
+    assert got.dtype == dtype and torch.equal(got.cpu(), dequantize_int4_experts(blocks, pairs, dtype))
+
+
+@needs_triton
 def test_large_batches_take_the_dequantized_path(seed, monkeypatch):
     """From INT4_DEQUANTIZE_MIN_TOKENS tokens the experts are dequantized once and the float
     kernels run: the same result."""

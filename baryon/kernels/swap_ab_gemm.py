@@ -57,8 +57,8 @@ def token_tile(m: int, tiles: DecodeTiles) -> int:
 if triton is not None:
 
     @triton.jit
-    def _swap_ab_kernel(x, w, xs, ws, bias, out, partial, M, N, K, blocks_per_split, stride_xm, stride_xsm,
-                        stride_om, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    def _swap_ab_kernel(x, w, xs, ws, bias, out, partial, M, N, K, blocks_per_split, stride_xm, stride_wn,
+                        stride_xsm, stride_om, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         PDL: tl.constexpr):
         """out[m tile, n tile] for BLOCK_M tokens and BLOCK_N weight rows over the K tiles
@@ -77,7 +77,7 @@ if triton is not None:
         rows_m = offs_m % M
         offs_k = tl.arange(0, BLOCK_K)
         k_start = pid_k * blocks_per_split * BLOCK_K
-        w_ptrs = w + rows_n[:, None].to(tl.int64) * K + k_start + offs_k[None, :]  # [BN, BK]
+        w_ptrs = w + rows_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]  # [BN, BK]
         x_ptrs = x + rows_m[None, :].to(tl.int64) * stride_xm + k_start + offs_k[:, None]  # [BK, BM]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         if PDL:
@@ -104,8 +104,8 @@ if triton is not None:
 def swap_ab_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
                    tiles: DecodeTiles, split: int, x_scale: torch.Tensor | None = None,
                    w_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M >= 1, rows contiguous), w [N, K] -> out [M, N] (written, returned), over `split`
-    slices of K (fewer where the last ones would be empty). x_scale [M] or [1] and w_scale [N]
+    """x [M, K] (M >= 1), w [N, K] (each with unit stride along K) -> out [M, N] (written,
+    returned), over `split` slices of K (fewer where the last ones would be empty). x_scale [M] or [1] and w_scale [N]
     float32 (FP8) come together or not at all."""
     m, k = x.shape
     n = w.shape[0]
@@ -118,7 +118,7 @@ def swap_ab_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: to
     stride_xsm = x_scale.stride(0) if scaled and x_scale.numel() > 1 else 0
     _swap_ab_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, tiles.block_n), split)](
         x, w, x_scale if scaled else out, w_scale if scaled else out, bias if bias is not None else out, out,
-        partial, m, n, k, per_split, x.stride(0), stride_xsm, out.stride(0), SCALED=scaled, HAS_BIAS=bias is not None,
+        partial, m, n, k, per_split, x.stride(0), w.stride(0), stride_xsm, out.stride(0), SCALED=scaled, HAS_BIAS=bias is not None,
         EVEN_K=k % tiles.block_k == 0, SPLIT=split > 1, BLOCK_N=tiles.block_n, BLOCK_M=block_m,
         BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_launch(x.device))
     if split > 1:

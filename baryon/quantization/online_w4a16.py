@@ -21,7 +21,9 @@ class OnlineW4A16Config(QuantizationConfig):
         return WNA16LinearMethod("online", 4, group)
 
     def moe_method(self, layer: nn.Module, prefix: str):
-        """Experts too: groups of 128 where both the hidden size and a rank's intermediate size
-        hold whole groups (else one group per row), packed for the int4 expert kernels on a GPU."""
-        whole = all(size % 128 == 0 for size in (layer.hidden_size, layer.intermediate_size_per_rank))
-        return Int4MoEMethod(WNA16LinearMethod("online", 4, 128 if whole else None), self.name)
+        """Experts too: groups of 128, 64 or 32, the largest that both the hidden size and a rank's
+        intermediate size hold whole (else one group per row), packed for the int4 expert kernels
+        on a GPU."""
+        sizes = (layer.hidden_size, layer.intermediate_size_per_rank)
+        group = next((g for g in (128, 64, 32) if all(size % g == 0 for size in sizes)), None)
+        return Int4MoEMethod(WNA16LinearMethod("online", 4, group), self.name)

@@ -478,6 +478,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, rows_pe
         a_scale, w_scale, scale_bn = fp8
         a_strides, w_strides = a_scale.stride(), w_scale.stride()
     elif mxfp4_scale is not None:  # int4's (scale, zero) pairs: the zero is the element after the scale
+        if int4 and mxfp4_scale.stride(-1) != 1:
+            raise ValueError("int4 experts' (scale, zero) pairs must be adjacent (stride 1 along the last dim)")
         w_scale, w_strides = mxfp4_scale, mxfp4_scale.stride()[:3]
     bias_arg = bias if bias is not None else out
     four_bit = 0 if mxfp4_scale is None else 2 if int4 else 1
@@ -688,6 +690,38 @@ if triton is not None:
         tl.store(out_row + 1, (_e2m1_to_float(packed >> 4) * scale).to(out.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _dequantize_int4_kernel(blocks, pairs, out, row_bytes, BLOCK: tl.constexpr):
+        """Program (row, chunk of BLOCK bytes): out[row, 2j], out[row, 2j + 1] = (the low and high
+        codes of byte j - its group's zero) * its group's scale, in float32 (contiguous rows;
+        pairs [.., K / 32, 2] (scale, zero))."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_bytes
+        packed = tl.load(blocks + row * row_bytes + offs, mask=mask, other=0)
+        pair = pairs + (row * (row_bytes // 16) + offs // 16) * 2
+        scale = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
+        out_row = out + row * (2 * row_bytes) + 2 * offs
+        tl.store(out_row, (((packed & 0xF).to(tl.float32) - zero) * scale).to(out.dtype.element_ty), mask=mask)
+        tl.store(out_row + 1, (((packed >> 4).to(tl.float32) - zero) * scale).to(out.dtype.element_ty), mask=mask)
+
+
+def dequantize_int4_triton(blocks: torch.Tensor, pairs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """blocks [..., K / 2] uint8 with (scale, zero) pairs [..., K / 32, 2] (contiguous) -> [..., K]
+    in dtype (`kernels/quant/int4_experts.dequantize_int4_experts` on the GPU, without its float32
+    temporaries: one pass, the output its only allocation)."""
+    row_bytes = blocks.shape[-1]
+    out = torch.empty(*blocks.shape[:-1], 2 * row_bytes, dtype=dtype, device=blocks.device)
+    rows = blocks.numel() // row_bytes
+    block = min(1024, triton.next_power_of_2(row_bytes))
+    _dequantize_int4_kernel[(rows, triton.cdiv(row_bytes, block))](blocks.contiguous(), pairs.contiguous(), out,
+                                                                   row_bytes, BLOCK=block)
+    return out
+
+
 def dequantize_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [..., K / 2] uint8 with scales [..., K / 32] (contiguous) -> [..., K] in dtype, exact
     (`kernels/quant/mxfp4.dequantize_mxfp4` on the GPU, without its temporaries)."""
@@ -780,14 +814,12 @@ class TritonInt4FusedExperts(TritonKernel):
         w13_pairs [local experts, 2 * inter, hidden / 32, 2]; w2_blocks [local experts, hidden,
         inter / 2] with w2_pairs [local experts, hidden, inter / 32, 2]; routing as in
         TritonFusedExperts.forward. Returns [num_tokens, hidden] in x.dtype."""
-        from baryon.kernels.quant.int4_experts import dequantize_int4_experts
-
         num_tokens, hidden = x.shape
         top_k = topk_ids.shape[1]
         num_local, inter = w13_blocks.shape[0], 2 * w2_blocks.shape[2]
         if num_tokens >= INT4_DEQUANTIZE_MIN_TOKENS:
-            w13 = dequantize_int4_experts(w13_blocks, w13_pairs, x.dtype)
-            w2 = dequantize_int4_experts(w2_blocks, w2_pairs, x.dtype)
+            w13 = dequantize_int4_triton(w13_blocks, w13_pairs, x.dtype)
+            w2 = dequantize_int4_triton(w2_blocks, w2_pairs, x.dtype)
             return TritonFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
         tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, x.device)
         if tiles.mode == "grouped_mm":
