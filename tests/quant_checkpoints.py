@@ -464,6 +464,11 @@ def gptq_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool, perm: 
     return q, zeros, scales, g_idx
 
 
+def input_key(module: str) -> str:
+    """One name for the modules that read one input (q/k/v; gate/up, also an expert's)."""
+    return re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", module))
+
+
 def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False, sym: bool = True,
          seed: int = 0, shared_order: bool = True, static_groups: bool = False, v2: bool = False) -> QuantizedCheckpoint:
     """AutoGPTQ / GPTQModel checkpoint_format "gptq" (v1): qweight, qzeros (zero - 1), scales fp16,
@@ -486,8 +491,7 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
             continue
         perm = None
         if desc_act and not static_groups:  # modules reading one input share its Hessian, so its column order
-            key = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", module))
-            key = key if shared_order else module
+            key = input_key(module) if shared_order else module
             if key not in perms:
                 perms[key] = torch.randperm(t.shape[1], generator=gen)
             perm = perms[key]
@@ -527,7 +531,7 @@ def ct_group_act_order(src: Path, dst: Path, bits: int = 4, group_size: int = 32
         if module not in modules:
             out[name] = t
             continue
-        key = re.sub(r"\.(q|k|v)_proj$", ".qkv", re.sub(r"\.(gate|up)_proj$", ".gate_up", module))
+        key = input_key(module)
         if key not in perms:  # modules reading one input share its order (as GPTQ's g_idx)
             perms[key] = torch.randperm(t.shape[1], generator=gen)
         q, zeros, scales, g_idx = gptq_quantize(t, bits, group_size, sym, perms[key])  # q [N, K] unsigned

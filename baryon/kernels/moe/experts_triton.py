@@ -744,6 +744,18 @@ MXFP4_DEQUANTIZE_MIN_TOKENS = 1024
 MXFP4_GEMV_TILE = TileConfig(block_m=1, block_n=16, block_k=256, num_warps=4)
 
 
+def _four_bit_tiles(num_local: int, hidden: int, inter: int, num_tokens: int, top_k: int,
+                    device: torch.device) -> MoETiles:
+    """The tiles of packed 4-bit experts (MXFP4, int4): the uint8 table's, torch's grouped GEMM
+    replaced by the default layout, decode pairs by the 4-bit GEMV's tile."""
+    tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, device)
+    if tiles.mode == "grouped_mm":
+        tiles = default_tiles(num_local, num_tokens * top_k)
+    if tiles.mode == "pairs":
+        tiles = MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE)
+    return tiles
+
+
 class TritonMxfp4FusedExperts(TritonKernel):
     """MXFP4 experts (GPT-OSS): the bf16 layouts and tiles with the weights read packed (4.25 bits
     a value) and dequantized in registers into the activations' dtype before each dot (Hopper has
@@ -778,11 +790,7 @@ class TritonMxfp4FusedExperts(TritonKernel):
             w2 = dequantize_mxfp4_triton(w2_blocks, w2_scales, x.dtype)
             return TritonFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts,
                                               w13_bias, w2_bias, activation)
-        tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, x.device)
-        if tiles.mode == "grouped_mm":
-            tiles = default_tiles(num_local, num_tokens * top_k)
-        if tiles.mode == "pairs":
-            tiles = MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE)
+        tiles = _four_bit_tiles(num_local, hidden, inter, num_tokens, top_k, x.device)
         return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
                                 topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
                                 mxfp4=(w13_scales, w2_scales), w13_bias=w13_bias, w2_bias=w2_bias,
@@ -821,11 +829,7 @@ class TritonInt4FusedExperts(TritonKernel):
             w13 = dequantize_int4_triton(w13_blocks, w13_pairs, x.dtype)
             w2 = dequantize_int4_triton(w2_blocks, w2_pairs, x.dtype)
             return TritonFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
-        tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, x.device)
-        if tiles.mode == "grouped_mm":
-            tiles = default_tiles(num_local, num_tokens * top_k)
-        if tiles.mode == "pairs":
-            tiles = MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE)
+        tiles = _four_bit_tiles(num_local, hidden, inter, num_tokens, top_k, x.device)
         return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
                                 topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
                                 mxfp4=(w13_pairs, w2_pairs), int4=True)
