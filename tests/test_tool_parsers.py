@@ -25,6 +25,14 @@ def hermes_call(name: str, arguments: dict) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
 
 
+def coder_call(name: str, arguments: dict) -> str:
+    """Qwen3-Coder's call (hermes tags, an XML body): strings as text, other values as JSON."""
+    parameters = "".join(f"<parameter={key}>\n"
+                         f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}\n</parameter>\n"
+                         for key, value in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 
 
@@ -88,6 +96,15 @@ CASES = [
     ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("f", {"a": 1})]),
     ("hermes", "Übersetze: " + hermes_call("translate", UNICODE), "Übersetze:", [("translate", UNICODE)]),
     ("hermes", "ends with <tool_", "ends with <tool_", []),
+    # hermes: Qwen3-Coder's XML bodies
+    ("hermes", "Let me check.\n" + coder_call("get_weather", WEATHER), "Let me check.", [("get_weather", WEATHER)]),
+    ("hermes", coder_call("a", {"x": 1, "y": [1, {"z": None}], "s": "two\nlines"}) + "\n" + hermes_call("b", {}), None,
+     [("a", {"x": 1, "y": [1, {"z": None}], "s": "two\nlines"}), ("b", {})]),
+    ("hermes", coder_call("translate", UNICODE_PLAIN), None, [("translate", UNICODE_PLAIN)]),
+    ("hermes", "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\nstray\n</function>\n</tool_call>",
+     "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\nstray\n</function>\n</tool_call>", []),
+    ("hermes", "ok <tool_call>\n<function=f>\n<parameter=a>\n1", "ok <tool_call>\n<function=f>\n<parameter=a>\n1",
+     []),  # cut off: content
     # llama3_json
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
      None, [("get_weather", WEATHER)]),
@@ -236,6 +253,21 @@ def test_streamed_pieces_add_up_to_the_whole(seed, parser_name, reply, content, 
         assert [(call["name"], json.loads(call["arguments"])) for call in streamed_calls] == calls
 
 
+def test_qwen3_coder_values_are_typed_by_the_tools_schema():
+    """Qwen3-Coder writes values untyped: a parameter the tool declares a string keeps its text
+    (digits, true, JSON-looking text); others are read as JSON where they are JSON."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": "string"}, "flag": {"type": "string"}, "n": {"type": "integer"}, "obj": {"type": "object"}}}}}]
+    reply = ("<tool_call>\n<function=f>\n<parameter=code>\n007\n</parameter>\n<parameter=flag>\ntrue\n"
+             "</parameter>\n<parameter=n>\n42\n</parameter>\n<parameter=obj>\n{\"a\": [1]}\n</parameter>\n"
+             "<parameter=other>\n3.5\n</parameter>\n</function>\n</tool_call>")
+    parsed = TOOL_PARSERS["hermes"](tools).parse(reply)
+    assert call_pairs(parsed) == [("f", {"code": "007", "flag": "true", "n": 42, "obj": {"a": [1]}, "other": 3.5})]
+    # without the tools: JSON where the text is JSON ("007" is not), else the text
+    assert call_pairs(TOOL_PARSERS["hermes"]().parse(reply)) == [
+        ("f", {"code": "007", "flag": True, "n": 42, "obj": {"a": [1]}, "other": 3.5})]
+
+
 def test_unicode_arguments_survive_as_written():
     parsed = TOOL_PARSERS["hermes"]().parse(hermes_call("translate", UNICODE))
     assert parsed.tool_calls[0].arguments == json.dumps(UNICODE, ensure_ascii=False)
@@ -350,7 +382,8 @@ def test_registry_and_defaults():
     assert TOOL_PARSERS["harmony"] is TOOL_PARSERS["openai"]
     assert all(cls.name in TOOL_PARSERS for cls in TOOL_PARSERS.values())
     expected = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
-                "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "deepseek_v3": "deepseek_v3",
+                "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "deepseek_v2": "deepseek_v3",
+                "deepseek_v3": "deepseek_v3",
                 "deepseek_v32": "deepseek_v32", "gpt_oss": "openai", "glm4_moe": "glm45", "gemma3": None, None: None}
     assert {model_type: default_tool_parser(model_type) for model_type in expected} == expected
 

@@ -73,8 +73,10 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
     # <think> parsers: how the generation prompt ends (a template may open or close the reasoning)
     tail = ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip() \
         if reasoning_parser in _THINK_PARSERS else ""
+    if tail.endswith("</think>"):  # the template closed the reasoning (thinking off): the reply is all content
+        reasoning_parser = None
     if structure[0] is not None:  # a reasoning model thinks first: the constraint starts after </think>
-        end = _reasoning_end(ctx, reasoning_parser, tail)
+        end = _reasoning_end(ctx, reasoning_parser)
         if end is None:
             reasoning_parser = None  # constrained from the first token: nothing to split
         else:
@@ -108,13 +110,12 @@ def _template_kwargs(request: ChatCompletionRequest) -> dict | None:
 _THINK_PARSERS = ("qwen3", "deepseek_r1")  # reasoning between <think> and </think>
 
 
-def _reasoning_end(ctx: ServerContext, parser: str | None, prompt_tail: str) -> list[int] | None:
+def _reasoning_end(ctx: ServerContext, parser: str | None) -> list[int] | None:
     """The token ids after which a constrained reply's constraint starts: `</think>`'s for a
-    <think> reasoning parser, unless the prompt (its last tokens' text, `prompt_tail`) has closed
-    the reasoning already (Qwen3's template with enable_thinking false); None: the constraint
-    applies from the first token. (GPT-OSS's harmony channels are not gated: its constrained
-    replies are not split.)"""
-    if parser not in _THINK_PARSERS or prompt_tail.endswith("</think>"):
+    <think> reasoning parser (one whose prompt has not closed the reasoning: see _plan); None:
+    the constraint applies from the first token. (GPT-OSS's harmony channels are not gated: its
+    constrained replies are not split.)"""
+    if parser not in _THINK_PARSERS:
         return None
     return ctx.inputs.tokenizer.encode("</think>", add_special_tokens=False)
 

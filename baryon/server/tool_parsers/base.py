@@ -105,6 +105,16 @@ class ToolParser:
         self._pending_sent = 0  # characters of the content just after _resume already taken
         self._num_calls = 0
 
+    def declared_type(self, function: str, key: str) -> str | None:
+        """The JSON type the request's tool `function` gives its parameter `key` (None: not a
+        single type, or no such tool): for formats that write argument values untyped."""
+        for tool in self.tools:
+            spec = tool.get("function") or {}
+            if spec.get("name") == function:
+                kind = (((spec.get("parameters") or {}).get("properties") or {}).get(key) or {}).get("type")
+                return kind if isinstance(kind, str) else None
+        return None
+
     def scan(self, text: str, start: int, finished: bool) -> Scan:
         """Read `text` from `start` (0, or a previous scan's `resume`). Unless `finished`, report
         only what more text cannot change."""

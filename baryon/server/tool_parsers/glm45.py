@@ -28,15 +28,6 @@ _ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_val
 class Glm45ToolParser(ToolParser):
     name = "glm45"
 
-    def _declared_type(self, function: str, key: str) -> str | None:
-        """The JSON type `function`'s parameters schema gives `key` (None: not a single type)."""
-        for tool in self.tools:
-            spec = tool.get("function") or {}
-            if spec.get("name") == function:
-                kind = (((spec.get("parameters") or {}).get("properties") or {}).get(key) or {}).get("type")
-                return kind if isinstance(kind, str) else None
-        return None
-
     def _call_in(self, body: str) -> ToolCall | None:
         """NAME, then <arg_key>/<arg_value> pairs, white space between."""
         first = body.find("<arg_key>")
@@ -46,7 +37,7 @@ class Glm45ToolParser(ToolParser):
         members, position = [], 0 if first < 0 else first
         while match := _ARGUMENT.match(body, position):
             key, value = match.group(1).strip(), match.group(2)
-            as_text = self._declared_type(name, key) == "string"
+            as_text = self.declared_type(name, key) == "string"
             members.append(f"{json.dumps(key, ensure_ascii=False)}: {value_json(value, as_text)}")
             position = match.end()
         if first >= 0 and body[position:].strip() or not sendable(name):  # not an argument; or the name
