@@ -501,3 +501,37 @@ def test_a_constrained_reply_of_a_reasoning_model_thinks_first(thinking_server):
                         json={**body, "chat_template_kwargs": {"enable_thinking": False}}).json()["choices"][0]
     assert closed["finish_reason"] == "stop" and not closed["message"].get("reasoning_content")
     assert 100 <= json.loads(closed["message"]["content"]) <= 999
+
+
+@pytest.fixture(scope="module")
+def r1_thinking_server(stories_path, tmp_path_factory):
+    template = tmp_path_factory.mktemp("thinking_r1") / "think.jinja"
+    template.write_text(THINKING_TEMPLATE)
+    proc = ServerProcess(stories_path, "--served-model-name", MODEL, "--chat-template", str(template),
+                         "--max-model-len", "512", "--reasoning-parser", "deepseek_r1")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_a_prompt_that_closes_the_reasoning_gets_content(r1_thinking_server):
+    """deepseek_r1 reads a reply as starting inside the reasoning, which the template opened in
+    the prompt; where the prompt closed it instead (DeepSeek-V3.1's non-thinking mode,
+    enable_thinking false here) the reply is all content, whole and streamed."""
+    body = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 12}
+    url = f"{r1_thinking_server.url}/v1/chat/completions"
+    thinking = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]
+    assert thinking["reasoning_content"] and not thinking["content"]  # (stories260K never writes </think>)
+    closed_body = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    closed = httpx.post(url, json=closed_body, timeout=60).json()["choices"][0]["message"]
+    assert closed["content"] and not closed.get("reasoning_content")
+    streamed = ""
+    with httpx.stream("POST", url, json={**closed_body, "stream": True}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                delta = choices[0]["delta"] if choices else {}
+                assert not delta.get("reasoning_content")
+                streamed += delta.get("content") or ""
+    assert streamed == closed["content"]
