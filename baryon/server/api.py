@@ -105,7 +105,8 @@ def build_app(ctx: ServerContext, api_key: str | None) -> FastAPI:
         check_unicode(request.model_dump(exclude_none=True))
         if request.prompt is not None:
             return ctx.inputs.tokenize(request.prompt, add_special_tokens=request.add_special_tokens is not False)
-        return ctx.inputs.chat_prompt(request.messages, request.add_generation_prompt is not False, check=False)
+        return ctx.inputs.chat_prompt(request.messages, request.add_generation_prompt is not False, check=False,
+                                      call_id_chars=ctx.call_id_chars)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:

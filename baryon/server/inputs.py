@@ -131,10 +131,17 @@ class InputProcessor:
         return result
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True, check: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None,
+                    call_id_chars: int | None = None) -> list[int]:
         """The token ids of a conversation rendered with the chat template (checked against the
         engine's limits unless check=False). tools: OpenAI tool definitions the template renders
-        into the prompt; template_kwargs: more variables for it (e.g. enable_thinking)."""
+        into the prompt; template_kwargs: more variables for it (e.g. enable_thinking);
+        call_id_chars: tool call ids are given to the template cut to their last this many
+        characters (Mistral's templates accept nine, as vLLM cuts them).
+
+        Tool calls' arguments reach the template as objects (most templates apply `tojson`);
+        a template that joins them to text with `+` (DeepSeek's) fails on an object with a
+        TypeError, and the conversation is rendered again with the arguments as text."""
         tokenizer = self._need_tokenizer("chat")
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
@@ -151,10 +158,19 @@ class InputProcessor:
             if _nesting_depth(value) > limit:
                 raise bad_request(f"{name} nests values more than {limit} levels deep (the chat template renders "
                                   f"them recursively); at most {limit} are accepted", param=name)
+        def render(arguments_as_text: bool) -> list[int]:
+            return tokenizer.apply_chat_template(
+                [_template_message(m, arguments_as_text, call_id_chars) for m in messages], chat_template=template,
+                tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False,
+                **(template_kwargs or {}))
+
         try:
-            ids = tokenizer.apply_chat_template([_template_message(m) for m in messages], chat_template=template,
-                                                tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                                return_dict=False, **(template_kwargs or {}))
+            try:
+                ids = render(False)
+            except TypeError:
+                if not any(m.tool_calls for m in messages):
+                    raise
+                ids = render(True)
         except Exception as e:  # the template is user code: any failure is the request's
             raise bad_request(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
                               param="messages") from None
@@ -195,27 +211,34 @@ class InputProcessor:
         return requested
 
 
-def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A message as chat templates read it: content as text, and tool calls' arguments as an
-    object where they parse as one (Llama's and others' templates apply `tojson` to them)."""
+def _template_message(message: ChatMessage, arguments_as_text: bool = False,
+                      call_id_chars: int | None = None) -> dict[str, Any]:
+    """A message as chat templates read it: content as text ("" for an assistant's tool calls
+    without any: templates that join it to text need a string), and tool calls' arguments as an
+    object where they parse as one (Llama's and others' templates apply `tojson` to them) unless
+    arguments_as_text; call ids cut to their last call_id_chars characters if given."""
     content = message.content
     if isinstance(content, list):
         content = "\n".join(part.text for part in content)
+    if content is None and message.tool_calls:
+        content = ""
     rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         rendered["name"] = message.name
     if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
+        rendered["tool_call_id"] = message.tool_call_id[-call_id_chars:] if call_id_chars else message.tool_call_id
     if message.reasoning_content is not None:
         rendered["reasoning_content"] = message.reasoning_content
     if message.tool_calls:
         calls = []
         for call in message.tool_calls:
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError:
-                arguments = call.function.arguments
-            calls.append({"id": call.id, "type": "function",
+            arguments = call.function.arguments
+            if not arguments_as_text:
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    pass
+            calls.append({"id": call.id[-call_id_chars:] if call_id_chars else call.id, "type": "function",
                           "function": {"name": call.function.name, "arguments": arguments}})
         rendered["tool_calls"] = calls
     return rendered

@@ -57,6 +57,12 @@ class ServerContext:
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="baryon-specs"))
 
     @property
+    def call_id_chars(self) -> int | None:
+        """How many of a tool call id's last characters the chat template is given: Mistral's
+        templates accept ids of nine characters only (vLLM cuts them the same way)."""
+        return 9 if self.tool_parser == "mistral" else None
+
+    @property
     def model_name(self) -> str:
         return self.model_names[0]
 

@@ -68,7 +68,8 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
             raise bad_request(f"tool_choice {tools.mode!r} constrains the reply itself; it cannot be combined "
                               f"with {structure[1]}", param="tool_choice")
         structure = (tools.structure, "tool_choice")
-    ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=_template_kwargs(request))
+    ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=_template_kwargs(request),
+                                 call_id_chars=ctx.call_id_chars)
     reasoning_parser = ctx.reasoning_parser
     # <think> parsers: how the generation prompt ends (a template may open or close the reasoning)
     tail = ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip() \

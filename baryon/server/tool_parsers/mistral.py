@@ -4,18 +4,26 @@
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}   (v11 and later)
 
 (v13 writes `NAME[CALL_ID]ID[ARGS]`; the id is not kept). A call that cannot be read stays in the
-content as written, up to the next marker.
+content as written, up to the next marker. Call ids are nine letters and digits, what Mistral's
+chat templates accept when a conversation with the calls comes back (they refuse others).
 """
 
 from __future__ import annotations
 
 import re
+import secrets
+import string
 
 from baryon.server.tool_parsers.base import Scan, ToolCall, ToolParser, calls_at, decode_json, undecided_tail
 
 _CALLS, _ARGS, _CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _SPACE = re.compile(r"\s*")
 _NAME = re.compile(r"[\w.\-]+")
+
+
+def mistral_call_id() -> str:
+    """Nine random letters and digits (Mistral's templates check tool call ids for exactly that)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def _array_calls(calls: object) -> list[ToolCall] | None:
@@ -70,6 +78,8 @@ class MistralToolParser(ToolParser):
             if read is None:  # still being written
                 return Scan(items, marker)
             calls, position = read
+            for call in calls or []:
+                call.id = mistral_call_id()
             items.extend(calls or [text[marker:position]])
         end = len(text) if finished else undecided_tail(text, position, (_CALLS,))
         if end > position:
