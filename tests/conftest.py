@@ -179,6 +179,21 @@ def random_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def random_dense_layer(gen: torch.Generator, in_features: int, out_features: int, dtype: torch.dtype,
+                       device: str) -> torch.nn.Module:
+    """A ReplicatedLinear with a bias and random weights (scale 0.05), in dtype on device, loaded
+    (process_weights_after_loading run: the kernels a dense layer picks there are set)."""
+    from baryon.layers.linear import ReplicatedLinear
+
+    with torch.device(device), torch.no_grad():
+        layer = ReplicatedLinear(in_features, out_features, bias=True)
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen, device="cpu").to(param.dtype) * 0.05)
+        layer.to(dtype)
+        layer.method.process_weights_after_loading(layer)
+    return layer
+
+
 def _rank_entry(target, rank: int, world: int, init_method: str, args: tuple, results) -> None:
     import traceback
 

@@ -12,6 +12,7 @@ from baryon.kernels.dense_decode_gemm import (MAX_M, TILE_TABLE, DecodeTiles, To
                                               TritonDenseDecodeLinear, plan)
 from baryon.kernels.dense_gemv import dense_gemv_reference
 from baryon.kernels.triton_utils import INTERPRETED, triton
+from conftest import random_dense_layer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
@@ -130,16 +131,9 @@ def test_table_and_split_rules(monkeypatch):
 def test_dense_layers_take_it_for_decode_batches(seed, monkeypatch):
     """A dense projection sends 2..MAX_M rows to the decode GEMM where the table has tiles, one row
     to the GEMV's path and larger batches to F.linear; every path follows the float32 product."""
-    from baryon.layers.linear import ReplicatedLinear
-
     gen = torch.Generator().manual_seed(seed)
     n, k = 48, 200
-    with torch.device(DEVICE), torch.no_grad():
-        layer = ReplicatedLinear(k, n, bias=True)
-        for param in layer.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen, device="cpu").to(param.dtype) * 0.05)
-        layer.to(DTYPE)
-        layer.method.process_weights_after_loading(layer)
+    layer = random_dense_layer(gen, k, n, DTYPE, DEVICE)
     if DEVICE == "cpu":  # the selector picks it for CUDA weights only; the interpreter stands in
         layer.dense_decode = TritonDenseDecodeLinear
     assert layer.dense_decode is TritonDenseDecodeLinear

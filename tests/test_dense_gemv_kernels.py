@@ -10,6 +10,7 @@ from baryon.kernels import dense_gemv
 from baryon.kernels.dense_gemv import (DECODE_MAX_M, MAX_M, TILE_TABLE, TorchDenseGemv, TritonDenseGemv,
                                        dense_gemv_reference, tile_config)
 from baryon.kernels.triton_utils import INTERPRETED
+from conftest import random_dense_layer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(dense_gemv.triton is None, reason="triton is not installed")
@@ -94,17 +95,10 @@ def test_tile_table_covers_every_shape():
 def test_dense_layers_take_the_gemv_for_one_row(seed, monkeypatch):
     """A dense projection sends a one-row batch to the GEMV and larger batches to F.linear; both
     follow the float32 product. The LM head keeps F.linear."""
-    from baryon.layers.linear import ReplicatedLinear
-
     monkeypatch.setenv("BARYON_KERNEL_DENSE_GEMV", "triton")
     gen = torch.Generator().manual_seed(seed)
     n, k = 48, 200
-    with torch.device(DEVICE), torch.no_grad():
-        layer = ReplicatedLinear(k, n, bias=True)
-        for param in layer.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen, device="cpu").to(param.dtype) * 0.05)
-        layer.to(DTYPE)
-        layer.method.process_weights_after_loading(layer)
+    layer = random_dense_layer(gen, k, n, DTYPE, DEVICE)
     if DEVICE == "cpu":  # the selector picks the GEMV for CUDA weights only; the interpreter stands in
         layer.dense_gemv = TritonDenseGemv
     assert layer.dense_gemv is TritonDenseGemv

@@ -474,16 +474,21 @@ THINKING_TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %} <think></think>{% else %} <think>{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def thinking_server(stories_path, tmp_path_factory):
-    template = tmp_path_factory.mktemp("thinking") / "think.jinja"
+def _serve_thinking(stories_path, tmp_path_factory, reasoning_parser: str):
+    """A server of THINKING_TEMPLATE under `reasoning_parser` (a fixture's generator)."""
+    template = tmp_path_factory.mktemp(f"thinking_{reasoning_parser}") / "think.jinja"
     template.write_text(THINKING_TEMPLATE)
     proc = ServerProcess(stories_path, "--served-model-name", MODEL, "--chat-template", str(template),
-                         "--max-model-len", "512", "--reasoning-parser", "qwen3")
+                         "--max-model-len", "512", "--reasoning-parser", reasoning_parser)
     try:
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking_server(stories_path, tmp_path_factory):
+    yield from _serve_thinking(stories_path, tmp_path_factory, "qwen3")
 
 
 def test_a_constrained_reply_of_a_reasoning_model_thinks_first(thinking_server):
@@ -505,14 +510,7 @@ def test_a_constrained_reply_of_a_reasoning_model_thinks_first(thinking_server):
 
 @pytest.fixture(scope="module")
 def r1_thinking_server(stories_path, tmp_path_factory):
-    template = tmp_path_factory.mktemp("thinking_r1") / "think.jinja"
-    template.write_text(THINKING_TEMPLATE)
-    proc = ServerProcess(stories_path, "--served-model-name", MODEL, "--chat-template", str(template),
-                         "--max-model-len", "512", "--reasoning-parser", "deepseek_r1")
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    yield from _serve_thinking(stories_path, tmp_path_factory, "deepseek_r1")
 
 
 def test_a_prompt_that_closes_the_reasoning_gets_content(r1_thinking_server):
