@@ -61,22 +61,33 @@ class DequantizedMoEMethod(MoEMethod):
                 params[f"{prefix}_{name}"] = stacked
         return params
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        experts, hidden, inter = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_rank
-        dtype = torch.get_default_dtype()
-        stacks = {}
+    @staticmethod
+    def expert_projections(layer: nn.Module):
+        """("w13" / "w2", [one holder per expert]): each expert's projection as a linear layer
+        holding its loaded checkpoint tensors (output_size, input_size and the tensors by name)."""
+        hidden, inter = layer.hidden_size, layer.intermediate_size_per_rank
         for prefix, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
             names = [p[len(prefix) + 1:] for p, _ in layer.named_parameters(recurse=False)
                      if p.startswith(prefix + "_")]
-            dense = torch.empty(experts, n, k, dtype=dtype)
-            for e in range(experts):  # one expert's projection as a linear layer holding it
-                one = SimpleNamespace(output_size=n, input_size=k, _parameters={},
-                                      **{name: getattr(layer, f"{prefix}_{name}")[e] for name in names})
+            yield prefix, [SimpleNamespace(output_size=n, input_size=k, _parameters={},
+                                           **{name: getattr(layer, f"{prefix}_{name}")[e] for name in names})
+                           for e in range(layer.num_local_experts)]
+
+    @staticmethod
+    def drop_checkpoint_tensors(layer: nn.Module) -> None:
+        for name in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
+            delattr(layer, name)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dtype = torch.get_default_dtype()
+        stacks = {}
+        for prefix, experts in self.expert_projections(layer):
+            dense = torch.empty(len(experts), experts[0].output_size, experts[0].input_size, dtype=dtype)  # [E, n, k]
+            for e, one in enumerate(experts):  # filled in place: no second copy of the float experts
                 self.linear.process_weights_after_loading(one)
                 dense[e] = self.linear.dequantize(one).to(dtype)
             stacks[prefix] = dense
-        for name in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
-            delattr(layer, name)
+        self.drop_checkpoint_tensors(layer)
         layer.w13_weight = nn.Parameter(stacks["w13"], requires_grad=False)
         layer.w2_weight = nn.Parameter(stacks["w2"], requires_grad=False)
         logger.warning("%s experts are held dequantized in %s (no fused MoE kernel reads that layout yet)",

@@ -14,19 +14,14 @@ as before.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
 from baryon.kernels.quant.int4_experts import GROUP, dequantize_int4_experts, pack_int4_experts
 from baryon.kernels.selector import select
-from baryon.logger import get_logger
 from baryon.quantization.base import LinearMethod
 from baryon.quantization.moe_dequantized import DequantizedMoEMethod
 from baryon.quantization.wna16 import WNA16LinearMethod
-
-logger = get_logger(__name__)
 
 
 def weight_only_moe_method(linear: LinearMethod, name: str) -> DequantizedMoEMethod:
@@ -52,22 +47,13 @@ class Int4MoEMethod(DequantizedMoEMethod):
         if not self.packed:
             super().process_weights_after_loading(layer)
             return
-        experts, hidden, inter = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_rank
         dtype = torch.get_default_dtype()
         packed = {}
-        for prefix, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-            names = [p[len(prefix) + 1:] for p, _ in layer.named_parameters(recurse=False)
-                     if p.startswith(prefix + "_")]
-            canonical = []
-            for e in range(experts):  # one expert's projection as a linear layer holding it
-                one = SimpleNamespace(output_size=n, input_size=k,
-                                      **{name: getattr(layer, f"{prefix}_{name}")[e] for name in names})
-                codes, scales, zeros, _ = self.linear.canonical(one)  # [n, k], [n, G], [n, G]
-                canonical.append((codes, scales, zeros))
+        for prefix, experts in self.expert_projections(layer):
+            canonical = [self.linear.canonical(one)[:3] for one in experts]  # codes [n, k], scales, zeros [n, G]
             stacked = [torch.stack(parts) for parts in zip(*canonical)]  # [E, n, k], [E, n, G], [E, n, G]
             packed[prefix] = pack_int4_experts(*stacked, dtype)  # blocks [E, n, k / 2], pairs [E, n, k / 32, 2]
-        for name in [n for n, _ in layer.named_parameters(recurse=False) if n.startswith(("w13_", "w2_"))]:
-            delattr(layer, name)
+        self.drop_checkpoint_tensors(layer)
         for prefix, (blocks, pairs) in packed.items():
             layer.register_parameter(f"{prefix}_blocks", nn.Parameter(blocks, requires_grad=False))
             layer.register_parameter(f"{prefix}_pairs", nn.Parameter(pairs, requires_grad=False))
