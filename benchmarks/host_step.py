@@ -2,6 +2,7 @@
 JSON-schema constraint on every request.
 
     python benchmarks/host_step.py --model qwen3-0.6b --batch 64 --steps 256 --rounds 3
+    python benchmarks/host_step.py --model qwen3-8b --batch 64 --cases unconstrained --tensor-parallel-size 2
 
 Builds the preset as `benchmarks/structured_output.py` does (dummy weights, a byte-level
 tokenizer of the preset's vocabulary size, so grammars and detokenizing run as with a real one),
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks > 0 run in worker processes; the phases are rank 0's")
     parser.add_argument("--cases", choices=("both", "unconstrained", "json"), default="both",
                         help="which cases to run (one alone: for a sampling profiler run over this script)")
     args = parser.parse_args()
@@ -74,7 +77,7 @@ def main() -> None:
     # The phases are timed by wrapping the engine's methods, so the engine core runs in this process
     # (the offline API's default on a GPU puts it in a process of its own).
     llm = LLM(resolve_model(args.model), load_format="dummy", tokenizer=str(tokenizer), max_model_len=4096,
-              engine_process=False)
+              engine_process=False, tensor_parallel_size=args.tensor_parallel_size)
     times = time_phases()
     cases = {"unconstrained": None, "json schema": enum_array_spec()}
     if args.cases != "both":

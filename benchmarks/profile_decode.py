@@ -16,24 +16,36 @@ import torch
 from baryon.bench.common import add_engine_flags, build_llm, random_token_prompts
 
 
-def device_timeline(prof: torch.profiler.profile, steps: int) -> str:
+def device_timeline(prof: torch.profiler.profile, steps: int, top_gaps: int = 8) -> str:
     """Kernels per step, the device's busy time per step (the union of kernel intervals) and the
-    span from the first kernel to the last, per step: busy / span is how full the GPU was kept."""
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    if not intervals:
+    span from the first kernel to the last, per step: busy / span is how full the GPU was kept.
+    Then where the idle time falls: the gaps summed by the (last kernel before, first kernel after)
+    pair, largest first, in us per step (copies and memsets count as kernels)."""
+    events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not events:
         return "device timeline: no kernels recorded"
-    busy, start, end = 0.0, *intervals[0]
-    for s, e in intervals[1:]:
+    busy, (start, end, last_name) = 0.0, events[0]
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for s, e, name in events[1:]:
         if s > end:
             busy += end - start
+            gaps.setdefault((last_name, name), []).append(s - end)
             start, end = s, e
+        elif e < end:
+            continue  # inside the interval: the kernel that ends it stays its last
         else:
-            end = max(end, e)
+            end = e
+        last_name = name
     busy += end - start
-    span = intervals[-1][1] - intervals[0][0]
-    return (f"device timeline: {len(intervals) / steps:.0f} kernels per step, busy {busy / steps / 1e3:.3f} ms "
-            f"of {span / steps / 1e3:.3f} ms per step ({100 * busy / span:.0f}% busy; prefill included)")
+    span = events[-1][1] - events[0][0]
+    lines = [f"device timeline: {len(events) / steps:.0f} kernels per step, busy {busy / steps / 1e3:.3f} ms "
+             f"of {span / steps / 1e3:.3f} ms per step ({100 * busy / span:.0f}% busy; prefill included)",
+             f"idle gaps by (kernel before -> kernel after), us per step (top {top_gaps}):"]
+    for (before, after), lengths in sorted(gaps.items(), key=lambda item: -sum(item[1]))[:top_gaps]:
+        lines.append(f"  {sum(lengths) / steps:8.1f} us  ({len(lengths) / steps:.1f} gaps, longest "
+                     f"{max(lengths):.1f} us)  {before[:60]} -> {after[:60]}")
+    return "\n".join(lines)
 
 
 def main() -> None:
