@@ -45,7 +45,37 @@ from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.selector import select
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
 
+# Packed int4 experts decoded on 16-bit lanes, four codes (one 32-bit register of bytes) at a time:
+# the nibbles masked, each byte placed under the exponent byte M of the magic (prmt; bf16 M = 0x43:
+# 128 + code, fp16 0x64: 1024 + code, exact), then two packed FMAs: + -(magic + zero) (code - zero,
+# exact) and * scale + -0.0 (the product rounded once). $2: the bytes, $3 $4: -(magic + zero), $5 $6:
+# the scales (two lanes a register), $0 $1: the four values.
+_INT4_LANES_ASM = """{{
+.reg .b32 t, u, magic, one, nzero;
+mov.b32 magic, {magic};
+mov.b32 one, {one};
+mov.b32 nzero, 0x80008000;
+{nibbles}
+prmt.b32 u, t, magic, 0x4140;
+fma.rn.{kind} u, u, one, $3;
+fma.rn.{kind} $0, u, $5, nzero;
+prmt.b32 u, t, magic, 0x4342;
+fma.rn.{kind} u, u, one, $4;
+fma.rn.{kind} $1, u, $6, nzero;
+}}"""
+
+
+def _int4_lanes_asm(high: bool, kind: str) -> str:
+    magic, one = {"bf16x2": ("0x43", "0x3F803F80"), "f16x2": ("0x64", "0x3C003C00")}[kind]
+    nibbles = "shr.b32 t, $2, 4;\nand.b32 t, t, 0x0F0F0F0F;" if high else "and.b32 t, $2, 0x0F0F0F0F;"
+    return _INT4_LANES_ASM.format(magic=magic, one=one, nibbles=nibbles, kind=kind)
+
+
 if triton is not None:
+    # Globals a kernel reads must be constexprs. The interpreter runs no PTX: float32 there.
+    _INT4_IN_LANES = tl.constexpr(not INTERPRETED)
+    _INT4_ASM_BF16_LOW, _INT4_ASM_BF16_HIGH, _INT4_ASM_F16_LOW, _INT4_ASM_F16_HIGH = (
+        tl.constexpr(_int4_lanes_asm(high, kind)) for kind in ("bf16x2", "f16x2") for high in (False, True))
 
     @triton.jit
     def _e2m1_to_float(codes):
@@ -62,19 +92,49 @@ if triton is not None:
         return (scales.to(tl.uint32) << 23).to(tl.float32, bitcast=True) * 16384.0
 
     @triton.jit
+    def _int4_nibbles(packed, neg_magic_zero, scale, HIGH: tl.constexpr, dtype: tl.constexpr):
+        """(nibble - zero) * scale of each byte of packed [...] (uint8; the low or HIGH nibble) in
+        dtype (bfloat16 / float16), four bytes a time on 16-bit lanes (see _INT4_ASM): exactly the
+        float32 (code - zero) * scale rounded once to dtype. neg_magic_zero: -(magic + zero) and
+        scale in dtype, broadcast to packed's shape."""
+        if dtype == tl.bfloat16:
+            if HIGH:
+                asm: tl.constexpr = _INT4_ASM_BF16_HIGH
+            else:
+                asm: tl.constexpr = _INT4_ASM_BF16_LOW
+        else:
+            if HIGH:
+                asm: tl.constexpr = _INT4_ASM_F16_HIGH
+            else:
+                asm: tl.constexpr = _INT4_ASM_F16_LOW
+        return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r", [packed, neg_magic_zero, scale],
+                                         dtype=neg_magic_zero.dtype,
+                                         is_pure=True, pack=4)
+
+    @triton.jit
     def _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, dtype: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOUR_BIT: tl.constexpr):
         """A K tile of packed weights w_ptrs [BN, BK / 32, 16] (bytes) with scales s_ptrs [BN, BK / 32]
         -> (even-k values, odd-k values), each [BN, BK / 2] in dtype: column j holds k = 2j and
         2j + 1 of the tile. FOUR_BIT 1: e2m1 codes, e8m0 scales (exact); 2: unsigned int4 codes,
-        s_ptrs at (scale, zero) pairs: (code - zero) * scale in float32."""
+        s_ptrs at (scale, zero) pairs: (code - zero) * scale, rounded once to dtype (on the GPU in
+        16-bit lanes without conversion instructions: _int4_nibbles; else through float32)."""
         packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & byte_mask[None, :, :], other=0)
         s_mask = n_mask[:, None] & group_mask[None, :]
         if FOUR_BIT == 2:
             scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
             zero = tl.load(s_ptrs + 1, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
-            even = tl.reshape(((packed & 0xF).to(tl.float32) - zero) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
-            odd = tl.reshape(((packed >> 4).to(tl.float32) - zero) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+            if _INT4_IN_LANES and (dtype == tl.bfloat16 or dtype == tl.float16):
+                if dtype == tl.bfloat16:  # -(magic + zero): integers <= 1039, exact in dtype
+                    neg = tl.broadcast_to((-(128.0 + zero)).to(dtype), packed.shape)
+                else:
+                    neg = tl.broadcast_to((-(1024.0 + zero)).to(dtype), packed.shape)
+                scale = tl.broadcast_to(scale.to(dtype), packed.shape)
+                even = tl.reshape(_int4_nibbles(packed, neg, scale, False, dtype), [BLOCK_N, BLOCK_K // 2])
+                odd = tl.reshape(_int4_nibbles(packed, neg, scale, True, dtype), [BLOCK_N, BLOCK_K // 2])
+            else:
+                even = tl.reshape(((packed & 0xF).to(tl.float32) - zero) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
+                odd = tl.reshape(((packed >> 4).to(tl.float32) - zero) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
         else:
             scale = _e8m0_to_float(tl.load(s_ptrs, mask=s_mask, other=0))[:, :, None]
             even = tl.reshape(_e2m1_to_float(packed & 0xF) * scale, [BLOCK_N, BLOCK_K // 2]).to(dtype)
@@ -223,8 +283,9 @@ if triton is not None:
             x_sum = tl.zeros(word.shape, tl.float32)  # [G, 4]
             for i in tl.static_range(8):
                 a = tl.load(x_row + k0 + word * 8 + i, mask=k_mask, other=0.0).to(tl.float32)
-                if FOUR_BIT == 2:
-                    part += ((words >> (4 * i)) & 0xF).to(tl.float32) * a[None, :, :]
+                if FOUR_BIT == 2:  # the code as float32 by its bits (2^23 + code) - 2^23: no conversion
+                    code = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    part += code * a[None, :, :]
                     x_sum += a
                 else:
                     part += _e2m1_to_float((words >> (4 * i)) & 0xF) * a[None, :, :]
