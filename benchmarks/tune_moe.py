@@ -6,6 +6,11 @@ random weights give). Candidates compile in parallel worker processes first (Tri
 cache), then are timed one by one in this process.
 
     python benchmarks/tune_moe.py --experts 128 --hidden 2048 --inter 768 --top-k 8 [--batches 1 64 ...] [--out FILE]
+    python benchmarks/tune_moe.py --weights int4 --batches 1 2 4 8 16 32 64 128 256 512   # packed int4 experts
+
+`--weights int4` / `mxfp4` tunes packed 4-bit experts (GPTQ / AWQ / compressed-tensors W4A16, and
+GPT-OSS's MXFP4) under their own key: random codes with group scales (and zero points), no
+grouped-GEMM baseline (from 1,024 tokens those layers dequantize and take the bf16 table).
 
 Prints one JSON line per batch size (each mode's best time) and a table last.
 """
@@ -25,6 +30,7 @@ from baryon.kernels.moe import experts_triton
 from baryon.kernels.moe.align import align_pairs_triton
 from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
 from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, config_file, shape_key
+from baryon.kernels.quant.int4_experts import pack_int4_experts
 
 BATCHES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096, 8192]
 PAIRS_MAX_TOKENS = 8
@@ -51,28 +57,49 @@ def _problem(args, tokens: int, device: torch.device):
 
 
 def _weights(args, device):
+    """(w13, w2, their scales or None): bf16 experts, or packed 4-bit ones with their scales."""
     gen = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(args.experts, 2 * args.inter, args.hidden, generator=gen) * 0.02).to(device, torch.bfloat16)
-    w2 = (torch.randn(args.experts, args.hidden, args.inter, generator=gen) * 0.02).to(device, torch.bfloat16)
-    return w13, w2
+    shapes = ((args.experts, 2 * args.inter, args.hidden), (args.experts, args.hidden, args.inter))
+    if args.weights == "bf16":
+        w13, w2 = ((torch.randn(*shape, generator=gen) * 0.02).to(device, torch.bfloat16) for shape in shapes)
+        return w13, w2, None
+    packed = []
+    for *rows, k in shapes:
+        if args.weights == "int4":  # codes, scales and zero codes per 32 values
+            codes = torch.randint(0, 16, (*rows, k), generator=gen, dtype=torch.int32).to(torch.uint8)
+            scales = torch.rand(*rows, k // 32, generator=gen) * 0.002 + 0.001
+            zeros = torch.randint(0, 16, (*rows, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+            blocks, scale = pack_int4_experts(codes, scales, zeros, torch.bfloat16)
+        else:  # MXFP4: two e2m1 codes a byte, e8m0 scales near 2^-7
+            blocks = torch.randint(0, 256, (*rows, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+            scale = torch.randint(118, 122, (*rows, k // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+        packed.append((blocks.to(device), scale.to(device)))
+    (w13, s13), (w2, s2) = packed
+    return w13, w2, (s13, s2)
 
 
-def _gemms(args, w13, w2, tokens, problem, mode, cfg, layouts):
+def _gemms(args, weights, tokens, problem, mode, cfg, layouts):
     """(gate/up launch, down launch) closures for one tile config."""
-    x, inter, weights, ids = problem
+    w13, w2, scales = weights
+    four_bit = dict(int4=args.weights == "int4") if scales is not None else {}
+    s13, s2 = scales if scales is not None else (None, None)
+    x, inter, topk_weights, ids = problem
     num_pairs = ids.numel()
     up_out = torch.empty(num_pairs, args.inter, dtype=torch.bfloat16, device=x.device)
     down_out = torch.empty(num_pairs, args.hidden, dtype=torch.bfloat16, device=x.device)
     layout = (mode, ids, 0) if mode != "sorted" else ("sorted", *layouts[cfg.block_m], num_pairs)
     if cfg.fuse_act:
-        up = lambda: experts_triton._launch(x, w13, up_out, args.inter, args.top_k, True, None, cfg, layout)  # noqa: E731
+        up = lambda: experts_triton._launch(x, w13, up_out, args.inter, args.top_k, True, None, cfg, layout,  # noqa: E731
+                                            mxfp4_scale=s13, **four_bit)
     else:
         gate_up = torch.empty(num_pairs, 2 * args.inter, dtype=torch.bfloat16, device=x.device)
 
         def up():
-            experts_triton._launch(x, w13, gate_up, 2 * args.inter, args.top_k, False, None, cfg, layout)
+            experts_triton._launch(x, w13, gate_up, 2 * args.inter, args.top_k, False, None, cfg, layout,
+                                   mxfp4_scale=s13, **four_bit)
             TritonSiluAndMul.forward(gate_up)
-    down = lambda: experts_triton._launch(inter, w2, down_out, args.hidden, 1, False, weights, cfg, layout)  # noqa: E731
+    down = lambda: experts_triton._launch(inter, w2, down_out, args.hidden, 1, False, topk_weights, cfg, layout,  # noqa: E731
+                                          mxfp4_scale=s2, **four_bit)
     return up, down
 
 
@@ -89,12 +116,12 @@ def _layouts(args, ids, device):
 def _compile_worker(args, worker: int, workers: int) -> None:
     """Run every candidate this worker owns once at every batch size (fills Triton's cache)."""
     device = torch.device("cuda")
-    w13, w2 = _weights(args, device)
+    weights = _weights(args, device)
     jobs = [(tokens, mode, cfg) for tokens in args.batches for mode, cfg in _candidates(tokens)]
     for tokens, mode, cfg in jobs[worker::workers]:
         problem = _problem(args, tokens, device)
         try:
-            for fn in _gemms(args, w13, w2, tokens, problem, mode, cfg, _layouts(args, problem[3], device)):
+            for fn in _gemms(args, weights, tokens, problem, mode, cfg, _layouts(args, problem[3], device)):
                 fn()
         except Exception:  # a tile that does not fit (shared memory, registers) is left out below too
             pass
@@ -117,7 +144,7 @@ def tune(args) -> dict:
     for p in procs:
         p.join()
     print(json.dumps({"compiled_in_s": round(time.time() - start, 1)}), flush=True)
-    w13, w2 = _weights(args, device)
+    weights = _weights(args, device)
     table, rows = {}, []
     for tokens in args.batches:
         problem = _problem(args, tokens, device)
@@ -131,7 +158,7 @@ def tune(args) -> dict:
         timed: dict[str, dict] = {mode: {"up": [], "down": []} for mode in ("pairs", "scan", "sorted")}
         for mode, cfg in _candidates(tokens):
             try:
-                up, down = _gemms(args, w13, w2, tokens, problem, mode, cfg, layouts)
+                up, down = _gemms(args, weights, tokens, problem, mode, cfg, layouts)
                 timed[mode]["up"].append((_bench(up), cfg))
                 timed[mode]["down"].append((_bench(down), cfg))
             except Exception:
@@ -151,8 +178,11 @@ def tune(args) -> dict:
                         best[mode] = (total, up_cfg, down_cfg)
                         parts_us[mode] = {"up": round(up_us, 1), "down": round(down_us, 1), "sum": round(sum_us, 1),
                                           "align": round(total - up_us - down_us - sum_us, 1)}
-        x, _, weights, ids = problem
-        best["grouped_mm"] = (_bench(lambda: GroupedMMFusedExperts.forward(x, w13, w2, weights, ids)), None, None)
+        if args.weights == "bf16":
+            x, _, topk_weights, ids = problem
+            w13, w2, _ = weights
+            best["grouped_mm"] = (_bench(lambda: GroupedMMFusedExperts.forward(x, w13, w2, topk_weights, ids)),
+                                  None, None)
         mode = min(best, key=lambda m: best[m][0])
         table[str(tokens)] = MoETiles(mode, best[mode][1], best[mode][2]).to_json()
         row = {"tokens": tokens, **{f"{m}_us": round(v[0], 1) for m, v in best.items()}, "chosen": mode,
@@ -177,12 +207,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES,
                         help="batch sizes to tune (a step takes the entry at or above its size)")
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--weights", choices=("bf16", "int4", "mxfp4"), default="bf16",
+                        help="the experts' weights: bf16, or packed 4-bit (tuned under their own key)")
     parser.add_argument("--out", default=None, help="table file to update (default: the one for this GPU)")
     args = parser.parse_args()
     table = tune(args)
     out = args.out or config_file(torch.cuda.get_device_name())
     existing = json.load(open(out)) if os.path.isfile(out) else {}
-    existing[shape_key(args.experts, args.hidden, args.inter, torch.bfloat16)] = table
+    existing[shape_key(args.experts, args.hidden, args.inter,
+                       torch.bfloat16 if args.weights == "bf16" else args.weights)] = table
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(existing, f, indent=1, sort_keys=True)

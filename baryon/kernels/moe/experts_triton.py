@@ -40,7 +40,8 @@ from baryon.kernels.activation import TritonSiluAndMul
 from baryon.kernels.moe.align import align_pairs_triton
 from baryon.kernels.moe.experts_grouped_mm import GroupedMMFusedExperts
 from baryon.kernels.moe.expert_activation import SILU, ExpertActivation
-from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, default_tiles, fp8_block_tiles, tile_configs
+from baryon.kernels.moe.tile_configs import (MoETiles, TileConfig, default_tiles, fp8_block_tiles, tile_configs,
+                                              tuned_tiles)
 from baryon.kernels.quant.act_quant import FP8
 from baryon.kernels.selector import select
 from baryon.kernels.triton_utils import INTERPRETED, TritonKernel, tl, triton
@@ -805,16 +806,17 @@ MXFP4_DEQUANTIZE_MIN_TOKENS = 1024
 MXFP4_GEMV_TILE = TileConfig(block_m=1, block_n=16, block_k=256, num_warps=4)
 
 
-def _four_bit_tiles(num_local: int, hidden: int, inter: int, num_tokens: int, top_k: int,
-                    device: torch.device) -> MoETiles:
-    """The tiles of packed 4-bit experts (MXFP4, int4): the uint8 table's, torch's grouped GEMM
-    replaced by the default layout, decode pairs by the 4-bit GEMV's tile."""
-    tiles = tile_configs(num_local, hidden, inter, num_tokens, top_k, torch.uint8, device)
-    if tiles.mode == "grouped_mm":
-        tiles = default_tiles(num_local, num_tokens * top_k)
-    if tiles.mode == "pairs":
-        tiles = MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE)
-    return tiles
+@functools.lru_cache(maxsize=4096)
+def _four_bit_tiles(num_local: int, hidden: int, inter: int, num_tokens: int, top_k: int, device: torch.device,
+                    weights: str) -> MoETiles:
+    """The tiles of packed 4-bit experts, weights "mxfp4" or "int4": the entry of their own tuned
+    table (`benchmarks/tune_moe.py --weights ...`), else the default layout with the 4-bit GEMV's
+    tile for decode pairs."""
+    tuned = tuned_tiles(num_local, hidden, inter, num_tokens, weights, device)
+    if tuned is not None:
+        return tuned
+    tiles = default_tiles(num_local, num_tokens * top_k)
+    return MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE) if tiles.mode == "pairs" else tiles
 
 
 class TritonMxfp4FusedExperts(TritonKernel):
@@ -851,7 +853,7 @@ class TritonMxfp4FusedExperts(TritonKernel):
             w2 = dequantize_mxfp4_triton(w2_blocks, w2_scales, x.dtype)
             return TritonFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts,
                                               w13_bias, w2_bias, activation)
-        tiles = _four_bit_tiles(num_local, hidden, inter, num_tokens, top_k, x.device)
+        tiles = _four_bit_tiles(num_local, hidden, inter, num_tokens, top_k, x.device, "mxfp4")
         return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
                                 topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
                                 mxfp4=(w13_scales, w2_scales), w13_bias=w13_bias, w2_bias=w2_bias,
@@ -890,7 +892,7 @@ class TritonInt4FusedExperts(TritonKernel):
             w13 = dequantize_int4_triton(w13_blocks, w13_pairs, x.dtype)
             w2 = dequantize_int4_triton(w2_blocks, w2_pairs, x.dtype)
             return TritonFusedExperts.forward(x, w13, w2, topk_weights, topk_ids, expert_start, num_experts)
-        tiles = _four_bit_tiles(num_local, hidden, inter, num_tokens, top_k, x.device)
+        tiles = _four_bit_tiles(num_local, hidden, inter, num_tokens, top_k, x.device, "int4")
         return _grouped_experts(x.contiguous(), w13_blocks, w2_blocks, topk_weights.contiguous(),
                                 topk_ids.contiguous(), expert_start, num_experts, tiles, x.dtype,
                                 mxfp4=(w13_pairs, w2_pairs), int4=True)

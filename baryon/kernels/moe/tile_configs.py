@@ -1,7 +1,8 @@
 """Tile sizes of the Triton expert GEMMs, per shape and batch size.
 
 Tuned tables live in `configs/<GPU name>.json` (written by `benchmarks/tune_moe.py`, which times
-every candidate on the GPU): for each shape `E=<local experts>,H=<hidden>,I=<inter>,<dtype>`, a
+every candidate on the GPU): for each shape `E=<local experts>,H=<hidden>,I=<inter>,<dtype>` (the
+weights' dtype, or "int4" / "mxfp4" for packed 4-bit experts), a
 map from a batch size (tokens in the step) to what measured fastest at that size: a Triton layout
 with the tiles of its gate/up and down GEMMs, or torch's grouped GEMM. A step uses the entry of the nearest batch size at or above its own (the largest
 otherwise). Shapes or GPUs without a table get the heuristic below.
@@ -34,7 +35,8 @@ class TileConfig:
         return asdict(self)
 
 
-def shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> str:
+def shape_key(num_experts: int, hidden: int, inter: int, dtype: torch.dtype | str) -> str:
+    """dtype: the experts' weights, a torch dtype or a packed format's name ("int4", "mxfp4")."""
     return f"E={num_experts},H={hidden},I={inter},{str(dtype).removeprefix('torch.')}"
 
 
@@ -103,19 +105,27 @@ def default_tiles(num_experts: int, num_pairs: int) -> MoETiles:
     return MoETiles("sorted", tile, tile)
 
 
+def tuned_tiles(num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype | str,
+                device: torch.device) -> MoETiles | None:
+    """The tuned entry of the nearest batch size at or above num_tokens (the largest otherwise);
+    None without a table for this GPU and shape."""
+    if device.type != "cuda":
+        return None
+    table = _table(torch.cuda.get_device_name(device), shape_key(num_experts, hidden, inter, dtype))
+    if not table:
+        return None
+    sizes = sorted(table)
+    at_or_above = [size for size in sizes if size >= num_tokens]
+    return table[at_or_above[0] if at_or_above else sizes[-1]]
+
+
 @functools.lru_cache(maxsize=4096)
-def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype,
+def tile_configs(num_experts: int, hidden: int, inter: int, num_tokens: int, top_k: int, dtype: torch.dtype | str,
                  device: torch.device) -> MoETiles:
-    """The tiles of a step of num_tokens tokens: the tuned entry of the nearest batch size at or
-    above it (the largest otherwise), or the default. Cached: every MoE layer of every eager step
-    asks, with few distinct token counts."""
-    if device.type == "cuda":
-        table = _table(torch.cuda.get_device_name(device), shape_key(num_experts, hidden, inter, dtype))
-        if table:
-            sizes = sorted(table)
-            at_or_above = [size for size in sizes if size >= num_tokens]
-            return table[at_or_above[0] if at_or_above else sizes[-1]]
-    return default_tiles(num_experts, num_tokens * top_k)
+    """The tiles of a step of num_tokens tokens: the tuned entry (`tuned_tiles`), or the default.
+    Cached: every MoE layer of every eager step asks, with few distinct token counts."""
+    tuned = tuned_tiles(num_experts, hidden, inter, num_tokens, dtype, device)
+    return tuned if tuned is not None else default_tiles(num_experts, num_tokens * top_k)
 
 
 # A gated (SiLU-and-mul fused) FP8 tile keeps two float32 accumulators and the two per-K-tile
