@@ -185,29 +185,34 @@ if triton is not None:
         the high nibbles (odd k) each meet their half of x's columns in a dot of BLOCK_K / 2."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if FOUR_BIT:
+        if FOUR_BIT:  # the weight rows on the dot's tall side: out^T = W x^T, the decoded tile from registers
+            acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             offs_kp = tl.arange(0, BLOCK_K // 2)
             offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
-            a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + 2 * offs_kp[None, :]  # [BM, BK/2]: even k
+            a_ptrs = x + a_rows[None, :].to(tl.int64) * stride_xm + 2 * offs_kp[:, None]  # [BK/2, BM]: even k
             byte = offs_g[:, None] * 16 + offs_b[None, :]  # [BK/32, 16]: the bytes of a K tile, by scale group
             w_ptrs = w_expert + offs_n[:, None, None].to(tl.int64) * stride_wn + byte[None, :, :] * stride_wk
             s_ptrs = ws_expert + offs_n[:, None].to(tl.int64) * stride_wsn + offs_g[None, :] * stride_wsk
             s_up_offset = N.to(tl.int64) * stride_wsn
             for k0 in range(0, K, BLOCK_K):
-                pair_mask = row_mask[:, None] & (offs_kp < (K - k0) // 2)[None, :]
+                pair_mask = (offs_kp < (K - k0) // 2)[:, None] & row_mask[None, :]
                 a = tl.load(a_ptrs, mask=pair_mask, other=0.0)
                 a_odd = tl.load(a_ptrs + 1, mask=pair_mask, other=0.0)
                 byte_mask, group_mask = byte < (K - k0) // 2, offs_g < (K - k0) // 32
                 w, w_odd = _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, a.dtype, BLOCK_N, BLOCK_K,
                                          FOUR_BIT)
-                acc = _dot_halves(a, a_odd, w, w_odd, acc, IEEE)
+                acc_t = _dot_halves(w, w_odd, a, a_odd, acc_t, IEEE)
                 if GATED:
                     w, w_odd = _mxfp4_halves(w_ptrs + up_offset, s_ptrs + s_up_offset, n_mask, byte_mask,
                                              group_mask, a.dtype, BLOCK_N, BLOCK_K, FOUR_BIT)
-                    acc_up = _dot_halves(a, a_odd, w, w_odd, acc_up, IEEE)
+                    acc_up_t = _dot_halves(w, w_odd, a, a_odd, acc_up_t, IEEE)
                 a_ptrs += BLOCK_K
                 w_ptrs += (BLOCK_K // 2) * stride_wk
                 s_ptrs += (BLOCK_K // 32) * stride_wsk
+            acc = tl.trans(acc_t)
+            if GATED:
+                acc_up = tl.trans(acc_up_t)
         else:
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
@@ -251,12 +256,12 @@ if triton is not None:
         return _epilogue(acc, acc_up, b_expert, offs_n, n_mask, N, alpha, limit, GATED, HAS_BIAS, ACT)
 
     @triton.jit
-    def _dot_halves(a_even, a_odd, w_even, w_odd, acc, IEEE: tl.constexpr):
-        """acc + a_even @ w_even.T + a_odd @ w_odd.T (the two halves of a K tile)."""
+    def _dot_halves(a_even, a_odd, b_even, b_odd, acc, IEEE: tl.constexpr):
+        """acc + a_even @ b_even + a_odd @ b_odd (the two halves of a K tile)."""
         if IEEE:
-            acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
-            return tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")
-        return tl.dot(a_odd, tl.trans(w_odd), tl.dot(a_even, tl.trans(w_even), acc))
+            acc = tl.dot(a_even, b_even, acc, input_precision="ieee")
+            return tl.dot(a_odd, b_odd, acc, input_precision="ieee")
+        return tl.dot(a_odd, b_odd, tl.dot(a_even, b_even, acc))
 
     @triton.jit
     def _store_rows(out, stride_om, pairs, row_mask, offs_n, n_mask, acc, topk_weights, MUL_WEIGHT: tl.constexpr):
