@@ -65,6 +65,7 @@ LAYOUTS = {
 CASES = [  # (id, tokens, experts, top_k, hidden, inter, group)
     ("one-token", 1, 4, 2, 64, 32, 32),
     ("uneven-k-tiles-g64", 7, 6, 3, 192, 128, 64),
+    ("k-tail-g32", 5, 4, 2, 96, 96, 32),  # K = 96: the last K tile of 64 half outside (masked loads)
 ]
 
 

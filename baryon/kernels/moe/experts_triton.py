@@ -114,17 +114,23 @@ if triton is not None:
 
     @triton.jit
     def _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, dtype: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOUR_BIT: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FOUR_BIT: tl.constexpr):
         """A K tile of packed weights w_ptrs [BN, BK / 32, 16] (bytes) with scales s_ptrs [BN, BK / 32]
         -> (even-k values, odd-k values), each [BN, BK / 2] in dtype: column j holds k = 2j and
         2j + 1 of the tile. FOUR_BIT 1: e2m1 codes, e8m0 scales (exact); 2: unsigned int4 codes,
         s_ptrs at (scale, zero) pairs: (code - zero) * scale, rounded once to dtype (on the GPU in
-        16-bit lanes without conversion instructions: _int4_nibbles; else through float32)."""
-        packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & byte_mask[None, :, :], other=0)
-        s_mask = n_mask[:, None] & group_mask[None, :]
-        if FOUR_BIT == 2:
-            scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
-            zero = tl.load(s_ptrs + 1, mask=s_mask, other=0.0).to(tl.float32)[:, :, None]
+        16-bit lanes without conversion instructions: _int4_nibbles; else through float32).
+        EVEN_K: the tile lies inside K, so only rows are masked and the loads stay vectorized."""
+        if EVEN_K:
+            packed = tl.load(w_ptrs, mask=n_mask[:, None, None], other=0)
+            s_mask = n_mask[:, None]
+        else:
+            packed = tl.load(w_ptrs, mask=n_mask[:, None, None] & byte_mask[None, :, :], other=0)
+            s_mask = n_mask[:, None] & group_mask[None, :]
+        if FOUR_BIT == 2:  # the (scale, zero) pairs in one load: [BN, BK / 32, 2]
+            pair = tl.load(s_ptrs[:, :, None] + tl.arange(0, 2)[None, None, :], mask=s_mask[:, :, None], other=0.0)
+            scale, zero = tl.split(pair.to(tl.float32))
+            scale, zero = scale[:, :, None], zero[:, :, None]
             if _INT4_IN_LANES and (dtype == tl.bfloat16 or dtype == tl.float16):
                 if dtype == tl.bfloat16:  # -(magic + zero): integers <= 1039, exact in dtype
                     neg = tl.broadcast_to((-(128.0 + zero)).to(dtype), packed.shape)
@@ -188,25 +194,28 @@ if triton is not None:
         if FOUR_BIT:  # the weight rows on the dot's tall side: out^T = W x^T, the decoded tile from registers
             acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            offs_kp = tl.arange(0, BLOCK_K // 2)
+            offs_k = tl.arange(0, BLOCK_K)
             offs_g, offs_b = tl.arange(0, BLOCK_K // 32), tl.arange(0, 16)
-            a_ptrs = x + a_rows[None, :].to(tl.int64) * stride_xm + 2 * offs_kp[:, None]  # [BK/2, BM]: even k
+            a_ptrs = x + a_rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK], read whole
             byte = offs_g[:, None] * 16 + offs_b[None, :]  # [BK/32, 16]: the bytes of a K tile, by scale group
             w_ptrs = w_expert + offs_n[:, None, None].to(tl.int64) * stride_wn + byte[None, :, :] * stride_wk
             s_ptrs = ws_expert + offs_n[:, None].to(tl.int64) * stride_wsn + offs_g[None, :] * stride_wsk
             s_up_offset = N.to(tl.int64) * stride_wsn
             for k0 in range(0, K, BLOCK_K):
-                pair_mask = (offs_kp < (K - k0) // 2)[:, None] & row_mask[None, :]
-                a = tl.load(a_ptrs, mask=pair_mask, other=0.0)
-                a_odd = tl.load(a_ptrs + 1, mask=pair_mask, other=0.0)
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+                a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))  # k = 2j, 2j + 1
+                a_even, a_odd = tl.trans(a_even), tl.trans(a_odd)  # [BK/2, BM]
                 byte_mask, group_mask = byte < (K - k0) // 2, offs_g < (K - k0) // 32
                 w, w_odd = _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, a.dtype, BLOCK_N, BLOCK_K,
-                                         FOUR_BIT)
-                acc_t = _dot_halves(w, w_odd, a, a_odd, acc_t, IEEE)
+                                         EVEN_K, FOUR_BIT)
+                acc_t = _dot_halves(w, w_odd, a_even, a_odd, acc_t, IEEE)
                 if GATED:
                     w, w_odd = _mxfp4_halves(w_ptrs + up_offset, s_ptrs + s_up_offset, n_mask, byte_mask,
-                                             group_mask, a.dtype, BLOCK_N, BLOCK_K, FOUR_BIT)
-                    acc_up_t = _dot_halves(w, w_odd, a, a_odd, acc_up_t, IEEE)
+                                             group_mask, a.dtype, BLOCK_N, BLOCK_K, EVEN_K, FOUR_BIT)
+                    acc_up_t = _dot_halves(w, w_odd, a_even, a_odd, acc_up_t, IEEE)
                 a_ptrs += BLOCK_K
                 w_ptrs += (BLOCK_K // 2) * stride_wk
                 s_ptrs += (BLOCK_K // 32) * stride_wsk
@@ -271,7 +280,8 @@ if triton is not None:
                  acc.to(out.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
     @triton.jit
-    def _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, stride_wsk, BLOCK_K: tl.constexpr, FOUR_BIT: tl.constexpr):
+    def _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, stride_wsk, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    FOUR_BIT: tl.constexpr):
         """[BN] float32: one row of x (x_row) times 4-bit weight rows read as int32 words (w_ptrs
         [BN, BK / 32, 4]: word w of scale group g holds the codes of k = 32g + 8w + i in its
         nibble i) with scales s_ptrs [BN, BK / 32], both at k = 0: per group, the products of the
@@ -284,7 +294,10 @@ if triton is not None:
         acc = tl.zeros([w_ptrs.shape[0]], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_mask = word * 8 < K - k0
-            words = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
+            if EVEN_K:  # rows masked only: vectorized loads
+                words = tl.load(w_ptrs, mask=n_mask[:, None, None], other=0)
+            else:
+                words = tl.load(w_ptrs, mask=n_mask[:, None, None] & k_mask[None, :, :], other=0)
             part = tl.zeros(words.shape, tl.float32)
             x_sum = tl.zeros(word.shape, tl.float32)  # [G, 4]
             for i in tl.static_range(8):
@@ -333,10 +346,10 @@ if triton is not None:
             w_ptrs = w_rows[:, :, None] + (offs_g[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]  # [BN, BK/32, 4]
             s_ptrs = (w_scale + local_expert.to(tl.int64) * stride_wse + offs_n[:, None].to(tl.int64) * stride_wsn
                       + offs_g[None, :] * stride_wsk)  # [BN, BK/32]
-            acc = _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, stride_wsk, BLOCK_K, FOUR_BIT)
+            acc = _gemv_mxfp4(x_row, w_ptrs, s_ptrs, n_mask, K, stride_wsk, BLOCK_K, EVEN_K, FOUR_BIT)
             if GATED:
                 acc_up = _gemv_mxfp4(x_row, w_ptrs + up_offset, s_ptrs + N.to(tl.int64) * stride_wsn, n_mask, K,
-                                     stride_wsk, BLOCK_K, FOUR_BIT)
+                                     stride_wsk, BLOCK_K, EVEN_K, FOUR_BIT)
         else:
             offs_k = tl.arange(0, BLOCK_K)
             a_ptrs = x_row + offs_k
