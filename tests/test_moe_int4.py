@@ -56,6 +56,30 @@ def test_packing_refuses_what_it_cannot_hold(seed):
         dequantize_int4_experts(blocks[:, :16], pairs)
 
 
+@pytest.mark.parametrize("kind, dtype, magic", [("bf16x2", torch.bfloat16, 128.0), ("f16x2", torch.float16, 1024.0)])
+@pytest.mark.parametrize("high", [False, True], ids=["low-nibble", "high-nibble"])
+def test_lane_decode_asm_gives_the_float32_values(seed, kind, dtype, magic, high):
+    """The inline PTX of the GPU's int4 decode (experts_triton._int4_lanes_asm, which the
+    interpreter never runs), executed by tests/ptx_lanes.py on every byte value with random
+    (scale, zero) pairs: bit for bit the float32 (code - zero) * scale rounded once to the dtype."""
+    import ptx_lanes
+
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randperm(256, generator=gen).to(torch.uint8)  # every byte once
+    zero = torch.randint(0, 16, (256,), generator=gen).float()
+    scale = (torch.rand(256, generator=gen) * 0.02 + 1e-4).to(dtype)
+    neg = (-(magic + zero)).to(dtype)  # what the kernel hands the asm: -(magic + zero), exact
+    asm = experts_triton._int4_lanes_asm(high, kind)
+    words = []
+    for i in range(0, 256, 4):  # four bytes an invocation (pack=4): two 16-bit lanes per register
+        inputs = [*ptx_lanes.pack(packed[i:i + 4]), *ptx_lanes.pack(neg[i:i + 4]), *ptx_lanes.pack(scale[i:i + 4])]
+        words += ptx_lanes.run(asm, inputs, num_outputs=2)
+    got = ptx_lanes.unpack(words, dtype)
+    code = (packed >> 4 if high else packed & 0xF).float()
+    expected = ((code - zero) * scale.float()).to(dtype)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
 LAYOUTS = {
     "pairs": ("pairs", TileConfig(1, 16, 64), TileConfig(1, 32, 64)),
     "scan": ("scan", TileConfig(16, 32, 64, scan=16), TileConfig(16, 16, 32, scan=32)),
