@@ -1,5 +1,5 @@
 """Run the inline PTX of a lane-decode kernel helper on the host: the few 32-bit integer and packed
-16-bit float instructions the decoders use (mov, and, or, shl, shr, prmt, fma.rn.bf16x2 /
+16-bit float instructions the decoders use (mov, and, or, shl, shr, lop3, prmt, fma.rn.bf16x2 /
 f16x2), so that a test can check the assembly text itself on every byte against the float32
 formula it replaces, without a GPU.
 
@@ -73,6 +73,12 @@ def run(asm: str, inputs: list[int], num_outputs: int) -> list[int]:
             result = args[0] >> args[1]
         elif op == "prmt.b32":
             result = _prmt(*args)
+        elif op == "lop3.b32":  # bit i of the result: the table's bit (a_i b_i c_i) read as a number
+            a, b, c, table = args
+            result = 0
+            for i in range(32):
+                index = (((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1)
+                result |= ((table >> index) & 1) << i
         elif (match := re.fullmatch(r"fma\.rn\.(bf16x2|f16x2)", op)) is not None:
             dtype = _LANE_DTYPES[match.group(1)]
             a, b, c = (_lanes_to_floats(x, dtype) for x in args)

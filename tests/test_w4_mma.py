@@ -44,6 +44,24 @@ def test_pack_roundtrip_and_layout(seed, n, k):
     assert (int(q[b, row, e]) >> (4 * j)) & 15 == int(codes[row, col])
 
 
+@pytest.mark.parametrize("kind, dtype", [("bf16x2", torch.bfloat16), ("f16x2", torch.float16)])
+def test_nibble_asm_gives_code_minus_center(seed, kind, dtype):
+    """The GPU's inline PTX for nibble j of a 16-bit element (w4_mma._asm, which the interpreter
+    never runs), executed on the host by tests/ptx_lanes.py over 1,024 random elements and the
+    extremes: exactly ((h >> 4 j) & 15) - 8."""
+    import ptx_lanes
+
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.cat([torch.tensor([-32768, -1, 0, 32767]),
+                   torch.randint(-32768, 32768, (1020,), generator=gen)]).to(torch.int16)
+    words = ptx_lanes.pack(h)
+    for j in range(4):
+        asm = w4_mma._asm(j, kind)
+        got = ptx_lanes.unpack([ptx_lanes.run(asm, [w], 1)[0] for w in words], dtype)
+        expected = (((h.to(torch.int32) >> (4 * j)) & 15) - w4_mma.CENTER).to(dtype)
+        assert torch.equal(got, expected), f"nibble {j}"
+
+
 def test_supports():
     assert w4_mma.supports(4, 128, 4096) and w4_mma.supports(4, 32, 4096) and w4_mma.supports(4, 64, 4096)
     assert w4_mma.supports(4, 256, 4096) and w4_mma.supports(4, -1, 4096) and w4_mma.supports(4, 5000, 4096)
