@@ -10,6 +10,7 @@ import torch
 
 import quant_checkpoints as qc
 from baryon import LLM, SamplingParams
+from baryon.kernels.moe import experts_triton
 from conftest import make_checkpoint, random_prompts
 
 # Token-for-token comparisons with float checkpoints: the exact packed CPU kernel.
@@ -128,3 +129,30 @@ def test_gptq_act_order_experts_over_two_ranks(tmp_path, seed):
     assert_same(greedy(path, prompts, 1), greedy(path, prompts, 2, enable_expert_parallel=True))
     with pytest.raises(ValueError, match="act order .* cannot split their intermediate size .* enable_expert_parallel"):
         LLM(str(path), tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu")
+
+
+@pytest.mark.skipif(not experts_triton.INTERPRETED or experts_triton.triton is None,
+                    reason="the packed int4 expert kernel on a CPU engine needs Triton's interpreter")
+def test_packed_int4_experts_over_two_ranks(tmp_path, seed, monkeypatch):
+    """GPTQ experts held packed for the int4 expert kernels (interpreted here, in every rank's
+    process): split over two ranks by their intermediate size (each rank packing its half of
+    gate/up's rows and of down's K groups) or by expert, TP=2 gives TP=1's tokens and logprobs."""
+    monkeypatch.setenv("BARYON_KERNEL_FUSED_MOE_INT4", "triton")
+    src = make_checkpoint(tmp_path / "float", "qwen3_moe", seed=seed, hidden_size=128, intermediate_size=256,
+                          moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32, num_hidden_layers=1)
+    path = qc.gptq(src, tmp_path / "gptq", bits=4, group_size=32, seed=seed).path
+    prompts = random_prompts(2, 128, 3, 8, seed)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
+
+    def run(tp: int, **kwargs):
+        with LLM(str(path), tensor_parallel_size=tp, skip_tokenizer_init=True, device="cpu", **kwargs) as llm:
+            if tp == 1:  # the int4 kernel's layout, not float experts
+                assert llm.engine.core.runner.model.model.layers[0].mlp.experts.method.packed
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+
+    one = run(1)
+    assert_same(one, run(2))  # every expert, half its intermediate size per rank
+    assert_same(one, run(2, enable_expert_parallel=True))  # two whole experts per rank
