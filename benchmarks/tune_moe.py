@@ -103,10 +103,21 @@ def _gemms(args, weights, tokens, problem, mode, cfg, layouts):
     return up, down
 
 
-def _candidates(tokens: int) -> list[tuple[str, TileConfig]]:
+# Packed 4-bit tiles put the weight rows on the MMA's tall side (BLOCK_N is its M): taller ones too.
+FOUR_BIT_SCAN_TILES = [TileConfig(16, 128, k, 1, warps, stages) for k in (128, 256) for warps in (4, 8)
+                       for stages in (2, 3)]
+FOUR_BIT_SORTED_TILES = [TileConfig(*t) for t in [(16, 128, 128, 1, 8, 3), (32, 128, 128, 8, 8, 3),
+                                                   (64, 128, 128, 8, 8, 3), (16, 256, 128, 1, 8, 3)]]
+
+
+def _candidates(tokens: int, weights: str) -> list[tuple[str, TileConfig]]:
+    four_bit = weights != "bf16"
     out = [("pairs", t) for t in PAIRS_TILES] if tokens <= PAIRS_MAX_TOKENS else []
-    out += [("scan", t) for t in SCAN_TILES if t.fuse_act] if tokens <= SCAN_MAX_TOKENS else []
-    return out + ([("sorted", t) for t in SORTED_TILES] if tokens >= SORTED_MIN_TOKENS else [])
+    if tokens <= SCAN_MAX_TOKENS:
+        out += [("scan", t) for t in SCAN_TILES + (FOUR_BIT_SCAN_TILES if four_bit else []) if t.fuse_act]
+    if tokens >= SORTED_MIN_TOKENS:
+        out += [("sorted", t) for t in SORTED_TILES + (FOUR_BIT_SORTED_TILES if four_bit else [])]
+    return out
 
 
 def _layouts(args, ids, device):
@@ -117,7 +128,7 @@ def _compile_worker(args, worker: int, workers: int) -> None:
     """Run every candidate this worker owns once at every batch size (fills Triton's cache)."""
     device = torch.device("cuda")
     weights = _weights(args, device)
-    jobs = [(tokens, mode, cfg) for tokens in args.batches for mode, cfg in _candidates(tokens)]
+    jobs = [(tokens, mode, cfg) for tokens in args.batches for mode, cfg in _candidates(tokens, args.weights)]
     for tokens, mode, cfg in jobs[worker::workers]:
         problem = _problem(args, tokens, device)
         try:
@@ -156,7 +167,7 @@ def tune(args) -> dict:
         best = {}  # mode -> (us, up cfg, down cfg)
         parts_us = {}  # mode -> the best total's parts
         timed: dict[str, dict] = {mode: {"up": [], "down": []} for mode in ("pairs", "scan", "sorted")}
-        for mode, cfg in _candidates(tokens):
+        for mode, cfg in _candidates(tokens, args.weights):
             try:
                 up, down = _gemms(args, weights, tokens, problem, mode, cfg, layouts)
                 timed[mode]["up"].append((_bench(up), cfg))
