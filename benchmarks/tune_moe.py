@@ -189,6 +189,9 @@ def tune(args) -> dict:
                         best[mode] = (total, up_cfg, down_cfg)
                         parts_us[mode] = {"up": round(up_us, 1), "down": round(down_us, 1), "sum": round(sum_us, 1),
                                           "align": round(total - up_us - down_us - sum_us, 1)}
+        if not best and args.weights != "bf16":
+            print(json.dumps({"tokens": tokens, "error": "no candidate ran"}), flush=True)
+            continue
         if args.weights == "bf16":
             x, _, topk_weights, ids = problem
             w13, w2, _ = weights
@@ -222,6 +225,10 @@ def main() -> None:
                         help="the experts' weights: bf16, or packed 4-bit (tuned under their own key)")
     parser.add_argument("--out", default=None, help="table file to update (default: the one for this GPU)")
     args = parser.parse_args()
+    if args.weights != "bf16":  # from that many tokens the 4-bit layers dequantize and take the bf16 table
+        limit = {"int4": experts_triton.INT4_DEQUANTIZE_MIN_TOKENS,
+                 "mxfp4": experts_triton.MXFP4_DEQUANTIZE_MIN_TOKENS}[args.weights]
+        args.batches = [b for b in args.batches if b < limit]
     table = tune(args)
     out = args.out or config_file(torch.cuda.get_device_name())
     existing = json.load(open(out)) if os.path.isfile(out) else {}

@@ -100,7 +100,7 @@ CASES = [  # (id, tokens, experts, top_k, hidden, inter, group)
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 def test_triton_int4_experts_match_reference(seed, monkeypatch, layout, name, tokens, experts, top_k, hidden,
                                              inter, group, dtype):
-    monkeypatch.setattr(experts_triton, "tile_configs", lambda *args: MoETiles(*LAYOUTS[layout]))
+    monkeypatch.setattr(experts_triton, "_four_bit_tiles", lambda *args: MoETiles(*LAYOUTS[layout]))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     weights, ids = route_reference(torch.randn(tokens, experts, generator=gen),

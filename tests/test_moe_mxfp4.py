@@ -102,7 +102,7 @@ def test_triton_biased_clamped_experts_match_reference(seed, monkeypatch, layout
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 def test_triton_mxfp4_experts_match_reference(seed, monkeypatch, layout, name, tokens, experts, top_k, hidden,
                                               inter, dtype):
-    monkeypatch.setattr(experts_triton, "tile_configs", lambda *args: MoETiles(*LAYOUTS[layout]))
+    monkeypatch.setattr(experts_triton, "_four_bit_tiles", lambda *args: MoETiles(*LAYOUTS[layout]))
     gen = torch.Generator().manual_seed(seed)
     x, weights, ids, b13, b2 = _case(gen, tokens, experts, top_k, hidden, inter, dtype)
     w13_blocks, w13_scales = _random_mxfp4(gen, experts, 2 * inter, hidden)

@@ -95,7 +95,7 @@ if triton is not None:
     @triton.jit
     def _int4_nibbles(packed, neg_magic_zero, scale, HIGH: tl.constexpr, dtype: tl.constexpr):
         """(nibble - zero) * scale of each byte of packed [...] (uint8; the low or HIGH nibble) in
-        dtype (bfloat16 / float16), four bytes a time on 16-bit lanes (see _INT4_ASM): exactly the
+        dtype (bfloat16 / float16), four bytes a time on 16-bit lanes (see _INT4_LANES_ASM): exactly the
         float32 (code - zero) * scale rounded once to dtype. neg_magic_zero: -(magic + zero) and
         scale in dtype, broadcast to packed's shape."""
         if dtype == tl.bfloat16:
@@ -831,7 +831,7 @@ def _four_bit_tiles(num_local: int, hidden: int, inter: int, num_tokens: int, to
     table (`benchmarks/tune_moe.py --weights ...`), else the default layout with the 4-bit GEMV's
     tile for decode pairs."""
     tuned = tuned_tiles(num_local, hidden, inter, num_tokens, weights, device)
-    if tuned is not None:
+    if tuned is not None and tuned.mode != "grouped_mm":  # (torch's grouped GEMM reads no packed weights)
         return tuned
     tiles = default_tiles(num_local, num_tokens * top_k)
     return MoETiles("pairs", MXFP4_GEMV_TILE, MXFP4_GEMV_TILE) if tiles.mode == "pairs" else tiles
