@@ -16,11 +16,15 @@ import torch
 from baryon.bench.common import add_engine_flags, build_llm, random_token_prompts
 
 
+_LONG_GAP_US = 1000.0  # a gap this long is the host's one-off work, not a step's
+
+
 def device_timeline(prof: torch.profiler.profile, steps: int, top_gaps: int = 8) -> str:
     """Kernels per step, the device's busy time per step (the union of kernel intervals) and the
     span from the first kernel to the last, per step: busy / span is how full the GPU was kept.
     Then where the idle time falls: the gaps summed by the (last kernel before, first kernel after)
-    pair, largest first, in us per step (copies and memsets count as kernels)."""
+    pair, largest first, in us per step (copies and memsets count as kernels); gaps of a
+    millisecond or more (the host's one-off work: the first step, the end of the run) apart."""
     events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                     if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not events:
@@ -39,9 +43,13 @@ def device_timeline(prof: torch.profiler.profile, steps: int, top_gaps: int = 8)
         last_name = name
     busy += end - start
     span = events[-1][1] - events[0][0]
+    long_gaps = [g for lengths in gaps.values() for g in lengths if g >= _LONG_GAP_US]
+    gaps = {pair: short for pair, lengths in gaps.items() if (short := [g for g in lengths if g < _LONG_GAP_US])}
     lines = [f"device timeline: {len(events) / steps:.0f} kernels per step, busy {busy / steps / 1e3:.3f} ms "
              f"of {span / steps / 1e3:.3f} ms per step ({100 * busy / span:.0f}% busy; prefill included)",
-             f"idle gaps by (kernel before -> kernel after), us per step (top {top_gaps}):"]
+             f"idle: {len(long_gaps)} gaps of >= 1 ms ({sum(long_gaps) / 1e3:.2f} ms in all), and "
+             f"{sum(map(sum, gaps.values())) / steps:.1f} us per step in shorter ones; "
+             f"those by (kernel before -> kernel after), us per step (top {top_gaps}):"]
     for (before, after), lengths in sorted(gaps.items(), key=lambda item: -sum(item[1]))[:top_gaps]:
         lines.append(f"  {sum(lengths) / steps:8.1f} us  ({len(lengths) / steps:.1f} gaps, longest "
                      f"{max(lengths):.1f} us)  {before[:60]} -> {after[:60]}")
