@@ -109,8 +109,7 @@ if triton is not None:
             else:
                 asm: tl.constexpr = _INT4_ASM_F16_LOW
         return tl.inline_asm_elementwise(asm, "=r,=r,r,r,r,r,r", [packed, neg_magic_zero, scale],
-                                         dtype=neg_magic_zero.dtype,
-                                         is_pure=True, pack=4)
+                                         dtype=neg_magic_zero.dtype, is_pure=True, pack=4)
 
     @triton.jit
     def _mxfp4_halves(w_ptrs, s_ptrs, n_mask, byte_mask, group_mask, dtype: tl.constexpr,
