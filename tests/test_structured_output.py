@@ -603,3 +603,33 @@ def _text(path, token_ids: list[int]) -> str:
     from baryon.tokenizer import load_tokenizer
 
     return load_tokenizer(str(path), False).decode(token_ids, skip_special_tokens=True)
+
+
+def test_batch_accept_matches_each_matchers_own_answer(stories_path, seed):
+    """The batch accept that reads xgrammar's result in one copy gives every matcher's own
+    accept_token answer (accepted or rejected) and leaves each matcher where accepting alone
+    would: random tokens under the any-JSON grammar, most of them refused."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from baryon.structured_output.matcher import batch_accept_token
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(stories_path))
+    grammar = xgr.GrammarCompiler(info).compile_builtin_json_grammar()
+    rng = random.Random(seed)
+    batched = [xgr.GrammarMatcher(grammar) for _ in range(32)]
+    alone = [xgr.GrammarMatcher(grammar) for _ in range(32)]
+    prefix = [t for t in range(info.vocab_size) if info.decoded_vocab[t] == b"{"]  # opens an object
+    seen = set()
+    for step in range(6):
+        tokens = [rng.choice(prefix) if step == 0 and i % 2 else rng.randrange(info.vocab_size) for i in range(32)]
+        got = batch_accept_token(batched, tokens)
+        want = [m.accept_token(t) for m, t in zip(alone, tokens)]
+        assert got == want and all(isinstance(ok, bool) for ok in got)
+        seen.update(got)
+        bitmasks = [xgr.allocate_token_bitmask(1, info.vocab_size) for _ in range(2)]
+        for a, b in zip(batched, alone):
+            a.fill_next_token_bitmask(bitmasks[0])
+            b.fill_next_token_bitmask(bitmasks[1])
+            assert torch.equal(bitmasks[0], bitmasks[1])
+    assert seen == {True, False}  # both answers were exercised
