@@ -199,7 +199,10 @@ def test_dequantize_block_fp8_is_per_element_scale(seed):
 
 def test_reference_is_the_per_block_definition(seed):
     """The reference against the definition: per token and k, each GEMM as the sum over K blocks
-    of x_scale[kb] * w_scale[n // bn, kb] * (float8 x[kb] . float8 w[n, kb])."""
+    of x_scale[kb] * w_scale[n // bn, kb] * (float8 x[kb] . float8 w[n, kb]). An intermediate
+    value within float32 noise of an FP8 rounding boundary may round either way in the reference
+    (float32 GEMMs) and the definition (float64): such a value is tried both ways (seed 729833229
+    has one)."""
     gen = torch.Generator().manual_seed(seed)
     block = (16, 32)
     hidden, inter, top_k = 80, 40, 3
@@ -214,16 +217,32 @@ def test_reference_is_the_per_block_definition(seed):
             out += partial * s[kb].double() * ws[torch.arange(w.shape[0]) // block[0], kb].double()
         return out
 
+    def down(act, e):  # act [inter] float64
+        aq, as_ = quantize_per_group_reference(act.float()[None], block[1], FP8)
+        return gemm(aq[0], as_[0], w2[e], w2_s[e])
+
+    def either_way(act):  # act, and act with each value near an FP8 boundary nudged across it
+        codes = [quantize_per_group_reference((act * f).float()[None], block[1], FP8)[0].float()
+                 for f in (1 - 1e-4, 1 + 1e-4)]
+        near = torch.nonzero(codes[0] != codes[1])[:, 1].tolist()
+        variants = [act]
+        for j in near[:2]:  # (more than two such values in one row: none in 41 seeds)
+            for f in (1 - 1e-4, 1 + 1e-4):
+                nudged = act.clone()
+                nudged[j] *= f
+                variants.append(nudged)
+        return variants
+
     for t in range(5):
-        expected = torch.zeros(hidden, dtype=torch.float64)
         xq, xs = quantize_per_group_reference(x[t:t + 1], block[1], FP8)
+        options = [torch.zeros(hidden, dtype=torch.float64)]
         for k in range(top_k):
             e = int(ids[t, k])
             gate, up = gemm(xq[0], xs[0], w13[e], w13_s[e]).split(inter)
-            act = (F.silu(gate) * up).float()[None]
-            aq, as_ = quantize_per_group_reference(act, block[1], FP8)
-            expected += weights[t, k].double() * gemm(aq[0], as_[0], w2[e], w2_s[e])
-        torch.testing.assert_close(got[t].double(), expected, atol=1e-4, rtol=1e-4)
+            outs = [weights[t, k].double() * down(a, e) for a in either_way(F.silu(gate) * up)]
+            options = [o + d for o in options for d in outs]
+        errors = [(got[t].double() - o).abs() - 1e-4 * (1 + o.abs()) for o in options]
+        assert any((err <= 0).all() for err in errors), f"token {t}: {min(err.max().item() for err in errors)}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
