@@ -81,8 +81,8 @@ def _weights(args, device):
 def _gemms(args, weights, tokens, problem, mode, cfg, layouts):
     """(gate/up launch, down launch) closures for one tile config."""
     w13, w2, scales = weights
-    four_bit = dict(int4=args.weights == "int4") if scales is not None else {}
-    s13, s2 = scales if scales is not None else (None, None)
+    s13, s2 = scales or (None, None)
+    int4 = args.weights == "int4"  # (read only with scales: packed 4-bit weights)
     x, inter, topk_weights, ids = problem
     num_pairs = ids.numel()
     up_out = torch.empty(num_pairs, args.inter, dtype=torch.bfloat16, device=x.device)
@@ -90,16 +90,16 @@ def _gemms(args, weights, tokens, problem, mode, cfg, layouts):
     layout = (mode, ids, 0) if mode != "sorted" else ("sorted", *layouts[cfg.block_m], num_pairs)
     if cfg.fuse_act:
         up = lambda: experts_triton._launch(x, w13, up_out, args.inter, args.top_k, True, None, cfg, layout,  # noqa: E731
-                                            mxfp4_scale=s13, **four_bit)
+                                            mxfp4_scale=s13, int4=int4)
     else:
         gate_up = torch.empty(num_pairs, 2 * args.inter, dtype=torch.bfloat16, device=x.device)
 
         def up():
             experts_triton._launch(x, w13, gate_up, 2 * args.inter, args.top_k, False, None, cfg, layout,
-                                   mxfp4_scale=s13, **four_bit)
+                                   mxfp4_scale=s13, int4=int4)
             TritonSiluAndMul.forward(gate_up)
     down = lambda: experts_triton._launch(inter, w2, down_out, args.hidden, 1, False, topk_weights, cfg, layout,  # noqa: E731
-                                          mxfp4_scale=s2, **four_bit)
+                                          mxfp4_scale=s2, int4=int4)
     return up, down
 
 

@@ -134,13 +134,22 @@ def batch_accept_token(matchers: list[xgrammar.GrammarMatcher], tokens: list[int
     wrapper reads the result back one element at a time through TVM's FFI (38 us for 64 matchers
     on the 2-core VM, of a 50 us call); the FFI array's slice copies it in one call (10 us). The
     public call where xgrammar's internals differ."""
+    core_accept = _core_batch_accept()
+    if core_accept is None or not hasattr(matchers[0], "_handle"):
+        import xgrammar as xgr
+
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+    return [bool(ok) for ok in core_accept([m._handle for m in matchers], tokens, False)[:]]
+
+
+@functools.cache
+def _core_batch_accept():
+    """xgrammar's core batch accept (matcher handles, tokens, debug) -> an FFI array; None where
+    this xgrammar has none."""
     import xgrammar as xgr
 
     core = getattr(getattr(xgr, "base", None), "_core", None)
-    batch = getattr(core, "BatchGrammarMatcher", None)
-    if batch is None or not hasattr(batch, "batch_accept_token") or not hasattr(matchers[0], "_handle"):
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-    return [bool(ok) for ok in batch.batch_accept_token([m._handle for m in matchers], tokens, False)[:]]
+    return getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
 
 
 def fill_bitmask(grammars: list[RequestGrammar], bitmask: torch.Tensor, threaded: bool = True) -> None:
