@@ -13,6 +13,13 @@ if not torch.cuda.is_available():
     # Triton kernels are tested on CPU through the interpreter (set before triton is imported;
     # the selector still picks the torch references on CPU unless a test forces a kernel).
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines on the CPU that force a Triton kernel (BARYON_KERNEL_<FAMILY>=triton) run it in the
+# interpreter; on a GPU host (no interpreter) such tests skip: the GPU runs the kernel in its own tests.
+from baryon.kernels import triton_utils  # noqa: E402 (after TRITON_INTERPRET is set)
+
+cpu_engine_with_triton = pytest.mark.skipif(
+    triton_utils.triton is None or not triton_utils.INTERPRETED,
+    reason="forcing Triton on a CPU engine needs the interpreter (TRITON_INTERPRET=1 before import)")
 # Each run draws fresh random inputs from this seed; a failure names it so it can be replayed
 # with BARYON_TEST_SEED=<seed>.
 TEST_SEED = int(os.environ.get("BARYON_TEST_SEED", int.from_bytes(os.urandom(3), "little")))

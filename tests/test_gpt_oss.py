@@ -20,9 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from baryon import LLM, SamplingParams
-from baryon.kernels.moe import experts_triton
 from baryon.kernels.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
-from conftest import hf_greedy, make_checkpoint, random_prompts
+from conftest import cpu_engine_with_triton, hf_greedy, make_checkpoint, random_prompts
 
 ENGINE = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16,
               kv_cache_memory_gib=0.01)
@@ -100,8 +99,7 @@ def test_greedy_tokens_equal_the_dequantized_checkpoint(checkpoints):
     assert expected[0] == hf_greedy(dequantized, prompts[0], GREEDY.max_tokens)[0]
 
 
-@pytest.mark.skipif(experts_triton.triton is None or not experts_triton.INTERPRETED,
-                    reason="forcing Triton on CPU needs the interpreter (TRITON_INTERPRET=1 before import)")
+@cpu_engine_with_triton
 def test_triton_mxfp4_kernels_keep_experts_packed_and_agree(checkpoints, monkeypatch):
     mxfp4, dequantized, published = checkpoints
     monkeypatch.setenv("BARYON_KERNEL_FUSED_MOE_MXFP4", "triton")

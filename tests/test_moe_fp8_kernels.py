@@ -19,6 +19,7 @@ from baryon.kernels.moe.routing import RoutingConfig, route_reference
 from baryon.kernels.moe.tile_configs import MoETiles, TileConfig, default_tiles, fp8_block_tiles
 from baryon.kernels.quant.act_quant import FP8, quantize_per_group_reference
 from baryon.kernels.selector import select
+from conftest import cpu_engine_with_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # SiLU of a large negative gate: exp overflows to inf and the result is -0, as it should be.
@@ -314,8 +315,7 @@ def test_triton_int8_experts_match_reference(seed, monkeypatch, layout, tokens):
     assert _relative_error(dequant, expected) < 0.05  # the activations' int8 rounding only
 
 
-@pytest.mark.skipif(experts_triton.triton is None or not experts_triton.INTERPRETED,
-                    reason="forcing Triton on a CPU engine needs the interpreter (TRITON_INTERPRET=1)")
+@cpu_engine_with_triton
 def test_int8_w8a8_moe_checkpoint_keeps_int8_experts(tmp_path, seed, monkeypatch):
     """A compressed-tensors W8A8 MoE checkpoint holds its experts as int8 codes (a quarter of
     float32) with their channel scales where the Triton kernel runs (interpreted here), as float

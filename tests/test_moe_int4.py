@@ -13,13 +13,10 @@ from baryon.kernels.moe.experts_torch import TorchInt4FusedExperts, fused_expert
 from baryon.kernels.moe.routing import RoutingConfig, route_reference
 from baryon.kernels.moe.tile_configs import MoETiles, TileConfig
 from baryon.kernels.quant.int4_experts import dequantize_int4_experts, pack_int4_experts
+from conftest import cpu_engine_with_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(experts_triton.triton is None, reason="triton is not installed")
-# Engines on the CPU with the Triton kernel forced: the interpreter's (on a GPU machine the packed
-# experts run in test_gpu.py's quantized engines instead).
-interpreted = pytest.mark.skipif(experts_triton.triton is None or not experts_triton.INTERPRETED,
-                                 reason="forcing Triton on a CPU engine needs the interpreter (TRITON_INTERPRET=1)")
 
 
 def _random_int4(gen: torch.Generator, *shape: int, group: int, dtype=torch.float32):
@@ -175,7 +172,7 @@ def _checkpoints():
     }
 
 
-@interpreted
+@cpu_engine_with_triton
 @pytest.mark.usefixtures("exact_packed_kernels")
 @pytest.mark.parametrize("fmt", ["gptq-g32", "awq-g32", "ct-w4a16-channel"])
 def test_int4_moe_checkpoints_keep_their_experts_packed(tmp_path, seed, monkeypatch, fmt):
@@ -219,7 +216,7 @@ def test_int4_moe_checkpoints_keep_their_experts_packed(tmp_path, seed, monkeypa
         assert not experts.method.packed and experts.method.holds_dequantized and hasattr(experts, "w13_weight")
 
 
-@interpreted
+@cpu_engine_with_triton
 def test_online_w4a16_packs_the_experts_it_quantizes(tmp_path, seed, monkeypatch):
     """quantization="w4a16" on a float MoE checkpoint: the experts rounded to int4 at load are
     held packed where the int4 kernel runs (the interpreter here), exactly the weights the CPU

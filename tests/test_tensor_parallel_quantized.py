@@ -10,8 +10,7 @@ import torch
 
 import quant_checkpoints as qc
 from baryon import LLM, SamplingParams
-from baryon.kernels.moe import experts_triton
-from conftest import make_checkpoint, random_prompts
+from conftest import cpu_engine_with_triton, make_checkpoint, random_prompts
 
 # Token-for-token comparisons with float checkpoints: the exact packed CPU kernel.
 pytestmark = pytest.mark.usefixtures("exact_packed_kernels")
@@ -131,8 +130,7 @@ def test_gptq_act_order_experts_over_two_ranks(tmp_path, seed):
         LLM(str(path), tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu")
 
 
-@pytest.mark.skipif(not experts_triton.INTERPRETED or experts_triton.triton is None,
-                    reason="the packed int4 expert kernel on a CPU engine needs Triton's interpreter")
+@cpu_engine_with_triton
 def test_packed_int4_experts_over_two_ranks(tmp_path, seed, monkeypatch):
     """GPTQ experts held packed for the int4 expert kernels (interpreted here, in every rank's
     process): split over two ranks by their intermediate size (each rank packing its half of
