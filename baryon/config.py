@@ -294,7 +294,7 @@ class EngineConfig:
                                         piecewise_cuda_graphs=args.piecewise_cuda_graphs,
                                         level=_resolve_compilation_level(args.compilation_level, device))
         speculative = _resolve_speculative(args, model)
-        parallel = _resolve_parallel(args, device, compilation, speculative, hf_config)
+        parallel = _resolve_parallel(args, device, compilation, hf_config)
         return cls(model=model, cache=cache, scheduler=scheduler, compilation=compilation, device=device,
                    seed=args.seed, parallel=parallel, speculative=speculative,
                    cpu_threads=args.cpu_threads or available_cores(),
@@ -476,7 +476,7 @@ def mtp_draft_config(config: ModelConfig) -> ModelConfig:
 
 
 def _resolve_parallel(args: EngineArgs, device: torch.device, compilation: CompilationConfig,
-                      speculative: SpeculativeConfig | None, hf_config: Any) -> ParallelConfig:
+                      hf_config: Any) -> ParallelConfig:
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     if device.type == "cuda":
         first, count = device.index or 0, torch.cuda.device_count()
@@ -488,14 +488,8 @@ def _resolve_parallel(args: EngineArgs, device: torch.device, compilation: Compi
                          f"yet; use compilation_level=0 (decode steps still replay CUDA graphs)")
     dp_attention = dp > 1 and bool(args.enable_expert_parallel) and is_moe(hf_config)
     if dp_attention:
-        # A draft with experts (MTP layers, a MoE draft model) would need the replicas to meet in
-        # its forward passes too; n-gram drafts and dense drafts run on each replica alone.
-        moe_draft = speculative is not None and (speculative.method == "mtp" or (
-            speculative.draft is not None and is_moe(speculative.draft.hf_config)))
         unsupported = [what for what, present in (
             (f"tensor_parallel_size={tp} (use 1)", tp > 1),
-            (f"speculative decoding with a draft that has experts ({speculative.method if speculative else ''}; "
-             f"ngram and dense draft models are supported)", moe_draft),
             (f"compilation_level={compilation.level} (use 0)", compilation.level > 0)) if present]
         if unsupported:
             raise ValueError(f"data_parallel_size={dp} with enable_expert_parallel (DP attention: the replicas "

@@ -192,6 +192,42 @@ def test_dp_attention_with_drafts_matches_one_engine(moe_path, tmp_path, seed, m
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < LOGPROB_TOL, f"prompt {i}"
 
 
+@pytest.mark.parametrize("method", ["mtp", "moe_draft_model"])
+def test_dp_attention_with_drafts_that_have_experts(moe_path, tmp_path, seed, method):
+    """Drafts whose layers have experts (DeepSeek-V3's MTP layer, chained for k = 2; a MoE draft
+    model, here the target itself, whose drafts are all right): under DP attention each replica
+    runs every draft forward pass with the other (the passes' MoE rows agreed once per propose; a
+    replica without rows in a pass runs padding). Greedy tokens, logprobs and the drafts proposed
+    and accepted equal one engine's with the same draft; output lengths differ, so one replica
+    idles while the other still drafts."""
+    from test_deepseek_mtp import build_with_mtp
+
+    if method == "mtp":
+        path, _, _ = build_with_mtp(tmp_path / "mtp")
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
+    else:
+        path, spec = moe_path, {"method": "draft_model", "model": str(moe_path), "num_speculative_tokens": 3}
+    prompts = random_prompts(4, VOCAB, 3, 12, seed)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 3, 9, 16)]
+    results = {}
+    for replicas in (1, 2):
+        layout = dict(data_parallel_size=2, enable_expert_parallel=True) if replicas == 2 else {}
+        with LLM(str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, speculative_config=spec,
+                 **layout) as llm:
+            assert llm.config.parallel.data_parallel_attention == (replicas == 2)
+            outputs = _outputs(llm, prompts, params)
+            stats = llm.engine.core.spec_stats  # (the replicas': as of their last messages)
+            results[replicas] = outputs, (stats.num_draft_tokens, stats.num_accepted_tokens)
+    (expected, drafts_one), (got, drafts_two) = results[1], results[2]
+    assert drafts_one[0] > 0, "no draft proposed"
+    if method == "moe_draft_model":
+        assert drafts_one[1] > 0, "the target as its own draft had no draft accepted"
+    for i, ((tokens1, logprobs1), (tokens2, logprobs2)) in enumerate(zip(expected, got)):
+        assert tokens2 == tokens1, f"prompt {i}: greedy tokens differ"
+        assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < LOGPROB_TOL, f"prompt {i}"
+    assert drafts_two == drafts_one, "the replicas drafted otherwise than one engine"
+
+
 def test_dp_attention_configuration(moe_path, tmp_path):
     from baryon.config import EngineConfig
 
@@ -210,13 +246,12 @@ def test_dp_attention_configuration(moe_path, tmp_path):
                                    ).parallel.data_parallel_attention
     with pytest.raises(ValueError, match=r"DP attention.*tensor_parallel_size=2"):
         EngineConfig.create(**base, enable_expert_parallel=True, tensor_parallel_size=2)
-    # Drafts: n-gram and dense draft models run on each replica alone; a draft with experts is refused.
-    ngram = EngineConfig.create(**base, enable_expert_parallel=True,
-                                speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert ngram.parallel.data_parallel_attention and ngram.speculative.method == "ngram"
-    with pytest.raises(ValueError, match=r"DP attention.*draft that has experts \(draft_model"):
-        EngineConfig.create(**base, enable_expert_parallel=True, speculative_config={
-            "method": "draft_model", "model": str(moe_path), "num_speculative_tokens": 2})
+    # Every kind of draft runs: n-gram and dense drafts on each replica alone, drafts with experts
+    # (MTP layers, a MoE draft model) in step with the other replicas.
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2},
+                 {"method": "draft_model", "model": str(moe_path), "num_speculative_tokens": 2}):
+        config = EngineConfig.create(**base, enable_expert_parallel=True, speculative_config=spec)
+        assert config.parallel.data_parallel_attention and config.speculative.method == spec["method"]
 
 
 def test_server_with_dp_attention(moe_path, seed):

@@ -296,9 +296,9 @@ def test_draft_model_catches_up_within_the_step_budget(target, seed):
     proposer, sizes = llm.engine.core.runner.proposer, []  # tokens the draft ran per propose()
     forward, propose = proposer._forward, proposer.propose
 
-    def recording_forward(tables, computed, num_new, input_ids, last_rows):
+    def recording_forward(tables, computed, num_new, input_ids, last_rows, depth):
         sizes[-1] += int(num_new.sum())
-        return forward(tables, computed, num_new, input_ids, last_rows)
+        return forward(tables, computed, num_new, input_ids, last_rows, depth)
 
     def recording_propose(*args):
         sizes.append(0)

@@ -20,7 +20,8 @@ from baryon.engine.kv_cache import BlockManager
 from baryon.engine.scheduler import Scheduler
 from baryon.logger import get_logger
 from baryon.request import Request, RequestStatus
-from baryon.runner.model_runner import DPStep, LaunchedStep, ModelRunner, RawLogprobs
+from baryon.layers.forward_context import DPStep
+from baryon.runner.model_runner import LaunchedStep, ModelRunner, RawLogprobs
 from baryon.sampling_params import SamplingParams
 from baryon.structured_output.compiler import GrammarCompiler
 from baryon.structured_output.matcher import RequestGrammar

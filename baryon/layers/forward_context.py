@@ -5,8 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from baryon.kernels.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class DPStep:
+    """DP attention: what the replicas agreed on for one forward pass (every replica runs it, with
+    the same MoE collectives): the rows each pads its MoE input to, and the decode graph size all
+    replay (None: every replica runs it eagerly)."""
+
+    padded_tokens: int
+    graph_size: int | None
+
 
 _attn_metadata: AttentionMetadata | None = None
 _dp_padded_tokens: int | None = None

@@ -23,9 +23,9 @@ from baryon.distributed.parallel_state import broadcast_from_first, tp_rank, tp_
 from baryon.distributed.worker_group import WorkerGroup
 from baryon.request import Request
 from baryon.kernels import vocab_argmax
-from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, build_metadata, host_metadata
+from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, host_metadata, padding_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
-from baryon.layers.forward_context import forward_context
+from baryon.layers.forward_context import DPStep, forward_context
 from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.layers.fused_decoder_layer import fuse_decoder_layers
 from baryon.loader.model_loader import load_model
@@ -64,16 +64,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)  # one per new token
     prompt_logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)  # for this chunk
     prompt_logprobs_start: dict[str, int] = field(default_factory=dict)  # the chunk's first position
-
-
-@dataclass
-class DPStep:
-    """DP attention: what the replicas agreed on for this step (every replica runs one forward
-    pass, with the same MoE collectives): the rows each pads its MoE input to, and the decode
-    graph size all replay (None: every replica runs its step eagerly)."""
-
-    padded_tokens: int
-    graph_size: int | None
 
 
 @dataclass
@@ -279,18 +269,12 @@ class ModelRunner:
         """DP attention, a replica with nothing scheduled: replay the agreed decode graph with
         padding rows only, or run one padding token (stored nowhere) eagerly."""
         if dp_step.graph_size is not None:
-            empty = np.zeros(0, dtype=np.int64)
-            layout = batch_layout(np.zeros((0, 1), dtype=np.int32), empty, empty, self.block_size)
-            metadata = build_metadata(layout, np.zeros((0, 1), dtype=np.int32), self.device)
             no_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
-            self.graph_runner.run(no_ids, no_ids, metadata, size=dp_step.graph_size)
+            self.graph_runner.run(no_ids, no_ids, padding_metadata(0, self.block_size, self.device),
+                                  size=dp_step.graph_size)
         else:
-            one = np.ones(1, dtype=np.int64)
-            layout = batch_layout(np.zeros((1, 1), dtype=np.int32), one - 1, one, self.block_size)
-            layout.slot_mapping[:] = -1  # the padding token's key and value are stored nowhere
-            metadata = build_metadata(layout, np.zeros((1, 1), dtype=np.int32), self.device)
             token = torch.zeros(1, dtype=torch.int64, device=self.device)
-            with forward_context(metadata, dp_step.padded_tokens):
+            with forward_context(padding_metadata(1, self.block_size, self.device), dp_step.padded_tokens):
                 self.forward(token, token)
         step = LaunchedStep([])
         step.finish_launch(self.device)
@@ -481,8 +465,10 @@ class ModelRunner:
             decoding = r.num_tokens - r.num_computed_tokens == 1
             max_drafts.append(room + lag if decoding and room > 0 and not _position_dependent(r) else 0)
             lags.append(lag)
-        # A draft that reads the target's hidden states catches up on every step, drafting or not.
-        if not any(max_drafts) and not hasattr(self.proposer, "observe"):
+        # A draft that reads the target's hidden states catches up on every step, drafting or not;
+        # one with experts under DP attention meets the other replicas' draft passes every round.
+        if not any(max_drafts) and not hasattr(self.proposer, "observe") and \
+                not getattr(self.proposer, "meets_replicas", False):
             for request in requests:
                 request.spec_token_ids = []
             return

@@ -14,24 +14,49 @@ Greedy requests draft greedily; sampling requests draw from the draft's distribu
 temperature / top-k / top-p / min-p, which is kept for the rejection rule. A preempted request
 lost its blocks, so the draft starts over with it. With tensor parallelism the draft is sharded
 like the target and every rank runs this code on the requests rank 0 sends it
-(runner/propose_plan.py); rank 0 draws the drafts and the others receive them.
+(runner/propose_plan.py); rank 0 draws the drafts and the others receive them. With DP
+attention a draft with experts divides them among the replicas as the target does, so every
+replica runs each of a propose's forward passes with the others: they agree first on the rows of
+each pass (one host all-gather), and a replica with none in a pass runs it on padding.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from baryon.config import EngineConfig
-from baryon.distributed.parallel_state import broadcast_from_first, tp_rank
-from baryon.kernels.attention.metadata import batch_layout, build_metadata
+from baryon.distributed.parallel_state import broadcast_from_first, dp_all_gather_host, dp_world_size, tp_rank
+from baryon.kernels.attention.metadata import batch_layout, build_metadata, padding_metadata
 from baryon.kernels.selector import select
 from baryon.layers.attention import PagedKVLayer
-from baryon.layers.forward_context import forward_context
+from baryon.layers.forward_context import DPStep, forward_context
+from baryon.layers.fused_moe.layer import FusedMoE
 from baryon.layers.sampler import SamplingBatch, sampling_probs
 from baryon.loader.model_loader import load_model
 from baryon.request import Request
 from baryon.transfer import to_device
+
+
+@dataclass
+class CatchUp:
+    """A propose's first forward pass: for each request listed, the tokens whose draft K/V it
+    writes (a draft model: those it has not run yet; a draft on the target's hidden states: those
+    the target kept this step, with the target's features)."""
+
+    requests: list[Request]
+    computed: np.ndarray  # [len(requests)] int64: each one's tokens before its rows
+    num_new: np.ndarray  # [len(requests)] int64
+    input_ids: np.ndarray  # [num_rows] int64
+    last_rows: np.ndarray  # [len(ready)]: each request drafting after it, as an index into `requests`
+    ready: list[int]  # the propose's requests (indices) that draft after it
+    features: torch.Tensor | None = None  # [num_rows, features]: the target's, per row (hidden-state drafts)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.num_new.sum())
 
 
 class DraftModelProposer:
@@ -53,6 +78,11 @@ class DraftModelProposer:
         # request id -> (tokens whose draft K/V are cached, the request's preemption count then)
         self.num_computed: dict[str, tuple[int, int]] = {}
         self.probs: dict[str, torch.Tensor] = {}  # request id -> [num drafts, vocab]: sampling requests
+        # DP attention and a draft with experts: every replica runs each draft forward pass with
+        # the others (their MoE layers exchange rows), on padding where it has no rows of its own.
+        self.meets_replicas = dp_world_size() > 1 and any(isinstance(m, FusedMoE) for m in self.model.modules())
+        self.num_speculative_tokens = spec.num_speculative_tokens  # a propose's forward passes, at most
+        self._rounds: list[DPStep | None] = []  # this propose's agreed passes, by depth (0: the catch-up)
 
     def forget(self, request_id: str) -> None:
         self.num_computed.pop(request_id, None)
@@ -74,10 +104,24 @@ class DraftModelProposer:
         for request in requests:
             self.probs.pop(request.request_id, None)
         drafts: list[list[int]] = [[] for _ in requests]
-        drafting = [i for i, m in enumerate(max_drafts) if m > 0]
-        logits, alive = self._catch_up(requests, drafting)  # [len(alive), vocab]; alive: requests drafting now
-        if not alive:
-            return drafts
+        catch_up = self._plan_catch_up(requests, [i for i, m in enumerate(max_drafts) if m > 0])
+        alive = catch_up.ready if catch_up is not None else []  # the requests drafting now
+        # Rows of each forward pass this call runs: the catch-up, then per depth the requests drafting that far.
+        rows = [catch_up.num_rows if catch_up is not None else 0]
+        rows += [sum(max_drafts[i] > depth for i in alive) for depth in range(1, max(max_drafts[i] for i in alive))] \
+            if alive else []
+        self._rounds = self._agree_with_replicas(rows) if self.meets_replicas else []
+        if catch_up is not None:
+            logits = self._run_catch_up(catch_up)  # [len(alive), vocab]
+            if alive:
+                self._draft_depths(requests, max_drafts, sampling, alive, logits, drafts)
+        self._pad_rounds(sum(n > 0 for n in rows))
+        return drafts
+
+    def _draft_depths(self, requests: list[Request], max_drafts: list[int], sampling: SamplingBatch,
+                      alive: list[int], logits: torch.Tensor, drafts: list[list[int]]) -> None:
+        """From the catch-up's logits of the `alive` requests, draw their drafts depth by depth
+        (each the next depth's input) into `drafts`, and keep the sampling requests' distributions."""
         batch = _select_rows(sampling, alive, [requests[i] for i in alive], self.device)
         columns: list[tuple[list[int], torch.Tensor, torch.Tensor | None]] = []  # (alive, tokens, probs)
         tokens = torch.empty(0)
@@ -101,7 +145,48 @@ class DraftModelProposer:
             if max_drafts[i] and not request.sampling_params.is_greedy and tp_rank() == 0:  # rank 0 verifies
                 self.probs[request.request_id] = torch.stack(
                     [probs[row_of[depth][i]] for depth, (_, _, probs) in enumerate(columns[:max_drafts[i]])])
-        return drafts
+
+    # -- DP attention: a draft with experts runs its forward passes with the other replicas -------
+
+    def _agree_with_replicas(self, rows: list[int]) -> list[DPStep | None]:
+        """rows: this replica's rows in each forward pass of this propose (a prefix of nonzero
+        counts) -> the passes every replica runs, in order: each padded to the largest replica's
+        rows, on the CUDA graph of that size where one is captured (None: no replica runs it)."""
+        counts = rows + [0] * (self.num_speculative_tokens - len(rows))  # the same length on every replica
+        agreed = [max(column) for column in zip(*dp_all_gather_host(counts))]
+        return [DPStep(n, self._graph_size(n, 0)) if n else None for n in agreed]
+
+    def _agreed(self, depth: int) -> DPStep | None:
+        """The agreed forward pass at this depth (0: the catch-up); None without DP attention."""
+        return self._rounds[depth] if self._rounds else None
+
+    def _pad_rounds(self, first: int) -> None:
+        """The agreed forward passes from `first` on, which this replica has no rows for: padding
+        only, so that the other replicas' rows reach this replica's experts."""
+        for depth, agreed in enumerate(self._rounds[first:], first):
+            if agreed is None:
+                break
+            runner = self._graph_runner(depth)
+            if agreed.graph_size is not None:
+                no_ids = torch.zeros(0, dtype=torch.int64, device=self.device)
+                runner.run(no_ids, no_ids, padding_metadata(0, self.block_size, self.device), size=agreed.graph_size)
+            else:
+                token = torch.zeros(1, dtype=torch.int64, device=self.device)
+                with forward_context(padding_metadata(1, self.block_size, self.device), agreed.padded_tokens):
+                    self._padding_forward(token, depth)
+
+    def _padding_forward(self, token: torch.Tensor, depth: int) -> None:
+        """The draft's forward pass of depth `depth` over one padding token (token: its id and position)."""
+        self.model(token, token)
+
+    def _graph_runner(self, depth: int):
+        """The CUDA graphs the forward pass of this depth replays (None: none captured)."""
+        return self.graph_runner
+
+    def _graph_size(self, num_rows: int, depth: int) -> int | None:
+        """The captured graph a forward pass of num_rows rows at this depth replays (None: eager)."""
+        runner = self._graph_runner(depth)
+        return runner.padded_size(num_rows) if runner is not None else None
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft of each row [rows]: argmax (greedy rows) or a draw from the processed
@@ -127,20 +212,22 @@ class DraftModelProposer:
         self.graph_runner.capture()
 
     def _forward(self, block_tables: np.ndarray, computed: np.ndarray, num_new: np.ndarray,
-                 input_ids: torch.Tensor, last_rows: np.ndarray) -> torch.Tensor:
+                 input_ids: torch.Tensor, last_rows: np.ndarray, depth: int) -> torch.Tensor:
         """Logits after the last token of each sequence in last_rows. Up to the largest captured
-        size, the tokens run as one decode each (build_metadata's per_token) in a CUDA graph."""
+        size, the tokens run as one decode each (build_metadata's per_token) in a CUDA graph
+        (with DP attention: the agreed pass of this depth says which)."""
         layout = batch_layout(block_tables, computed, num_new, self.block_size)
         positions = to_device(torch.from_numpy(layout.positions), self.device)
-        last = layout.query_start[1:][last_rows] - 1
-        if self.graph_runner is not None and self.graph_runner.padded_size(len(layout.positions)):
+        last = to_device(torch.from_numpy(layout.query_start[1:][last_rows] - 1), self.device)
+        agreed = self._agreed(depth)
+        graph_size = self._graph_size(len(layout.positions), depth) if agreed is None else agreed.graph_size
+        if graph_size is not None:
             metadata = build_metadata(layout, block_tables, self.device, per_token=True)
-            logits = self.graph_runner.run(input_ids, positions, metadata)
-            return logits[to_device(torch.from_numpy(last), self.device)].float()
+            return self.graph_runner.run(input_ids, positions, metadata, size=graph_size)[last].float()
         metadata = build_metadata(layout, block_tables, self.device)
-        with forward_context(metadata):
+        with forward_context(metadata, None if agreed is None else agreed.padded_tokens):
             hidden = self.model(input_ids, positions)
-        return self.model.compute_logits(hidden[to_device(torch.from_numpy(last), self.device)])
+        return self.model.compute_logits(hidden[last])
 
     def _block_tables(self, requests: list[Request]) -> np.ndarray:
         tables = np.zeros((len(requests), self.max_blocks_per_seq), dtype=np.int32)
@@ -151,14 +238,12 @@ class DraftModelProposer:
     def _narrow(self, index: torch.Tensor) -> None:
         """Fewer requests draft further: keep the state of these rows (none kept here)."""
 
-    def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> tuple[torch.Tensor | None, list[int]]:
-        """Run the draft over the drafting requests' unseen tokens, at most about one step budget
-        of them per call (a long prompt or a preempted request catches up over several steps and
-        drafts once it has). -> (logits after the last token [len(ready), vocab], ready: the
-        drafting requests caught up, in order)."""
+    def _plan_catch_up(self, all_requests: list[Request], drafting: list[int]) -> CatchUp | None:
+        """The drafting requests' unseen tokens, at most about one step budget of them per call (a
+        long prompt or a preempted request catches up over several steps and drafts once it has)."""
         requests = [all_requests[i] for i in drafting]
         if not requests:
-            return None, []
+            return None
         done = np.zeros(len(requests), dtype=np.int64)
         for i, request in enumerate(requests):
             seen, preemptions = self.num_computed.get(request.request_id, (0, -1))
@@ -169,16 +254,17 @@ class DraftModelProposer:
         # Chunks in request order within the budget; every request advances at least one token.
         num_new = np.minimum(left, np.maximum(self.chunk_tokens - np.concatenate(([0], np.cumsum(left)[:-1])), 1))
         input_ids = np.concatenate([r.all_token_ids[d:d + n] for r, d, n in zip(requests, done, num_new)])
-        logits = self._forward(self._block_tables(requests), done, num_new,
-                               to_device(torch.from_numpy(input_ids.astype(np.int64)), self.device),
-                               np.arange(len(requests)))  # [len(requests), vocab]
-        done += num_new
-        for request, seen in zip(requests, done.tolist()):
+        finished = np.flatnonzero(done + num_new == total)
+        return CatchUp(requests, done, num_new, input_ids.astype(np.int64), finished,
+                       [drafting[j] for j in finished])
+
+    def _run_catch_up(self, plan: CatchUp) -> torch.Tensor:
+        """-> the logits after the last token of each request ready to draft [len(plan.ready), vocab]."""
+        logits = self._forward(self._block_tables(plan.requests), plan.computed, plan.num_new,
+                               to_device(torch.from_numpy(plan.input_ids), self.device), plan.last_rows, 0)
+        for request, seen in zip(plan.requests, (plan.computed + plan.num_new).tolist()):
             self.num_computed[request.request_id] = (seen, request.num_preemptions)
-        finished = np.flatnonzero(done == total)
-        if len(finished) < len(requests):
-            logits = logits[to_device(torch.from_numpy(finished), self.device)]
-        return logits, [drafting[j] for j in finished]
+        return logits
 
     def _decode(self, requests: list[Request], tokens: torch.Tensor, step: int) -> torch.Tensor:
         """One draft token per request, at position len(all_token_ids) - 1 + step."""
@@ -186,7 +272,7 @@ class DraftModelProposer:
         computed = np.fromiter((len(r.all_token_ids) - 1 + step for r in requests), dtype=np.int64,
                                count=len(requests))
         return self._forward(tables, computed, np.ones(len(requests), dtype=np.int64), tokens,
-                             np.arange(len(requests)))
+                             np.arange(len(requests)), step)
 
 
 def _select_rows(batch: SamplingBatch | None, rows: list[int], requests: list[Request],

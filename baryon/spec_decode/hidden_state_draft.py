@@ -26,7 +26,7 @@ from baryon.config import EngineConfig
 from baryon.kernels.attention.metadata import batch_layout, build_metadata
 from baryon.layers.forward_context import forward_context
 from baryon.request import Request
-from baryon.spec_decode.draft_model import DraftModelProposer
+from baryon.spec_decode.draft_model import CatchUp, DraftModelProposer
 from baryon.transfer import to_device
 
 
@@ -96,25 +96,40 @@ class HiddenStateProposer(DraftModelProposer):
             return self.model.compute_logits(hidden, layer)
         return self.model.compute_logits(hidden)
 
+    def _layer_of(self, depth: int) -> int:
+        """The draft layer of this depth (MTP layers chained, the first again past the last)."""
+        return depth % self.num_mtp_layers if self.num_mtp_layers else 0
+
+    def _graph_runner(self, depth: int):
+        return self.graph_runners.get(self._layer_of(depth))
+
+    def _padding_forward(self, token: torch.Tensor, depth: int) -> None:
+        hidden = torch.zeros(1, self.features_dim, dtype=self.dtype, device=self.device)
+        self._layer_forward(token, token, hidden, self._layer_of(depth))
+
     def _run(self, input_ids: torch.Tensor, positions: np.ndarray, hidden: torch.Tensor, tables: np.ndarray,
              computed: np.ndarray, num_new: np.ndarray, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The draft layer of this depth over a batch: (output hidden states [rows, hidden], and
         from a CUDA graph the logits of every row [rows, vocab], else None). Up to the largest
-        captured size the rows run as one decode each (build_metadata's per_token)."""
-        layer = depth % self.num_mtp_layers if self.num_mtp_layers else 0
+        captured size the rows run as one decode each (build_metadata's per_token); with DP
+        attention the agreed pass of this depth says whether, and its MoE rows."""
         layout = batch_layout(tables, computed, num_new, self.block_size)
         positions_device = to_device(torch.from_numpy(positions), self.device)
-        runner = self.graph_runners.get(layer)
         rows = len(positions)
-        if runner is not None and runner.padded_size(rows):
+        agreed = self._agreed(depth)
+        graph_size = self._graph_size(rows, depth) if agreed is None else agreed.graph_size
+        if graph_size is not None:
+            runner = self._graph_runner(depth)
             self.hidden_in[:rows].copy_(hidden)
             metadata = build_metadata(layout, tables, self.device, per_token=True)
-            logits = runner.run(input_ids, positions_device, metadata).float()
+            logits = runner.run(input_ids, positions_device, metadata, size=graph_size).float()
             return runner.features[:rows], logits
-        with forward_context(build_metadata(layout, tables, self.device)):
-            return self._layer_forward(input_ids, positions_device, hidden, layer), None
+        padded_tokens = None if agreed is None else agreed.padded_tokens
+        with forward_context(build_metadata(layout, tables, self.device), padded_tokens):
+            return self._layer_forward(input_ids, positions_device, hidden, self._layer_of(depth)), None
 
-    def _catch_up(self, all_requests: list[Request], drafting: list[int]) -> tuple[torch.Tensor | None, list[int]]:
+    def _plan_catch_up(self, all_requests: list[Request], drafting: list[int]) -> CatchUp | None:
+        """Every request the target advanced (drafting or not: the draft's cache rows stay right)."""
         spans = []  # (request index, first flat token, first position, tokens kept)
         for i, request in enumerate(all_requests):
             start, computed = self.rows.get(request.request_id, (0, 0))
@@ -124,24 +139,23 @@ class HiddenStateProposer(DraftModelProposer):
         self.hidden = None
         features, self.features, self.rows = self.features, None, {}  # consumed once
         if not spans:
-            return None, []
+            return None
         requests = [all_requests[i] for i, _, _, _ in spans]
-        computed = np.array([c for _, _, c, _ in spans], dtype=np.int64)
-        num_new = np.array([n for _, _, _, n in spans], dtype=np.int64)
         flat = np.concatenate([np.arange(s, s + n) for _, s, _, n in spans])
-        positions = np.concatenate([np.arange(c, c + n) for _, _, c, n in spans])
         next_tokens = np.concatenate([r.all_token_ids[c + 1:c + n + 1] for r, (_, _, c, n) in zip(requests, spans)])
-        hidden, logits = self._run(to_device(torch.from_numpy(next_tokens.astype(np.int64)), self.device), positions,
-                                   features[to_device(torch.from_numpy(flat), self.device)],
-                                   self._block_tables(requests), computed, num_new, 0)
-        last = np.cumsum(num_new) - 1
-        drafting_row = {i: j for j, (i, _, _, _) in enumerate(spans)}
-        rows = [last[drafting_row[i]] for i in drafting]  # every drafting request was advanced
-        if not rows:
-            return None, []
-        index = to_device(torch.tensor(rows), self.device)
+        span_of = {i: j for j, (i, _, _, _) in enumerate(spans)}  # every drafting request was advanced
+        return CatchUp(requests, np.array([c for _, _, c, _ in spans], dtype=np.int64),
+                       np.array([n for _, _, _, n in spans], dtype=np.int64), next_tokens.astype(np.int64),
+                       np.array([span_of[i] for i in drafting], dtype=np.int64), list(drafting),
+                       features[to_device(torch.from_numpy(flat), self.device)])
+
+    def _run_catch_up(self, plan: CatchUp) -> torch.Tensor:
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(plan.computed, plan.num_new)])
+        hidden, logits = self._run(to_device(torch.from_numpy(plan.input_ids), self.device), positions, plan.features,
+                                   self._block_tables(plan.requests), plan.computed, plan.num_new, 0)
+        index = to_device(torch.from_numpy((np.cumsum(plan.num_new) - 1)[plan.last_rows]), self.device)
         self.hidden = hidden[index]
-        return (self._logits(self.hidden, 0) if logits is None else logits[index]), drafting
+        return self._logits(self.hidden, 0) if logits is None else logits[index]
 
     def _narrow(self, index: torch.Tensor) -> None:
         self.hidden = self.hidden[index]
@@ -152,10 +166,7 @@ class HiddenStateProposer(DraftModelProposer):
                                 count=len(requests))
         self.hidden, logits = self._run(tokens, positions, self.hidden, self._block_tables(requests), positions,
                                         np.ones(len(requests), dtype=np.int64), step)
-        if logits is None:
-            layer = step % self.num_mtp_layers if self.num_mtp_layers else 0
-            logits = self._logits(self.hidden, layer)
-        return logits
+        return self._logits(self.hidden, self._layer_of(step)) if logits is None else logits
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)

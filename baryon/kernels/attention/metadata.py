@@ -122,3 +122,14 @@ def build_metadata(layout: BatchLayout, block_tables: np.ndarray, device: torch.
     """`host_metadata` on the device, in one copy."""
     host = host_metadata(layout, block_tables, per_token)
     return host.on_device(to_device_many(host.arrays(), device))
+
+
+def padding_metadata(num_tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """The metadata of a forward pass of padding only (DP attention: a replica with nothing to run
+    still runs the other replicas' MoE rows): num_tokens 0 (a CUDA graph's replay pads every row)
+    or 1 (one eager token at position 0 that attends to itself and is stored nowhere)."""
+    tables = np.zeros((num_tokens, 1), dtype=np.int32)
+    counts = np.full(num_tokens, 1, dtype=np.int64)
+    layout = batch_layout(tables, counts - 1, counts, block_size)
+    layout.slot_mapping[:] = -1
+    return build_metadata(layout, tables, device)
