@@ -315,6 +315,33 @@ def mla_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -
             print(json.dumps({"cache_GB_per_s": round(cache_bytes / us / 1e3, 1)}), flush=True)
 
 
+def mla_indexer_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """DeepSeek-V3.2's lightning indexer (64 index heads of 128, top-2048) over a cache row of
+    latent + rope + index key (512 + 64 + 128), in the model dtype and as FP8
+    (kv_cache_dtype="fp8"): decode at batch 1 and 64 over 8k tokens of context, a 2048-token prefill."""
+    heads, dim, rank, topk = (8, 32, 64, 64) if small else (64, 128, 512 + 64, 2048)
+    block_size = 64
+    cases = [(1, 1, 256), (8, 1, 128), (1, 64, 64)] if small else [(1, 1, 8192), (64, 1, 8192), (1, 2048, 2048)]
+    for num_seqs, q_len, seq_len in cases:
+        blocks_per_seq = -(-seq_len // block_size)
+        cache = torch.randn(num_seqs * blocks_per_seq, block_size, rank + dim, device=device, dtype=dtype)
+        tables = torch.arange(num_seqs * blocks_per_seq, device=device, dtype=torch.int32).view(num_seqs, -1)
+        seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+        starts = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32)
+        metadata = AttentionMetadata(num_seqs * q_len, starts.to(device), seq_lens.to(device), tables,
+                                     torch.full((num_seqs * q_len,), -1, device=device, dtype=torch.int64),
+                                     q_len, seq_len, starts, seq_lens)
+        index_q = torch.randn(num_seqs * q_len, heads, dim, device=device, dtype=dtype)
+        weights = torch.randn(num_seqs * q_len, heads, device=device, dtype=torch.float32)
+        for cache_name, kv in (("model dtype", cache), ("fp8", cache.clamp(-448, 448).to(torch.float8_e4m3fn))):
+            for impl in selector.candidates("mla_indexer"):
+                if impl.unsupported_reason(device) is not None or (impl.name == "torch" and seq_len > 2048):
+                    continue
+                record(f"mla_indexer.{impl.name}", f"seqs={num_seqs} q={q_len} kv={seq_len} heads={heads} "
+                       f"topk={topk} cache={cache_name}",
+                       lambda: impl.forward(index_q, weights, kv, rank, metadata, topk))
+
+
 def moe_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
     """Qwen3-30B-A3B's MoE layer (128 experts, top-8, hidden 2048, expert intermediate 768):
     routing, and each expert-GEMM implementation that runs here, at decode batches (1-64 tokens)
@@ -571,6 +598,7 @@ def main() -> None:
         return
     if args.only == "mla":
         mla_kernels(record, device, dtype, args.small)
+        mla_indexer_kernels(record, device, dtype, args.small)
         return
     if args.only == "long_context":
         long_context_kernels(record, device, dtype, args.small)
@@ -652,6 +680,7 @@ def main() -> None:
     rejection_sampling_kernels(record, device, vocab, args.small)
     moe_kernels(record, device, dtype, args.small)
     mla_kernels(record, device, dtype, args.small)
+    mla_indexer_kernels(record, device, dtype, args.small)
     quant_kernels(record, device, dtype, args.small)
 
 

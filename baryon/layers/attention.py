@@ -72,7 +72,6 @@ class PagedKVLayer(nn.Module):
 
     kv_cache: torch.Tensor | None
     backend: object
-    fp8_cache_supported: bool = True  # whether it reads and writes a float8_e4m3fn cache
 
     def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         raise NotImplementedError

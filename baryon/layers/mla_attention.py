@@ -31,9 +31,6 @@ class MLAAttention(PagedKVLayer):
         self.qk_nope_head_dim, self.v_head_dim = qk_nope_head_dim, v_head_dim
         self.interleaved_rope = interleaved_rope
         self.index_head_dim, self.index_topk = index_head_dim, index_topk
-        # kv_cache_dtype="fp8": the latent and rope key as float8_e4m3fn (mla_backend.py); not
-        # DeepSeek-V3.2's, whose index keys share the cache and whose indexer reads them in the model dtype.
-        self.fp8_cache_supported = not index_head_dim
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
         backend = select("mla_attention", device, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
                          rope_dim=qk_rope_head_dim, dtype=dtype)

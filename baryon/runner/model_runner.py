@@ -231,10 +231,6 @@ class ModelRunner:
             if capability < (8, 9):  # Triton's float8e4nv conversions need sm_89+
                 raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer "
                                  f"(this one is {capability[0]}.{capability[1]})")
-        if fp8 and not all(layer.fp8_cache_supported for layer in self.attention_layers):
-            raise ValueError("kv_cache_dtype='fp8' is not supported with DeepSeek-V3.2's sparse attention (its "
-                             "indexer reads the index keys that share the latent cache in the model dtype); "
-                             "use kv_cache_dtype='auto'")
         for layer in self.attention_layers:
             layer.kv_cache = None if num_blocks is None else torch.zeros(
                 layer.cache_shape(num_blocks, self.block_size),

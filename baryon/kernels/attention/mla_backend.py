@@ -4,8 +4,8 @@ backend interface and the cache write (family `mla_attention`).
 The cache of one layer holds, per token, only the normalised latent c_kv (kv_lora_rank = L values)
 and the rotated shared rope key k_pe (R values), in the model dtype or, with kv_cache_dtype="fp8",
 as float8_e4m3fn: the values as they are (no scale: the normalised latent and the rotated key stay
-far inside e4m3's range), clamped to +-448, rounded to nearest even; the kernels convert them back
-to the queries' dtype as they load them:
+far inside e4m3's range; so do DeepSeek-V3.2's LayerNorm-ed index keys), clamped to +-448, rounded
+to nearest even; the kernels convert them back to the queries' dtype as they load them:
 
     cache [num_blocks, block_size, L + R (+ I)]   cache[b, o] = cat(c_kv, k_pe) of slot b * block_size + o
                                                   (DeepSeek-V3.2: then its I-value index key)

@@ -2,7 +2,8 @@
 sparse attention reads.
 
 Each layer caches one index key per token (I values, after the latent in the cache row, see
-mla_backend.py). A new token at position p scores every visible key t <= p of its sequence as
+mla_backend.py; with kv_cache_dtype="fp8" as float8_e4m3fn like the latent, read back in the
+queries' dtype). A new token at position p scores every visible key t <= p of its sequence as
 
     index[t] = sum_h w[h] * relu(q_index[h] . k_index[t] / sqrt(I))       w = weights_proj(x) / sqrt(heads)
 
@@ -125,8 +126,9 @@ if triton is not None:
             key_valid = key_pos < seq_len
             page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_valid, other=0)
             slot = page.to(tl.int64) * stride_cache_block + (key_pos % PAGE) * stride_cache_slot
+            # An FP8 cache's keys in the queries' dtype (a no-op for a cache in the model dtype).
             k = tl.load(cache + slot[:, None] + offset + dims[None, :], mask=key_valid[:, None] & dim_valid[None, :],
-                        other=0.0)  # [TILE_N, DIM_P]
+                        other=0.0).to(q.dtype)  # [TILE_N, DIM_P]
             if IEEE_DOT:
                 dots = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
