@@ -159,6 +159,10 @@ CASES = [
          _ct("W4A16", group_size=32, ignore=["lm_head", "re:.*mlp.gate$"]), "compressed-tensors", bits=4),
     Case("gptq-4bit-g32-qwen3moe", "qwen3_moe", {}, lambda s, d, seed: qc.gptq(s, d, 4, 32, seed=seed), "gptq",
          bits=4),
+    # One group per row: the gate/up rows' group of 48 values fits no packed CPU block (the torch
+    # kernel), the down rows' of 32 does: each projection keeps a kernel of its own shape.
+    Case("gptq-4bit-one-group-qwen3moe-h48", "qwen3_moe", dict(hidden_size=48, head_dim=16),
+         lambda s, d, seed: qc.gptq(s, d, 4, -1, seed=seed), "gptq", bits=4),
     # AWQ (AutoAWQ GEMM).
     Case("awq-g32-llama", "llama", {}, lambda s, d, seed: qc.awq(s, d, 32), "awq", bits=4,
          victims=("model.layers.1.self_attn.o_proj.scales", "model.layers.0.mlp.up_proj.qzeros")),

@@ -8,6 +8,7 @@ unquantized `fused_moe` kernel runs: correct, at float memory (4x a bf16 model's
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import torch
@@ -26,8 +27,11 @@ class DequantizedMoEMethod(MoEMethod):
     def __init__(self, linear: LinearMethod, name: str) -> None:
         self.linear = linear  # says the layout of one expert's projection, and dequantizes it
         self.name = name  # the scheme, for the log
+        # "w13" / "w2" -> a copy of `linear` of its own: a linear method keeps what it chose for
+        # one layer's shape (its kernel), and the two projections have different shapes.
+        self.projection_methods: dict[str, LinearMethod] = {}
 
-    def _projection_params(self, n: int, k: int) -> dict[str, nn.Parameter]:
+    def _projection_params(self, prefix: str, n: int, k: int) -> dict[str, nn.Parameter]:
         """One projection's checkpoint parameters, as a linear layer of [n, k] would create them."""
         holder = SimpleNamespace(output_size=n, input_size=k, params={})
 
@@ -39,7 +43,8 @@ class DequantizedMoEMethod(MoEMethod):
 
         holder.add_param = add_param
         holder.weight_loader = None
-        self.linear.create_weights(holder)
+        self.projection_methods[prefix] = copy.copy(self.linear)
+        self.projection_methods[prefix].create_weights(holder)
         return holder.params
 
     def create_weights(self, layer: nn.Module) -> dict[str, nn.Parameter]:
@@ -54,7 +59,7 @@ class DequantizedMoEMethod(MoEMethod):
         experts, hidden, inter = layer.num_local_experts, layer.hidden_size, layer.intermediate_size_per_rank
         params = {}
         for prefix, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-            for name, single in self._projection_params(n, k).items():
+            for name, single in self._projection_params(prefix, n, k).items():
                 stacked = nn.Parameter(torch.empty(experts, *single.shape, dtype=single.dtype), requires_grad=False)
                 stacked.output_dim, stacked.input_dim = single.output_dim, single.input_dim
                 stacked.optional = getattr(single, "expected_shards", None) == frozenset()
@@ -83,9 +88,10 @@ class DequantizedMoEMethod(MoEMethod):
         stacks = {}
         for prefix, experts in self.expert_projections(layer):
             dense = torch.empty(len(experts), experts[0].output_size, experts[0].input_size, dtype=dtype)  # [E, n, k]
+            method = self.projection_methods[prefix]
             for e, one in enumerate(experts):  # filled in place: no second copy of the float experts
-                self.linear.process_weights_after_loading(one)
-                dense[e] = self.linear.dequantize(one).to(dtype)
+                method.process_weights_after_loading(one)
+                dense[e] = method.dequantize(one).to(dtype)
             stacks[prefix] = dense
         self.drop_checkpoint_tensors(layer)
         layer.w13_weight = nn.Parameter(stacks["w13"], requires_grad=False)
