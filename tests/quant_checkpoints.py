@@ -470,7 +470,8 @@ def input_key(module: str) -> str:
 
 
 def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False, sym: bool = True,
-         seed: int = 0, shared_order: bool = True, static_groups: bool = False, v2: bool = False) -> QuantizedCheckpoint:
+         seed: int = 0, shared_order: bool = True, static_groups: bool = False, v2: bool = False,
+         lm_head: bool = False) -> QuantizedCheckpoint:
     """AutoGPTQ / GPTQModel checkpoint_format "gptq" (v1): qweight, qzeros (zero - 1), scales fp16,
     g_idx; desc_act: columns grouped in a random order (g_idx[k] = position(k) // group_size), one
     order per input (GPTQ's order sorts the diagonal of the input's Hessian, so q/k/v share one,
@@ -478,12 +479,13 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
     own order (not what GPTQ writes: for testing that an engine refuses or handles it).
     static_groups (with desc_act): the groups are fixed before the columns are reordered, so g_idx
     stays k // group_size (GPTQModel's static_groups=True). v2: checkpoint_format "gptq_v2"
-    (GPTQModel's), whose qzeros hold the zeros themselves."""
+    (GPTQModel's), whose qzeros hold the zeros themselves. lm_head: the LM head quantized too
+    (GPTQModel's lm_head=True, written in the config)."""
     assert bits in (4, 8)
     state = load_float(src)
     gen = torch.Generator().manual_seed(seed)
     out, deq, tensors, perms = {}, {}, {}, {}
-    modules = linear_names(state)
+    modules = linear_names(state) + (["lm_head"] if lm_head else [])
     for name, t in state.items():
         module = name[: -len(".weight")]
         if module not in modules:
@@ -505,11 +507,11 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
         deq[module] = gptq_dequantize(out[f"{module}.qweight"], v1_zeros, scales, g_idx, bits)
     config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
               "checkpoint_format": "gptq_v2" if v2 else "gptq", "damp_percent": 0.01, "true_sequential": True,
-              "static_groups": static_groups, "lm_head": False, "model_name_or_path": None,
+              "static_groups": static_groups, "lm_head": lm_head, "model_name_or_path": None,
               "model_file_base_name": "model"}
     path = write_checkpoint(src, dst, out, config)
     (path / "quantize_config.json").write_text(json.dumps(config, indent=2))
-    float_linears = float_linear_names(state)
+    float_linears = [m for m in float_linear_names(state) if m not in modules]
     return QuantizedCheckpoint(path, _float_reference(out, deq), modules, float_linears, config, tensors)
 
 

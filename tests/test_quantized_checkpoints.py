@@ -516,15 +516,47 @@ def test_unsupported_compressed_tensors_scheme(float_llama, tmp_path, scheme, na
     assert re.search(named, str(e.value)), f"the error does not name the scheme ({named}): {e.value}"
 
 
-def test_a_quantized_lm_head_is_refused_by_name(float_llama, tmp_path):
-    """A compressed-tensors checkpoint whose ignore list leaves lm_head out stores the LM head
-    quantized: the load error says so and what would load, not only which tensor surprised it."""
+@pytest.mark.parametrize("fmt", ["ct-w4a16-g32", "ct-fp8-dynamic", "gptq-4bit-g32"])
+def test_a_quantized_lm_head_loads_quantized(tmp_path, fmt, seed):
+    """A checkpoint that quantized the LM head too (compressed-tensors with `ignore: []`, GPTQModel's
+    lm_head=True) loads it in its layout: the head holds the checkpoint's codes (under half the
+    float32 bytes), dequantizes to exactly the reference weight, and greedy tokens equal the float
+    checkpoint of the dequantized weights; W4A16 over two tensor-parallel ranks (the vocabulary's
+    rows split) gives the same tokens."""
+    from baryon.layers.quantized_lm_head import QuantizedLMHead
+
+    float_llama = make_checkpoint(tmp_path / "float", "llama", seed=seed % 2**31, **WIDE)  # halves of 32-groups
+    path = tmp_path / "quantized_head"
+    if fmt == "gptq-4bit-g32":
+        built = qc.gptq(float_llama, path, 4, 32, seed=seed, lm_head=True)
+    else:
+        scheme = qc.ct_scheme("W4A16", group_size=32) if fmt == "ct-w4a16-g32" else qc.ct_scheme("FP8_DYNAMIC")
+        built = qc.compressed_tensors(float_llama, path, scheme, ignore=[], seed=seed)
+    stored = load_file(path / "model.safetensors")
+    assert "lm_head" in built.quantized and {"lm_head.weight_scale", "lm_head.scales"} & set(stored)
+    reference = qc.write_reference(built, tmp_path / "reference")
+    prompts = random_prompts(4, VOCAB, 3, 12, seed)
+    quantized = LLM(str(path), **ENGINE)
+    head = model_of(quantized).lm_head
+    assert isinstance(head, QuantizedLMHead)
+    assert torch.equal(head.method.dequantize(head), built.reference["lm_head.weight"])
+    assert 0 < _held_bytes(head) < 4 * head.method.dequantize(head).numel() / 2
+    want = greedy(LLM(str(reference), **ENGINE), prompts)
+    assert greedy(quantized, prompts) == want
+    if fmt == "ct-w4a16-g32":
+        with LLM(str(path), **ENGINE, tensor_parallel_size=2) as two:
+            assert greedy(two, prompts) == want
+
+
+def test_a_quantized_lm_head_the_config_does_not_name_is_refused_by_name(float_llama, tmp_path, seed):
+    """A GPTQ checkpoint whose LM head tensors are quantized while its config says `lm_head: false`:
+    the load error says so and what would load, not only which tensor surprised it."""
     from baryon.loader.weights import WeightLoadError
 
-    path = tmp_path / "quantized_head"
-    qc.compressed_tensors(float_llama, path, qc.ct_scheme("W4A16", group_size=32), ignore=[])
-    assert any(name.startswith("lm_head.weight_") for name in load_file(path / "model.safetensors"))
-    with pytest.raises(WeightLoadError, match=r"LM head quantized \('lm_head\.weight_.*ignore: \[\"lm_head\"\]"):
+    built = qc.gptq(float_llama, tmp_path / "head", 4, 32, seed=seed, lm_head=True)
+    path = qc.write_checkpoint(built.path, tmp_path / "mislabelled", qc.load_float(built.path),
+                               {**built.quantization_config, "lm_head": False})
+    with pytest.raises(WeightLoadError, match=r"LM head quantized \('lm_head\.\w+'.*`lm_head: true`"):
         LLM(str(path), **ENGINE)
 
 

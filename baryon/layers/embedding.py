@@ -58,22 +58,19 @@ class VocabParallelEmbedding(nn.Module):
         return tp_all_reduce(embedded)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to vocabulary logits. Tied models share the embedding's weight."""
+class VocabLogits:
+    """What an LM head does with its rank's vocabulary slice of the logits (`local_logits`):
+    gather every rank's slices, or find the greedy token without gathering them. The head sets
+    vocab_size, tp_size, rows_per_rank, vocab_start and vocab_end."""
 
-    def logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
-        """The dense LM head into a preallocated buffer (CUDA graphs): hidden_states [n, hidden]
-        -> out [n, vocab_size] in the model dtype (every rank's vocabulary slice, gathered)."""
-        if self.tp_size == 1:
-            torch.mm(hidden_states, self.weight.t(), out=out)
-            return
-        out.copy_(self._gathered(torch.mm(hidden_states, self.weight.t())))
+    vocab_size: int
+    tp_size: int
+    rows_per_rank: int
+    vocab_start: int
+    vocab_end: int
 
-    def local_logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
-        """This rank's vocabulary slice of the logits into a preallocated buffer (the target's decode
-        graphs): hidden_states [n, hidden] -> out [n, rows_per_rank] in the model dtype (the last
-        rank's columns past the vocabulary are padding). `gather_logits` or `argmax` takes it on."""
-        torch.mm(hidden_states, self.weight.t(), out=out)
+    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's `local_logits_into` slice of n rows -> [n, vocab_size] float32."""
@@ -100,13 +97,30 @@ class ParallelLMHead(VocabParallelEmbedding):
         self._argmax_kernel = select("vocab_argmax", device)
         return self._argmax_kernel
 
-    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [n, hidden] -> this rank's vocabulary slice of the logits [n, rows_per_rank]
-        (as local_logits_into, through the weight's method: eager steps)."""
-        return self.method.apply(self, hidden_states, None)
-
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_sampled, hidden] (only the rows that are sampled) ->
         [num_sampled, vocab_size] float32 logits."""
         return self.gather_logits(self.local_logits(hidden_states))
 
+
+class ParallelLMHead(VocabLogits, VocabParallelEmbedding):
+    """Projects hidden states to vocabulary logits. Tied models share the embedding's weight."""
+
+    def logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
+        """The dense LM head into a preallocated buffer (CUDA graphs): hidden_states [n, hidden]
+        -> out [n, vocab_size] in the model dtype (every rank's vocabulary slice, gathered)."""
+        if self.tp_size == 1:
+            torch.mm(hidden_states, self.weight.t(), out=out)
+            return
+        out.copy_(self._gathered(torch.mm(hidden_states, self.weight.t())))
+
+    def local_logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's vocabulary slice of the logits into a preallocated buffer (the target's decode
+        graphs): hidden_states [n, hidden] -> out [n, rows_per_rank] in the model dtype (the last
+        rank's columns past the vocabulary are padding). `gather_logits` or `argmax` takes it on."""
+        torch.mm(hidden_states, self.weight.t(), out=out)
+
+    def local_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [n, hidden] -> this rank's vocabulary slice of the logits [n, rows_per_rank]
+        (as local_logits_into, through the weight's method: eager steps)."""
+        return self.method.apply(self, hidden_states, None)

@@ -157,9 +157,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
             continue
         param = params.get(target.param)
         if param is None and target.param.startswith("lm_head.") and name.startswith("lm_head."):
-            raise WeightLoadError(f"the checkpoint stores the LM head quantized ({name!r} in {file}); the LM head "
-                                  f"loads in float only: use a checkpoint whose quantization leaves lm_head out "
-                                  f"(compressed-tensors `ignore: [\"lm_head\"]`, llm-compressor's default)")
+            raise WeightLoadError(f"the checkpoint stores the LM head quantized ({name!r} in {file}) but its "
+                                  f"quantization_config says lm_head is left in float (GPTQ `lm_head: false`, or "
+                                  f"compressed-tensors `ignore` listing lm_head); give a config that matches the "
+                                  f"tensors (GPTQ `lm_head: true`; no lm_head in `ignore`)")
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {type(model).__name__} "
                                   f"has no parameter {target.param!r}")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baryon.layers.embedding import ParallelLMHead
 from baryon.layers.fused_moe.layer import FusedMoE
 from baryon.layers.linear import LinearBase
+from baryon.layers.quantized_lm_head import QuantizedLMHead
 from baryon.loader.names import CheckpointNames
 from baryon.logger import get_logger
 from baryon.quantization.base import QuantizationConfig
@@ -19,12 +21,14 @@ def use_quantized_methods(model: nn.Module, quant_config: QuantizationConfig, na
     """Ask `quant_config` for each linear and MoE layer's method, by the layer's checkpoint names;
     the parts of a fused layer must agree (all quantized alike, or all left in float)."""
     counts = {"quantized": 0, "float": 0}
+    if _quantize_lm_head(model, quant_config):
+        counts["quantized"] += 1
     for module_name, module in model.named_modules():
         if isinstance(module, FusedMoE):
             method = quant_config.moe_method(module, names.checkpoint_prefixes(module_name)[0])
             if method is not None:
                 module.use_method(method)
-        elif isinstance(module, LinearBase) and module.quantizable:
+        elif isinstance(module, LinearBase) and module.quantizable and not isinstance(module, QuantizedLMHead):
             prefixes = names.checkpoint_prefixes(module_name)
             methods = [quant_config.linear_method(module, prefix) for prefix in prefixes]
             if any(m is None for m in methods) and not all(m is None for m in methods):
@@ -39,6 +43,20 @@ def use_quantized_methods(model: nn.Module, quant_config: QuantizationConfig, na
             continue
         counts["quantized"] += 1
     logger.info("%s: %d layers quantized, %d left in float", quant_config.name, counts["quantized"], counts["float"])
+
+
+def _quantize_lm_head(model: nn.Module, quant_config: QuantizationConfig) -> bool:
+    """Swap the model's (untied) dense LM head for a QuantizedLMHead where the checkpoint quantized
+    it. Whether it did is the scheme's word (its config), as vLLM reads it."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not isinstance(head, ParallelLMHead) or (embed is not None and head.weight is embed.weight):
+        return False
+    method = quant_config.lm_head_method()
+    if method is None:
+        return False
+    model.lm_head = QuantizedLMHead(head.vocab_size, head.weight.shape[1], method)
+    return True
 
 
 @torch.no_grad()

@@ -190,6 +190,11 @@ class QuantizationConfig:
         """The method for a linear layer, None to leave it dense."""
         raise NotImplementedError
 
+    def lm_head_method(self) -> LinearMethod | None:
+        """The method of the LM head (`lm_head`, untied) where the checkpoint quantized it; None
+        (the default, as for online quantization) leaves it dense."""
+        return None
+
     def moe_method(self, layer: nn.Module, prefix: str):
         """The MoEMethod for a FusedMoE layer (prefix `model.layers.0.mlp.experts`), None to leave
         it unquantized; a format that cannot hold experts says so."""

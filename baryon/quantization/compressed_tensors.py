@@ -58,6 +58,11 @@ class CompressedTensorsConfig(QuantizationConfig):
         group = self._group_for(prefix)
         return None if group is None else _scheme_method(group, self.format)
 
+    def lm_head_method(self) -> LinearMethod | None:
+        """llm-compressor quantizes every Linear its targets name, lm_head too unless `ignore`
+        lists it (its recipes' default)."""
+        return self.linear_method(None, "lm_head")
+
     def moe_method(self, layer: nn.Module, prefix: str):
         if is_ignored(prefix, self.ignored):
             return None

@@ -35,14 +35,16 @@ class GPTQConfig(QuantizationConfig):
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"gptq checkpoint_format {fmt!r} is not supported; supported: gptq, gptq_v2")
         self.layout = fmt
-        if config.get("lm_head"):
-            raise ValueError("gptq checkpoints with a quantized lm_head are not supported")
+        self.lm_head_quantized = bool(config.get("lm_head"))  # GPTQModel's lm_head=True
         self.ignored = list(config.get("modules_to_not_convert") or [])
 
     def linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         if is_ignored(prefix, self.ignored):
             return None
         return WNA16LinearMethod(self.layout, self.bits, self.group_size, self.sym, act_order=self.desc_act)
+
+    def lm_head_method(self) -> LinearMethod | None:
+        return self.linear_method(None, "lm_head") if self.lm_head_quantized else None
 
     def moe_method(self, layer: nn.Module, prefix: str):
         method = self.linear_method(layer, prefix)
