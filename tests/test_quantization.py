@@ -29,8 +29,8 @@ def test_registry_reads_the_checkpoint_format_and_the_engine_argument():
     assert resolve_quantization(_Config(), "fp8").online
     assert resolve_quantization(_Config(), "w8a8").name == "w8a8"
     assert resolve_quantization(_Config(), "w4a16").name == "w4a16"
-    with pytest.raises(ValueError, match="'bitsandbytes'.*supported.*fp8.*compressed-tensors.*gptq.*awq"):
-        resolve_quantization(_Config({"quant_method": "bitsandbytes"}), None)
+    with pytest.raises(ValueError, match="'hqq'.*supported.*fp8.*compressed-tensors.*gptq.*awq.*bitsandbytes"):
+        resolve_quantization(_Config({"quant_method": "hqq"}), None)
     with pytest.raises(ValueError, match="'gptq'.*quantized with 'fp8'"):
         resolve_quantization(_Config({"quant_method": "fp8"}), "gptq")
     with pytest.raises(ValueError, match="'awq' needs a checkpoint quantized"):

@@ -490,10 +490,9 @@ def _with_config(src: Path, dst: Path, quantization_config: dict) -> Path:
 
 
 @pytest.mark.parametrize("config", [
-    {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-     "bnb_4bit_compute_dtype": "bfloat16", "_load_in_4bit": True},
+    {"quant_method": "eetq", "weights": "int8"},
     {"quant_method": "hqq", "quant_config": {"weight_quant_params": {"nbits": 4, "group_size": 64}}},
-], ids=["bitsandbytes", "hqq"])
+], ids=["eetq", "hqq"])
 def test_unsupported_quant_method(float_llama, tmp_path, config):
     path = _with_config(float_llama, tmp_path / "unsupported", config)
     with pytest.raises(ValueError) as e:

@@ -18,6 +18,7 @@ from baryon.loader.quantized import process_weights_after_loading, use_quantized
 from baryon.loader.weights import WeightLoadError, iterate_weights, weight_files
 from baryon.logger import get_logger
 from baryon.models.registry import resolve_model_class
+from baryon.quantization.base import QuantizationConfig
 from baryon.quantization.registry import ONLINE, resolve_quantization
 
 logger = get_logger(__name__)
@@ -36,11 +37,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
-    """The model in the quantization scheme's weight layouts, its weights not filled (on the meta
-    device nothing is allocated: benchmarks/memory_plan.py counts a rank's bytes that way)."""
+def build_model(config: ModelConfig, device: torch.device, quant_config: QuantizationConfig | None = None
+                ) -> nn.Module:
+    """The model in the quantization scheme's weight layouts (quant_config: the one `config`
+    resolves to, when the caller has it), its weights not filled (on the meta device nothing is
+    allocated: benchmarks/memory_plan.py counts a rank's bytes that way)."""
     model_class = resolve_model_class(config.architecture)
-    quant_config = _quantization(config)
+    quant_config = quant_config or _quantization(config)
     with torch.device(device), _default_dtype(config.dtype):
         model = model_class(config.hf_config)
         if quant_config is not None:
@@ -51,12 +54,14 @@ def build_model(config: ModelConfig, device: torch.device) -> nn.Module:
 def load_model(config: ModelConfig, device: torch.device, seed: int = 0) -> nn.Module:
     """Build the model, put in the quantization scheme's weight layouts, fill the weights
     (checkpoint or random), then let each layout repack what loaded."""
-    model = build_model(config, device)
+    quant_config = _quantization(config)
+    model = build_model(config, device, quant_config)
     if config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         packed = keep_gguf_packed(model, config, device) if is_gguf(config.model_path) else frozenset()
-        load_weights(model, checkpoint_weights(config, packed), config.hf_config)
+        weights = checkpoint_weights(config, packed)
+        load_weights(model, quant_config.checkpoint_tensors(weights) if quant_config else weights, config.hf_config)
     with torch.device(device), _default_dtype(config.dtype):
         process_weights_after_loading(model)
     return model.eval()

@@ -15,7 +15,7 @@ Layers start dense (`DenseLinearMethod`); the loader swaps methods in before any
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +189,12 @@ class QuantizationConfig:
     def linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         """The method for a linear layer, None to leave it dense."""
         raise NotImplementedError
+
+    def checkpoint_tensors(self, weights: Iterator[tuple[str, torch.Tensor, str]]
+                           ) -> Iterator[tuple[str, torch.Tensor, str]]:
+        """The checkpoint's (name, tensor, file) as the layers load them: as stored, unless the
+        format is one no kernel here reads (bitsandbytes), whose weights are dequantized on the way."""
+        return weights
 
     def lm_head_method(self) -> LinearMethod | None:
         """The method of the LM head (`lm_head`, untied) where the checkpoint quantized it; None

@@ -8,7 +8,7 @@ from typing import Any
 
 from baryon.quantization.base import QuantizationConfig
 
-CHECKPOINT_FORMATS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4")
+CHECKPOINT_FORMATS = ("fp8", "compressed-tensors", "gptq", "awq", "mxfp4", "bitsandbytes")
 ONLINE = ("fp8", "w8a8", "w4a16")
 ACCEPTED = tuple(dict.fromkeys(ONLINE + CHECKPOINT_FORMATS))
 
@@ -42,6 +42,10 @@ def _from_checkpoint(config: dict[str, Any]) -> QuantizationConfig:
         from baryon.quantization.mxfp4 import Mxfp4Config
 
         return Mxfp4Config(config)
+    if method == "bitsandbytes":
+        from baryon.quantization.bitsandbytes import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(config)
     raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which is not "
                      f"supported; supported: {list(CHECKPOINT_FORMATS)}")
 
