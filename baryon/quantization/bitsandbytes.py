@@ -140,14 +140,15 @@ def _dequantize(module: str, parts: dict[str, torch.Tensor], four_bit: bool) -> 
     if packed.numel() != -(-numel // 2):
         raise ValueError(f"bitsandbytes: {module}.weight holds {packed.numel()} bytes, not the "
                          f"{-(-numel // 2)} of a 4-bit {list(shape)} weight")
-    codes = torch.stack((packed >> 4, packed & 15), dim=1).reshape(-1)[:numel].long()  # [N * K]
+    codes = torch.stack((packed >> 4, packed & 15), dim=1).reshape(-1)[:numel].int()  # [N * K]
     absmax = parts["absmax"]
     if "nested_blocksize" in state:  # double quantization: the absmax as 8-bit codes
         nested = int(state["nested_blocksize"])
         block_scales = parts["nested_absmax"].float().repeat_interleave(nested)[: absmax.numel()]
-        absmax = parts["nested_quant_map"].float()[absmax.long()] * block_scales + float(state["nested_offset"])
+        absmax = parts["nested_quant_map"].float().index_select(0, absmax.int()) * block_scales \
+            + float(state["nested_offset"])
     if absmax.numel() != -(-numel // blocksize):
         raise ValueError(f"bitsandbytes: {module}.weight.absmax has {absmax.numel()} entries, not one per "
                          f"{blocksize} values of a {list(shape)} weight")
-    values = parts["quant_map"].float()[codes]
+    values = parts["quant_map"].float().index_select(0, codes)
     return (values * absmax.float().repeat_interleave(blocksize)[:numel]).reshape(shape)
