@@ -254,6 +254,47 @@ def test_quantized_greedy_tokens_follow_bf16(tmp_path, seed, arch, variant, over
         assert result.confident_matched / result.confident_total >= confident, f"{variant}: {result}"
 
 
+def test_quantized_lm_head_on_gpu_graphs_match_eager(tmp_path, seed):
+    """A compressed-tensors W4A16 checkpoint that quantized its LM head too: on the GPU the head
+    runs the W4A16 kernels (not the torch reference), inside the decode CUDA graphs as well, and
+    the graphs give the eager path's tokens."""
+    import quant_checkpoints as qc
+    from baryon.layers.quantized_lm_head import QuantizedLMHead
+
+    src = make_checkpoint(tmp_path / "float", "qwen3", seed=seed, hidden_size=256, intermediate_size=512,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, initializer_range=0.02)
+    path = qc.compressed_tensors(src, tmp_path / "w4a16-head", qc.ct_scheme("W4A16", group_size=128), ignore=[],
+                                 dtype=torch.bfloat16, seed=seed).path
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(11, 128, 3, 40, seed)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = []
+    for eager in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=eager,
+                  kv_cache_memory_gib=1, max_num_seqs=32)
+        head = llm.engine.core.runner.model.lm_head
+        assert isinstance(head, QuantizedLMHead) and head.method.kernel.name != "torch"
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert results[0] == results[1]
+
+
+def test_bitsandbytes_checkpoint_on_gpu_generates_as_its_dequantized_weights(tmp_path, seed):
+    """An NF4 (double-quantized) bitsandbytes checkpoint on the GPU, in bf16 with CUDA graphs: the
+    weights dequantized at load round to bf16 as the float checkpoint of the same values does, so
+    the greedy tokens are equal."""
+    from test_bitsandbytes import _bnb_checkpoint
+
+    src = make_checkpoint(tmp_path / "float", "qwen3", seed=seed, hidden_size=256, intermediate_size=512,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, initializer_range=0.02)
+    path, reference = _bnb_checkpoint(src, tmp_path / "bnb", True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 128, 3, 40, seed)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = []
+    for checkpoint in (path, reference):
+        llm = LLM(str(checkpoint), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_gib=1)
+        tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[0] == tokens[1]
+
+
 STORY_PROMPTS = ["Once upon a time, there was a little girl named Lily.", "Tom and his dog went to the park to play.",
                  "The sun was shining and the birds were singing.", "One day, a big bear came to the forest."]
 
@@ -410,6 +451,30 @@ def test_dp_attention_on_two_gpus_matches_one(tmp_path, seed, arch):
     for (tokens1, logprobs1), (tokens2, logprobs2) in zip(results[1], results[2]):
         assert tokens2 == tokens1
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < 1e-3
+
+
+@two_gpus
+def test_dp_attention_with_mtp_on_two_gpus_matches_one(tmp_path, seed):
+    """DeepSeek-V3's MTP layer (experts included) drafting k = 2 on two DP-attention replicas over
+    NCCL, the target's and the draft's decode CUDA graphs replayed at the sizes the replicas agree
+    on (padding-only draft passes on a replica without rows): one GPU's greedy tokens and the same
+    drafts proposed and accepted."""
+    from test_deepseek_mtp import build_with_mtp
+
+    path = build_with_mtp(tmp_path)[0]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 128, 4, 40, seed)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 30, 8, 20, 2, 12)]
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    results = {}
+    for dp in (1, 2):
+        layout = dict(data_parallel_size=2, enable_expert_parallel=True) if dp == 2 else {}
+        with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_memory_gib=0.5,
+                 speculative_config=spec, **layout, **SMALL_GRAPHS) as llm:
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = llm.engine.core.spec_stats
+            results[dp] = tokens, (stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert results[1][1][0] > 0
+    assert results[2] == results[1]
 
 
 def _dp_exchange_rank(rank: int, world: int, init_method: str, seed: int) -> None:
