@@ -53,6 +53,14 @@ def dsml_call(name: str, arguments: dict) -> str:
     return f'<｜DSML｜invoke name="{name}">\n{parameters}</｜DSML｜invoke>\n'
 
 
+KIMI_BEGIN, KIMI_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+
+def kimi_call(name: str, arguments: dict, index: int = 0) -> str:
+    return (f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>"
+            + json.dumps(arguments, ensure_ascii=False) + "<|tool_call_end|>")
+
+
 def glm_call(name: str, arguments: dict) -> str:
     """GLM-4.5's call: strings as text, other values as JSON."""
     pairs = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>"
@@ -167,6 +175,17 @@ CASES = [
     ("deepseek_v32", DS_BEGIN + '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "celsius"}'
      "<｜tool▁call▁end｜>" + DS_END, None, [("get_weather", WEATHER)]),  # V3.2-Exp (V3.1's format)
     ("deepseek_v32", "<｜DSML｜tool_calls>" + dsml_call("a", {"x": 2}) + "</｜DSML｜tool_calls>", None, [("a", {"x": 2})]),
+    # kimi_k2 (Kimi-K2)
+    ("kimi_k2", "Let me check.\n\n" + KIMI_BEGIN + kimi_call("get_weather", WEATHER) + KIMI_END, "Let me check.",
+     [("get_weather", WEATHER)]),
+    ("kimi_k2", KIMI_BEGIN + kimi_call("a", {"x": 1}) + kimi_call("search.web", {"q": "k2"}, 1) + KIMI_END, None,
+     [("a", {"x": 1}), ("search.web", {"q": "k2"})]),
+    ("kimi_k2", "<|tool_call_section_begin|>" + kimi_call("f", {}) + "<|tool_call_section_end|>", None, [("f", {})]),
+    ("kimi_k2", KIMI_BEGIN + '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"x": <|tool_call_end|>'
+     + KIMI_END, '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"x": <|tool_call_end|>', []),
+    ("kimi_k2", "ok" + KIMI_BEGIN + kimi_call("f", {"a": 1})[:-len("<|tool_call_end|>")], "ok", [("f", {"a": 1})]),
+    ("kimi_k2", "No tools <|tool", "No tools <|tool", []),
+    ("kimi_k2", KIMI_BEGIN + kimi_call("translate", UNICODE) + KIMI_END, None, [("translate", UNICODE)]),
     # glm45 (GLM-4.5 / 4.6)
     ("glm45", "Let me check.\n" + glm_call("get_weather", WEATHER), "Let me check.", [("get_weather", WEATHER)]),
     ("glm45", glm_call("a", {"x": 1, "y": [1, {"z": None}]}) + "\n" + glm_call("b", {}), None,
@@ -237,8 +256,14 @@ def test_parse_a_whole_reply(parser_name, reply, content, calls):
     assert call_pairs(parsed) == calls
     assert len({call.id for call in parsed.tool_calls}) == len(calls)
     for call in parsed.tool_calls:
-        # ids: OpenAI's call_ prefix, or nine letters and digits for Mistral (its templates' check)
-        assert (call.id.isalnum() and len(call.id) == 9) if parser_name == "mistral" else call.id.startswith("call_")
+        # ids: OpenAI's call_ prefix, nine letters and digits for Mistral (its templates' check), the
+        # call's own header for Kimi-K2 (what its template writes back)
+        if parser_name == "mistral":
+            assert call.id.isalnum() and len(call.id) == 9
+        elif parser_name == "kimi_k2":
+            assert call.id.startswith(f"functions.{call.name}:")
+        else:
+            assert call.id.startswith("call_")
         assert "\\u" not in call.arguments  # unicode written as is
 
 
@@ -351,6 +376,7 @@ def test_what_may_be_a_marker_is_held_back_until_decided():
 
 
 PLAIN = {"hermes": "{}", "llama3_json": "{}", "mistral": "{}", "deepseek_v3": "{}", "deepseek_v32": "{}", "glm45": "{}",
+         "kimi_k2": "{}",
          "openai": THINK + "<|start|>assistant<|channel|>final<|message|>{}<|return|>"}
 
 
@@ -380,13 +406,14 @@ def test_enable_auto_tool_choice_needs_a_parser():
 
 def test_registry_and_defaults():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "deepseek_v32", "glm45",
-                                 "openai", "harmony"}
+                                 "openai", "harmony", "kimi_k2"}
     assert TOOL_PARSERS["harmony"] is TOOL_PARSERS["openai"]
     assert all(cls.name in TOOL_PARSERS for cls in TOOL_PARSERS.values())
     expected = {"qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
                 "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "deepseek_v2": "deepseek_v3",
                 "deepseek_v3": "deepseek_v3",
-                "deepseek_v32": "deepseek_v32", "gpt_oss": "openai", "glm4_moe": "glm45", "gemma3": None, None: None}
+                "deepseek_v32": "deepseek_v32", "gpt_oss": "openai", "glm4_moe": "glm45", "kimi_k2": "kimi_k2",
+                "gemma3": None, None: None}
     assert {model_type: default_tool_parser(model_type) for model_type in expected} == expected
 
 
@@ -426,6 +453,9 @@ def render(parser_name: str, rng: random.Random) -> tuple[str, list[tuple[str, d
         elif parser_name == "glm45":
             written = {"text": random_text(rng).replace("<tool", "<toOl"), "call": glm_call(name, arguments),
                        "broken": "<tool_call>f g\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"}[kind]
+        elif parser_name == "kimi_k2":
+            written = {"text": random_text(rng), "call": KIMI_BEGIN + kimi_call(name, arguments, len(parts)) + KIMI_END,
+                       "broken": "<|tool_call_begin|>functions.f:9<|tool_call_argument_begin|>{]<|tool_call_end|>"}[kind]
         elif parser_name == "deepseek_v32":
             written = {"text": random_text(rng), "call": DSML_BEGIN + dsml_call(name, arguments) + DSML_END,
                        "broken": '<｜DSML｜invoke name="f">\n{]\n</｜DSML｜invoke>'}[kind]
@@ -448,6 +478,8 @@ def render(parser_name: str, rng: random.Random) -> tuple[str, list[tuple[str, d
             plain = plain.replace(DS_BEGIN, "").replace(DS_END, "")
         if parser_name == "deepseek_v32":
             plain = plain.replace(DSML_BEGIN, "").replace(DSML_END, "")
+        if parser_name == "kimi_k2":
+            plain = plain.replace(KIMI_BEGIN, "").replace(KIMI_END, "")
     return reply, calls, plain
 
 
@@ -455,7 +487,8 @@ def without_space(text: str) -> str:
     return "".join(text.split())
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "deepseek_v3", "deepseek_v32", "glm45", "openai"])
+@pytest.mark.parametrize("parser_name", ["hermes", "mistral", "deepseek_v3", "deepseek_v32", "glm45", "openai",
+                                         "kimi_k2"])
 def test_random_replies(seed, parser_name):
     rng = random.Random(seed)
     for _ in range(60):

@@ -10,6 +10,7 @@ from baryon.server.tool_parsers.deepseek_v32 import DeepSeekV32ToolParser
 from baryon.server.tool_parsers.glm45 import Glm45ToolParser
 from baryon.server.tool_parsers.harmony import HarmonyToolParser
 from baryon.server.tool_parsers.hermes import HermesToolParser
+from baryon.server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from baryon.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from baryon.server.tool_parsers.mistral import MistralToolParser
 
@@ -18,7 +19,7 @@ __all__ = ["TOOL_PARSERS", "ParsedReply", "ToolCall", "ToolParser", "default_too
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
                                        DeepSeekV3ToolParser, DeepSeekV32ToolParser, Glm45ToolParser,
-                                       HarmonyToolParser)}
+                                       HarmonyToolParser, KimiK2ToolParser)}
 TOOL_PARSERS["harmony"] = HarmonyToolParser
 
 _BY_MODEL_TYPE = {
@@ -26,7 +27,7 @@ _BY_MODEL_TYPE = {
     "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral",
     # DeepSeek-V2.5 / V2-Chat write V3's tool-call markers
     "deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32", "gpt_oss": "openai",
-    "glm4_moe": "glm45",
+    "glm4_moe": "glm45", "kimi_k2": "kimi_k2",  # (Kimi-K2: DeepseekV3ForCausalLM checkpoints)
 }
 
 
