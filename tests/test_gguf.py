@@ -189,11 +189,16 @@ def quantized(array: np.ndarray, qtype: QType, rng: np.random.Generator) -> np.n
         return quantize_q6_k(array)
     try:
         return gguf.quants.quantize(array.astype(np.float32), qtype)
-    except NotImplementedError:  # gguf cannot quantize the other K-quants: random blocks instead
+    except NotImplementedError:  # gguf cannot quantize the other K-quants and the i-quants: random blocks
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        # No byte has a float16 exponent of all ones, so no scale in any block is inf or NaN.
+        # No byte has a float16 exponent of all ones, so no scale stored whole in a block is inf or
+        # NaN; rows whose values still are not finite (IQ1_M assembles its scale from four bytes'
+        # top bits) are drawn again.
         finite = np.array([b for b in range(256) if b & 0x7C != 0x7C], dtype=np.uint8)
-        return rng.choice(finite, size=(array.shape[0], array.shape[1] // block * block_bytes))
+        raw = rng.choice(finite, size=(array.shape[0], array.shape[1] // block * block_bytes))
+        while (bad := ~np.isfinite(gguf.quants.dequantize(raw, qtype)).all(axis=1)).any():
+            raw[bad] = rng.choice(finite, size=(int(bad.sum()), raw.shape[1]))
+        return raw
 
 
 def quantize_q6_k(array: np.ndarray) -> np.ndarray:

@@ -39,9 +39,12 @@ MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # Architectures whose query/key rows llama.cpp's converter permutes (rotary pairs interleaved).
 _PERMUTED_QK = ("llama",)
 
-# ggml tensor types baryon reads (dequantized with gguf.quants), by name.
+# ggml tensor types baryon reads (dequantized with gguf.quants), by name: the legacy and K-quants,
+# the i-quants (IQ4_XS / IQ3_S / IQ2_M ... files), the ternary TQ types and MXFP4 / NVFP4.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                   "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_M", "IQ1_S",
+                   "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
 # Types that can also stay packed (baryon.kernels.block_quant's layout), with their code width.
 # The 5-bit types are stored as 8-bit codes (0..31): exact, and the integer kernels read them as
 # they read Q8_0. Q6_K (a scale per 16 elements, no offset) has its own layout, bits 6: int8 codes
