@@ -12,6 +12,7 @@ original safetensors checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -24,6 +25,7 @@ from gguf import GGMLQuantizationType as QType
 
 from baryon import LLM, SamplingParams
 from baryon.kernels.cpu import load_error
+from baryon.layers.rotary import rope_parameters
 from baryon.loader.gguf import PACKABLE_BITS, SUPPORTED_TYPES, gguf_config
 from conftest import hf_greedy, make_checkpoint, random_prompts
 
@@ -259,6 +261,48 @@ def test_tiny_gguf_greedy_parity(tmp_path, seed, name, arch, overrides):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
         assert output.outputs[0].token_ids == hf_greedy(ckpt, prompt, NUM_NEW)[0], name
+
+
+def llama3_rope_factors(head_dim: int, base: float, scaling: dict) -> np.ndarray:
+    """What llama.cpp's converter writes as `rope_freqs` for a Llama 3.1-style rope_scaling: one
+    divisor per rotary frequency (1 for short wavelengths, `factor` for long ones, a blend between)."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_file_matches_transformers(tmp_path, seed):
+    """A Llama 3.1-style GGUF: llama.cpp's converter stores the llama3 RoPE scaling as a rope_freqs
+    tensor of per-frequency divisors (and no scaling metadata). Loaded back, it gives the greedy
+    tokens transformers gives on the checkpoint with rope_scaling llama3 (short original context
+    here, so every kind of frequency is present: kept, divided, blended)."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    ckpt = make_checkpoint(tmp_path / "llama31", "llama", seed=seed, head_dim=32,
+                           rope_parameters={**scaling, "rope_theta": 500000.0})
+    config, state = hf_state(ckpt)
+    factors = llama3_rope_factors(32, 500000.0, scaling)
+    assert (factors == 1).any() and (factors == 8).any() and ((factors > 1) & (factors < 8)).any()
+    write_gguf(tmp_path / "llama31.gguf", "llama", {**config, "rope_theta": 500000.0}, state,
+               extra_metadata=lambda writer: writer.add_tensor("rope_freqs.weight", factors))
+    llm = LLM(str(tmp_path / "llama31.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              kv_cache_memory_gib=0.01)
+    assert rope_parameters(llm.config.model.hf_config)["freq_factors"] == factors.tolist()
+    prompts = random_prompts(2, 128, 30, 60, seed)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        assert output.outputs[0].token_ids == hf_greedy(ckpt, prompt, NUM_NEW)[0]
 
 
 def test_tiny_gguf_weights_equal_the_checkpoint(tmp_path, seed):

@@ -298,11 +298,14 @@ def test_engine_with_fp8_latent_cache(deepseek_v3, seed):
         assert result.confident_matched >= 0.8 * result.confident_total, result
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
-def test_indexer_and_sparse_attention_over_fp8_cache_read_its_values(seed, backend_name):
+def test_indexer_and_sparse_attention_over_fp8_cache_read_its_values(seed, backend_name, dtype):
     """DeepSeek-V3.2 with kv_cache_dtype='fp8': the index keys are stored beside the latent as
     float8_e4m3fn (clamped, rounded), and the indexer and sparse attention over that cache give
-    exactly what they give over its values in float32 (the same keys chosen)."""
+    exactly what they give over its values in float32 (the same keys chosen); with bf16 queries
+    (a GPU's model dtype: the keys converted to bf16, the Triton dot in bf16) over the values in
+    bf16 (which hold every e4m3 value exactly)."""
     from baryon.kernels.attention.mla_indexer import TorchIndexer, TritonIndexer
 
     if backend_name == "triton" and mla_triton.triton is None:
@@ -319,19 +322,21 @@ def test_indexer_and_sparse_attention_over_fp8_cache_read_its_values(seed, backe
     assert torch.equal(written.view(torch.uint8), _fp8(new_latents).view(torch.uint8))
     assert written[0, rank + rope].item() == 448.0
     tokens = metadata.num_tokens
-    index_q = torch.randn(tokens, index_heads, index_dim, generator=gen).to(DEVICE)
+    index_q = torch.randn(tokens, index_heads, index_dim, generator=gen).to(DEVICE, dtype)
     weights = torch.randn(tokens, index_heads, generator=gen).to(DEVICE)
     indexer = {"torch": TorchIndexer, "triton": TritonIndexer}[backend_name]
     indices = indexer.forward(index_q, weights, cache8, rank + rope, metadata, topk)
-    expected = indexer.forward(index_q, weights, cache8.float(), rank + rope, metadata, topk)
-    assert torch.equal(indices, expected)
-    assert torch.equal(indices.cpu(), TorchIndexer.forward(index_q.cpu(), weights.cpu(), cache8.cpu().float(),
-                                                           rank + rope, _on_cpu(metadata), topk))
+    values = cache8.to(dtype)  # the FP8 cache's values, exactly
+    assert torch.equal(values.float(), cache8.float())
+    assert torch.equal(indices, indexer.forward(index_q, weights, values, rank + rope, metadata, topk))
+    if dtype == torch.float32:
+        assert torch.equal(indices.cpu(), TorchIndexer.forward(index_q.cpu(), weights.cpu(), cache8.cpu().float(),
+                                                               rank + rope, _on_cpu(metadata), topk))
     backend = {"torch": TorchMLAAttention, "triton": TritonMLAAttention}[backend_name](heads, rank, rope, 0.3)
-    q_latent = torch.randn(tokens, heads, rank, generator=gen).to(DEVICE)
-    q_pe = torch.randn(tokens, heads, rope, generator=gen).to(DEVICE)
+    q_latent = torch.randn(tokens, heads, rank, generator=gen).to(DEVICE, dtype)
+    q_pe = torch.randn(tokens, heads, rope, generator=gen).to(DEVICE, dtype)
     out = backend.forward_sparse(q_latent, q_pe, cache8, metadata, indices)
-    torch.testing.assert_close(out, backend.forward_sparse(q_latent, q_pe, cache8.float(), metadata, indices),
+    torch.testing.assert_close(out, backend.forward_sparse(q_latent, q_pe, values, metadata, indices),
                                atol=1e-5, rtol=1e-5)
 
 

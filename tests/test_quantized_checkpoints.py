@@ -521,10 +521,13 @@ def test_a_quantized_lm_head_loads_quantized(tmp_path, fmt, seed):
     lm_head=True) loads it in its layout: the head holds the checkpoint's codes (under half the
     float32 bytes), dequantizes to exactly the reference weight, and greedy tokens equal the float
     checkpoint of the dequantized weights; W4A16 over two tensor-parallel ranks (the vocabulary's
-    rows split) gives the same tokens."""
+    127 rows split 64 + 63, the last rank's padding row zero) gives the same tokens. (GPTQ packs the
+    head's zero points 8 rows a word: its vocabulary is a multiple of 8, as real ones are.)"""
     from baryon.layers.quantized_lm_head import QuantizedLMHead
 
-    float_llama = make_checkpoint(tmp_path / "float", "llama", seed=seed % 2**31, **WIDE)  # halves of 32-groups
+    vocab = 128 if fmt.startswith("gptq") else 127
+    float_llama = make_checkpoint(tmp_path / "float", "llama", seed=seed % 2**31, vocab_size=vocab,
+                                  **WIDE)  # (WIDE: layers whose halves are whole 32-groups)
     path = tmp_path / "quantized_head"
     if fmt == "gptq-4bit-g32":
         built = qc.gptq(float_llama, path, 4, 32, seed=seed, lm_head=True)
@@ -534,7 +537,7 @@ def test_a_quantized_lm_head_loads_quantized(tmp_path, fmt, seed):
     stored = load_file(path / "model.safetensors")
     assert "lm_head" in built.quantized and {"lm_head.weight_scale", "lm_head.scales"} & set(stored)
     reference = qc.write_reference(built, tmp_path / "reference")
-    prompts = random_prompts(4, VOCAB, 3, 12, seed)
+    prompts = random_prompts(4, vocab, 3, 12, seed)
     quantized = LLM(str(path), **ENGINE)
     head = model_of(quantized).lm_head
     assert isinstance(head, QuantizedLMHead)
@@ -545,6 +548,32 @@ def test_a_quantized_lm_head_loads_quantized(tmp_path, fmt, seed):
     if fmt == "ct-w4a16-g32":
         with LLM(str(path), **ENGINE, tensor_parallel_size=2) as two:
             assert greedy(two, prompts) == want
+
+
+def test_a_float_lm_head_under_a_config_that_covers_it_stays_dense(float_llama, tmp_path, seed):
+    """A compressed-tensors config whose `ignore` does not list lm_head, over a checkpoint that
+    stores it in float: the head stays dense (the tensors decide) and generates as before."""
+    from baryon.layers.quantized_lm_head import QuantizedLMHead
+
+    built = qc.compressed_tensors(float_llama, tmp_path / "float_head", qc.ct_scheme("W4A16", group_size=32),
+                                  seed=seed)  # ignore: lm_head
+    stored = qc.load_float(built.path)
+    assert stored["lm_head.weight"].is_floating_point()
+    config = {**built.quantization_config, "ignore": []}
+    path = qc.write_checkpoint(built.path, tmp_path / "unlisted", stored, config)
+    prompts = random_prompts(3, VOCAB, 3, 12, seed)
+    head = model_of(unlisted := LLM(str(path), **ENGINE)).lm_head
+    assert not isinstance(head, QuantizedLMHead) and torch.equal(head.weight, stored["lm_head.weight"])
+    assert greedy(unlisted, prompts) == greedy(LLM(str(built.path), **ENGINE), prompts)
+
+
+def test_a_quantized_lm_head_whose_rows_split_off_its_blocks_is_refused(tmp_path, seed):
+    """GPTQ packs the head's zero points 8 rows to a word: 120 rows over two ranks (60 each) would
+    cut a word, so the error names the alignment and what would work."""
+    float_llama = make_checkpoint(tmp_path / "float", "llama", seed=seed % 2**31, vocab_size=120, **WIDE)
+    path = qc.gptq(float_llama, tmp_path / "head", 4, 32, seed=seed, lm_head=True).path
+    with pytest.raises(Exception, match=r"60 vocabulary rows a rank do not align with this tensor's 8-row blocks"):
+        LLM(str(path), **ENGINE, tensor_parallel_size=2)
 
 
 def test_a_quantized_lm_head_the_config_does_not_name_is_refused_by_name(float_llama, tmp_path, seed):

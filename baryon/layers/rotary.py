@@ -28,7 +28,19 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 
 def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
-    """Returns inv_freq [rotary_dim // 2] float32 and the factor applied to cos/sin."""
+    """Returns inv_freq [rotary_dim // 2] float32 and the factor applied to cos/sin. `freq_factors`
+    (a GGUF file's `rope_freqs`, llama.cpp's form of Llama 3.1-style scaling): each frequency of
+    the rope type's divided by its factor."""
+    inv_freq, scaling = _type_frequencies(rotary_dim, params, max_position)
+    factors = params.get("freq_factors")
+    if factors is None:
+        return inv_freq, scaling
+    if len(factors) != len(inv_freq):
+        raise ValueError(f"rope freq_factors has {len(factors)} factors for {len(inv_freq)} rotary frequencies")
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), scaling
+
+
+def _type_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim

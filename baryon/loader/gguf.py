@@ -168,9 +168,6 @@ def gguf_config(path: str) -> Any:
         raise GGUFError(f"GGUF file {path} holds a {meta.arch!r} model; supported GGUF architectures: "
                         f"{sorted(ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise GGUFError(f"GGUF file {path} has a rope_freqs tensor (Llama 3.1-style RoPE scaling "
-                        f"factors), which baryon does not support yet")
     if "token_embd.weight" not in tensors:
         raise GGUFError(f"GGUF file {path} has no token_embd.weight tensor")
     model_type, architecture = MIXTRAL if _is_mixtral(meta) else ARCHITECTURES[meta.arch]
@@ -205,9 +202,22 @@ def gguf_config(path: str) -> Any:
         fields.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
     fields.update(_moe_fields(meta, architecture))
     rope_scaling = _rope_scaling(meta)
+    if "rope_freqs.weight" in tensors:  # Llama 3.1-3.3: the frequencies' divisors, as a tensor
+        rope_scaling = {**(rope_scaling or {"rope_type": "default"}),
+                        "freq_factors": _rope_freq_factors(tensors["rope_freqs.weight"], head_dim, path)}
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _rope_freq_factors(tensor, head_dim: int, path: str) -> list[float]:
+    """llama.cpp's `rope_freqs` (its converter writes it for Llama 3.1-style scaling): one float32
+    divisor per rotary frequency, each frequency base^(-2i / head_dim) / factor[i]."""
+    if tensor.tensor_type.name != "F32" or tuple(int(n) for n in tensor.shape) != (head_dim // 2,):
+        raise GGUFError(f"GGUF file {path}: rope_freqs.weight is {tensor.tensor_type.name} "
+                        f"{[int(n) for n in tensor.shape]}, not float32 [{head_dim // 2}] (one factor per "
+                        f"rotary frequency of the {head_dim}-wide heads)")
+    return [float(v) for v in tensor.data]
 
 
 def _is_mixtral(meta: _Metadata) -> bool:
@@ -397,6 +407,8 @@ def iterate_gguf_weights(path: str, hf_config: Any,
     permuted = _permuted_heads(meta.arch, hf_config)
     mixtral = _is_mixtral(meta)
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # read into the config's RoPE (gguf_config)
+            continue
         name = checkpoint_name(tensor.name, mixtral)
         if name is None:
             raise GGUFError(f"tensor {tensor.name!r} in {path} has no counterpart in a "

@@ -15,7 +15,7 @@ from baryon.config import ModelConfig
 from baryon.hub import is_gguf
 from baryon.loader.names import CheckpointNames
 from baryon.loader.quantized import process_weights_after_loading, use_quantized_methods
-from baryon.loader.weights import WeightLoadError, iterate_weights, weight_files
+from baryon.loader.weights import WeightLoadError, iterate_weights, stored_tensor_names, weight_files
 from baryon.logger import get_logger
 from baryon.models.registry import resolve_model_class
 from baryon.quantization.base import QuantizationConfig
@@ -47,7 +47,9 @@ def build_model(config: ModelConfig, device: torch.device, quant_config: Quantiz
     with torch.device(device), _default_dtype(config.dtype):
         model = model_class(config.hf_config)
         if quant_config is not None:
-            use_quantized_methods(model, quant_config, CheckpointNames(model, config.hf_config))
+            stored = None if config.load_format == "dummy" else stored_tensor_names(config.model_path,
+                                                                                    config.load_format)
+            use_quantized_methods(model, quant_config, CheckpointNames(model, config.hf_config), stored)
     return model
 
 
@@ -162,10 +164,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
             continue
         param = params.get(target.param)
         if param is None and target.param.startswith("lm_head.") and name.startswith("lm_head."):
-            raise WeightLoadError(f"the checkpoint stores the LM head quantized ({name!r} in {file}) but its "
-                                  f"quantization_config says lm_head is left in float (GPTQ `lm_head: false`, or "
-                                  f"compressed-tensors `ignore` listing lm_head); give a config that matches the "
-                                  f"tensors (GPTQ `lm_head: true`; no lm_head in `ignore`)")
+            raise WeightLoadError(f"the checkpoint stores the LM head quantized ({name!r} in {file}) but the model "
+                                  f"holds it in float: its quantization_config leaves lm_head in float (GPTQ "
+                                  f"`lm_head: false`, or compressed-tensors `ignore` listing lm_head), or "
+                                  f"tie_word_embeddings ties it to the embeddings; give a config that matches the "
+                                  f"tensors (GPTQ `lm_head: true`; no lm_head in `ignore`; untied)")
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {type(model).__name__} "
                                   f"has no parameter {target.param!r}")

@@ -17,11 +17,13 @@ from baryon.quantization.base import QuantizationConfig
 logger = get_logger(__name__)
 
 
-def use_quantized_methods(model: nn.Module, quant_config: QuantizationConfig, names: CheckpointNames) -> None:
+def use_quantized_methods(model: nn.Module, quant_config: QuantizationConfig, names: CheckpointNames,
+                          stored: set[str] | None = None) -> None:
     """Ask `quant_config` for each linear and MoE layer's method, by the layer's checkpoint names;
-    the parts of a fused layer must agree (all quantized alike, or all left in float)."""
+    the parts of a fused layer must agree (all quantized alike, or all left in float). stored: the
+    checkpoint's tensor names, where known (whether it holds the LM head quantized)."""
     counts = {"quantized": 0, "float": 0}
-    if _quantize_lm_head(model, quant_config):
+    if _quantize_lm_head(model, quant_config, stored):
         counts["quantized"] += 1
     for module_name, module in model.named_modules():
         if isinstance(module, FusedMoE):
@@ -45,15 +47,23 @@ def use_quantized_methods(model: nn.Module, quant_config: QuantizationConfig, na
     logger.info("%s: %d layers quantized, %d left in float", quant_config.name, counts["quantized"], counts["float"])
 
 
-def _quantize_lm_head(model: nn.Module, quant_config: QuantizationConfig) -> bool:
+def _quantize_lm_head(model: nn.Module, quant_config: QuantizationConfig, stored: set[str] | None) -> bool:
     """Swap the model's (untied) dense LM head for a QuantizedLMHead where the checkpoint quantized
-    it. Whether it did is the scheme's word (its config), as vLLM reads it."""
+    it: its scheme covers lm_head (GPTQ `lm_head: true`; a compressed-tensors group whose targets
+    reach it, not ignored) and, where the tensor names are known, it stores lm_head tensors besides
+    a weight and a bias (codes' and scales' names): a config that does not list a float head in
+    `ignore` keeps it dense."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if not isinstance(head, ParallelLMHead) or (embed is not None and head.weight is embed.weight):
         return False
     method = quant_config.lm_head_method()
     if method is None:
+        return False
+    if stored is not None and not any(name.startswith("lm_head.") and name not in ("lm_head.weight", "lm_head.bias")
+                                      for name in stored):
+        logger.info("%s: lm_head is stored in float (its config does not leave it out): kept dense",
+                    quant_config.name)
         return False
     model.lm_head = QuantizedLMHead(head.vocab_size, head.weight.shape[1], method)
     return True

@@ -76,3 +76,18 @@ def _safetensors(file: str, index: dict[str, str] | None) -> Iterator[tuple[str,
         for name in handle.keys():
             if index is None or index.get(name) == file:
                 yield name, handle.get_tensor(name), file
+
+
+def stored_tensor_names(model_path: str, load_format: str) -> set[str] | None:
+    """The names of the checkpoint's tensors, from the index or the safetensors headers (no
+    tensor is read); None for .bin checkpoints, whose names only unpickling tells."""
+    files, index = weight_files(model_path, load_format)
+    if index is not None:
+        return set(index)
+    if not all(file.endswith(".safetensors") for file in files):
+        return None
+    names = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            names.update(handle.keys())
+    return names
