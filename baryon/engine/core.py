@@ -254,7 +254,10 @@ class EngineCore:
             # DP attention: this round still meets the other replicas (their MoE layers may need
             # this replica's experts), with the step planned from the tokens just read.
         outputs = read_back + self._fail_broken_grammars()
-        if self.config.speculative is not None:
+        # DP attention: after a round in which no replica ran anything, no request has new tokens
+        # to draft from on any replica, so all skip drafting alike (a draft with experts would
+        # otherwise meet the others for nothing in every idle round).
+        if self.config.speculative is not None and (not self.data_parallel or self.replicas_busy):
             self.runner.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule().scheduled if not stopping else []
         dp_step = self._agree_with_replicas(scheduled, stopping) if self.data_parallel else None
