@@ -245,7 +245,7 @@ def _minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
         return w.amin(), w.amax()
     if strategy == "channel":
         return w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    if strategy == "group":
+    if strategy in ("group", "tensor_group"):  # (tensor_group: NVFP4's groups under a global scale)
         v = w.unflatten(-1, (-1, args.group_size))
         return v.amin(-1), v.amax(-1)
     if strategy == "block":
@@ -282,7 +282,7 @@ def compressed_tensors(src: Path, dst: Path, scheme, ignore: list[str] | None = 
     from compressed_tensors.compressors import BaseCompressor, ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationStatus,
                                                  apply_quantization_config)
-    from compressed_tensors.quantization.utils import calculate_qparams, is_module_quantized
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam, is_module_quantized
 
     state = load_float(src)
     model = _hf_model_for_compression(src, state, dtype)
@@ -301,7 +301,13 @@ def compressed_tensors(src: Path, dst: Path, scheme, ignore: list[str] | None = 
             if isinstance(module, nn.Linear):
                 quantized[name] = module
                 args = module.quantization_scheme.weights
-                scale, zero = calculate_qparams(*_minmax(module.weight, args), args)
+                global_scale = None
+                if hasattr(module, "weight_global_scale"):  # NVFP4: the whole tensor's, before the groups'
+                    global_scale = generate_gparam(module.weight.float().amin(), module.weight.float().amax())
+                    module.weight_global_scale.data.copy_(global_scale.reshape(module.weight_global_scale.shape))
+                if hasattr(module, "input_global_scale"):  # a calibrated activation global scale
+                    module.input_global_scale.data.fill_(float(100.0 + 400.0 * torch.rand((), generator=gen)))
+                scale, zero = calculate_qparams(*_minmax(module.weight, args), args, global_scale=global_scale)
                 module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
                 if hasattr(module, "weight_zero_point"):
                     module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
@@ -343,7 +349,8 @@ def compressed_tensors(src: Path, dst: Path, scheme, ignore: list[str] | None = 
         compressor_cls = BaseCompressor.get_value_from_registry(getattr(scheme_.format, "value", scheme_.format))
         theirs = compressor_cls.decompress({k: (v.float() if v.is_floating_point() and v.dtype != FP8 else v)
                                             for k, v in local.items()}, scheme_)["weight"]
-        assert torch.equal(mine, theirs.float()), f"{name}: our unpacking differs from compressed_tensors'"
+        # (The package returns NVFP4 weights in bf16: ours, in float32, rounds to them.)
+        assert torch.equal(mine.to(theirs.dtype), theirs), f"{name}: our unpacking differs from compressed_tensors'"
         deq[name] = mine
     float_linears = float_linear_names(out)
     ref = _float_reference({k: v for k, v in out.items() if not k.endswith((".k_scale", ".v_scale"))}, deq)
@@ -368,6 +375,13 @@ def ct_dequantize(local: dict[str, torch.Tensor], args) -> torch.Tensor:
     weight_scale, weight_zero_point, weight_shape): (q - z) * s, scales broadcast per strategy."""
     strategy = str(getattr(args.strategy, "value", args.strategy))
     scale = local["weight_scale"].float()
+    if strategy == "tensor_group":  # NVFP4: e2m1 codes, two a byte (low nibble first), e4m3 scales per 16
+        packed = local["weight_packed"]
+        codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(packed.shape[0], -1).long()
+        e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        values = e2m1[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+        group_scale = scale / local["weight_global_scale"].float().reshape(())
+        return values * group_scale.repeat_interleave(args.group_size, 1)
     if "weight_packed" in local:
         n, k = (int(x) for x in local["weight_shape"])
         q = unpack_int32(local["weight_packed"], args.num_bits, k, dim=1).float()

@@ -174,7 +174,10 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qt
         elif array.ndim == 2 and qtype != QType.F32:
             raw = quantized(array, qtype, rng)
             writer.add_tensor(name, raw, raw_dtype=qtype)
-            stored[name] = gguf.quants.dequantize(raw, qtype)
+            try:
+                stored[name] = gguf.quants.dequantize(raw, qtype)
+            except NotImplementedError:  # (a type nothing reads: the unsupported-type test's)
+                stored[name] = None
         else:
             writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
             stored[name] = array
@@ -198,8 +201,11 @@ def quantized(array: np.ndarray, qtype: QType, rng: np.random.Generator) -> np.n
         # top bits) are drawn again.
         finite = np.array([b for b in range(256) if b & 0x7C != 0x7C], dtype=np.uint8)
         raw = rng.choice(finite, size=(array.shape[0], array.shape[1] // block * block_bytes))
-        while (bad := ~np.isfinite(gguf.quants.dequantize(raw, qtype)).all(axis=1)).any():
-            raw[bad] = rng.choice(finite, size=(int(bad.sum()), raw.shape[1]))
+        try:
+            while (bad := ~np.isfinite(gguf.quants.dequantize(raw, qtype)).all(axis=1)).any():
+                raw[bad] = rng.choice(finite, size=(int(bad.sum()), raw.shape[1]))
+        except NotImplementedError:  # a type gguf cannot read either (the unsupported-type test's)
+            pass
         return raw
 
 
@@ -395,11 +401,11 @@ def test_truncated_file_is_a_clear_error(tmp_path, tiny_gguf, seed, where):
 def test_unsupported_tensor_type_is_named(tmp_path, seed):
     rng = np.random.default_rng(seed)
     tensors = random_llama_tensors(rng)
-    path = tmp_path / "iq.gguf"
-    write_gguf(path, "llama", QUANT_CONFIG, tensors, QType.IQ4_NL, rng)
+    path = tmp_path / "q8k.gguf"  # Q8_K: llama.cpp's intermediate type for dot products, never a weight's
+    write_gguf(path, "llama", QUANT_CONFIG, tensors, QType.Q8_K, rng)
     with pytest.raises(ValueError) as e:
         LLM(str(path), skip_tokenizer_init=True, device="cpu")
-    assert "IQ4_NL" in str(e.value) and "token_embd.weight" in str(e.value) and "Q4_K" in str(e.value)
+    assert "Q8_K" in str(e.value) and "token_embd.weight" in str(e.value) and "IQ4_XS" in str(e.value)
 
 
 def test_unknown_tensor_type_id_is_named(tmp_path, tiny_gguf):

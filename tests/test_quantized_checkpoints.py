@@ -588,6 +588,43 @@ def test_a_quantized_lm_head_the_config_does_not_name_is_refused_by_name(float_l
         LLM(str(path), **ENGINE)
 
 
+@pytest.mark.parametrize("preset,arch,tp", [("NVFP4", "llama", 2), ("NVFP4A16", "qwen3", 1), ("NVFP4", "qwen3_moe", 1)])
+def test_nvfp4_checkpoint_generates_as_its_dequantized_weights(tmp_path, seed, preset, arch, tp):
+    """compressed-tensors NVFP4 (written by the compressed_tensors package: e2m1 codes, e4m3 scales
+    per 16 values, a global scale; with 4-bit activations or without) is dequantized as it loads:
+    each layer holds exactly the weight the package's decompressor computes (before its bf16
+    rounding), experts too, and the engine generates as the float checkpoint of those weights,
+    over two tensor-parallel ranks as well."""
+    overrides = dict(WIDE, head_dim=32) if arch != "qwen3_moe" else dict(hidden_size=128, head_dim=32)
+    src = make_checkpoint(tmp_path / "float", arch, seed=seed % 2**31, **overrides)
+    built = qc.compressed_tensors(src, tmp_path / "nvfp4", qc.ct_scheme(preset), seed=seed)
+    stored = load_file(built.path / "model.safetensors")
+    assert stored["model.layers.1.self_attn.o_proj.weight_packed"].dtype == torch.uint8
+    assert stored["model.layers.1.self_attn.o_proj.weight_scale"].dtype == torch.float8_e4m3fn
+    reference = qc.write_reference(built, tmp_path / "reference")
+    prompts = random_prompts(4, VOCAB, 3, 12, seed)
+    with LLM(str(built.path), **ENGINE) as quantized:
+        layer = model_of(quantized).model.layers[1]
+        assert torch.equal(layer.self_attn.o_proj.weight, built.reference["model.layers.1.self_attn.o_proj.weight"])
+        if arch == "qwen3_moe":
+            w2 = torch.stack([built.reference[f"model.layers.1.mlp.experts.{e}.down_proj.weight"] for e in range(8)])
+            assert torch.equal(layer.mlp.experts.w2_weight, w2)
+        got = greedy(quantized, prompts)
+    assert got == greedy(LLM(str(reference), **ENGINE), prompts)
+    if tp > 1:
+        with LLM(str(built.path), **ENGINE, tensor_parallel_size=tp) as split:
+            assert greedy(split, prompts) == got
+
+
+def test_nvfp4_checkpoint_missing_a_part_fails_naming_it(float_llama, tmp_path, seed):
+    built = qc.compressed_tensors(float_llama, tmp_path / "nvfp4", qc.ct_scheme("NVFP4A16"), seed=seed)
+    tensors = load_file(built.path / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight_global_scale"]
+    save_file(tensors, built.path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"NVFP4.*model\.layers\.0\.mlp\.up_proj but not \['weight_global_scale'\]"):
+        LLM(str(built.path), **ENGINE)
+
+
 @pytest.mark.parametrize("case_id,asked", [("fp8-block32-llama", "gptq"), ("ct-w8a8-int8-qwen3", "awq"),
                                            ("gptq-4bit-g32-sym-llama", "fp8")])
 def test_quantization_argument_contradicting_the_checkpoint(workdir, case_id, asked):

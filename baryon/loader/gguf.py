@@ -320,8 +320,9 @@ def packable_formats(path: str) -> dict[str, tuple[int, int] | None]:
     type, None for the other tensors (stacked expert tensors are left out: they are dequantized)."""
     reader = open_gguf(path)
     mixtral = _is_mixtral(_Metadata(reader, path))
-    return {checkpoint_name(t.name, mixtral): packed_format(t.tensor_type.name) if len(t.shape) == 2 else None
-            for t in reader.tensors if len(t.shape) <= 2}  # stacked experts are dequantized
+    return {name: packed_format(t.tensor_type.name) if len(t.shape) == 2 else None
+            for t in reader.tensors if len(t.shape) <= 2  # stacked experts are dequantized
+            and (name := checkpoint_name(t.name, mixtral)) is not None}  # (rope_freqs: read into the config)
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:

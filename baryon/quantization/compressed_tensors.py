@@ -8,6 +8,13 @@ activations; `ignore` lists the modules left in float. The schemes served:
               activations                                              -> Int8LinearMethod
     WNA16     int 4- or 8-bit weights (group / channel, symmetric or with zero points), no
               activation quantization (`pack-quantized`)             -> WNA16LinearMethod
+    NVFP4     float 4-bit (e2m1) weights in groups of 16 with float8 e4m3 scales and a float32
+              global scale (`nvfp4-pack-quantized`), 4-bit or no activations -> dequantized at
+              load (`checkpoint_tensors`: no kernel here reads it on Hopper or CPU; the layers
+              hold the float weights and run unquantized activations, as vLLM's Hopper
+              fallback does): weight_packed uint8 [N, K / 2] (two codes a byte, the first in the
+              low nibble), weight_scale e4m3 [N, K / 16], weight_global_scale [1];
+              w = e2m1(code) * weight_scale / weight_global_scale
 
 Anything else is an error naming the scheme.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from baryon.quantization.base import LinearMethod, QuantizationConfig, is_ignored
@@ -28,6 +36,7 @@ from baryon.quantization.moe_int8 import Int8MoEMethod
 from baryon.quantization.wna16 import WNA16LinearMethod
 
 SUPPORTED = ("FP8 (float 8-bit weights tensor/channel/block + float 8-bit activations)",
+             "NVFP4 (float 4-bit weights in groups of 16, dequantized at load)",
              "W8A8 (int 8-bit channel weights + dynamic per-token int 8-bit activations)",
              "WNA16 (int 4/8-bit group or channel weights, actorder none / weight / group, float activations)")
 
@@ -43,6 +52,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         self.ignored = list(config.get("ignore") or [])
         for group in self.groups:
             _scheme_method(group, self.format)  # fail at load on an unsupported scheme
+        self._nvfp4_of: dict[str, bool] = {}  # module -> whether its weights are NVFP4 (see checkpoint_tensors)
 
     def _group_for(self, prefix: str) -> dict[str, Any] | None:
         for group in self.groups:
@@ -56,7 +66,38 @@ class CompressedTensorsConfig(QuantizationConfig):
         if is_ignored(prefix, self.ignored):
             return None
         group = self._group_for(prefix)
-        return None if group is None else _scheme_method(group, self.format)
+        return None if group is None else _scheme_method(group, self.format)  # (NVFP4: None, dequantized)
+
+    def _is_nvfp4(self, module: str) -> bool:
+        if module not in self._nvfp4_of:
+            group = None if is_ignored(module, self.ignored) else self._group_for(module)
+            self._nvfp4_of[module] = group is not None and _is_nvfp4(group, self.format)
+        return self._nvfp4_of[module]
+
+    def checkpoint_tensors(self, weights):
+        """NVFP4 modules' weight_packed / weight_scale / weight_global_scale, once all have streamed
+        by, replaced by the dequantized float32 `weight` (input_global_scale dropped); every
+        other tensor as stored."""
+        if not any(_is_nvfp4(group, self.format) for group in self.groups):
+            yield from weights
+            return
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor, file in weights:
+            module, _, part = name.rpartition(".")
+            if part not in _NVFP4_PARTS or not self._is_nvfp4(module):
+                yield name, tensor, file
+                continue
+            if part == "input_global_scale":
+                continue  # activations stay unquantized here
+            parts = pending.setdefault(module, {})
+            parts[part] = tensor
+            if len(parts) == 3:
+                del pending[module]
+                yield f"{module}.weight", dequantize_nvfp4(module, parts), file
+        if pending:
+            module, parts = next(iter(pending.items()))
+            raise ValueError(f"compressed-tensors NVFP4: the checkpoint has {sorted(parts)} of {module} but not "
+                             f"{sorted(set(_NVFP4_PARTS[:3]) - parts.keys())}: its weight cannot be read")
 
     def lm_head_method(self) -> LinearMethod | None:
         """llm-compressor quantizes every Linear its targets name, lm_head too unless `ignore`
@@ -70,6 +111,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         if group is None:
             return None
         method = _scheme_method(group, self.format)
+        if method is None:  # NVFP4: float experts, dequantized as they load
+            return None
         if isinstance(method, Fp8LinearMethod):
             if method.strategy == "block":
                 return Fp8MoEMethod(method.block, scale_name="weight_scale")
@@ -87,12 +130,42 @@ def _describe(group: dict[str, Any]) -> str:
            f"(symmetric={w.get('symmetric')}), {act}"
 
 
-def _scheme_method(group: dict[str, Any], fmt: str | None) -> LinearMethod:
+_NVFP4_PARTS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+# e2m1 code (bit 3 the sign) -> its value.
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _is_nvfp4(group: dict[str, Any], fmt: str | None) -> bool:
+    weights = group.get("weights") or {}
+    return (weights.get("type") == "float" and weights.get("num_bits") == 4 and weights.get("group_size") == 16
+            and (group.get("format") or fmt) in ("nvfp4-pack-quantized", None))
+
+
+def dequantize_nvfp4(module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight [N, K] of an NVFP4 module (see the module docstring)."""
+    packed, scale, global_scale = parts["weight_packed"], parts["weight_scale"], parts["weight_global_scale"]
+    n, half = packed.shape
+    if packed.dtype != torch.uint8 or scale.shape != (n, 2 * half // 16) or global_scale.numel() != 1:
+        raise ValueError(f"compressed-tensors NVFP4: {module}.weight_packed {packed.dtype} {list(packed.shape)}, "
+                         f"weight_scale {list(scale.shape)} and weight_global_scale {list(global_scale.shape)} are not "
+                         f"uint8 [N, K / 2], [N, K / 16] and one value")
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, 2 * half).int()  # [N, K]
+    values = _E2M1.index_select(0, codes.reshape(-1)).reshape(n, -1, 16)  # [N, K / 16, 16]
+    group_scales = scale.float() / global_scale.float().reshape(())
+    return (values * group_scales[:, :, None]).reshape(n, 2 * half)
+
+
+def _scheme_method(group: dict[str, Any], fmt: str | None) -> LinearMethod | None:
     weights, acts = group.get("weights") or {}, group.get("input_activations")
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     fmt = group.get("format") or fmt
     unsupported = ValueError(f"compressed-tensors scheme {_describe(group)} (format {fmt!r}) is not "
                              f"supported; supported: {'; '.join(SUPPORTED)}")
+    if _is_nvfp4(group, fmt):
+        fp4_acts = not acts or (acts.get("type") == "float" and acts.get("num_bits") == 4)
+        if not weights.get("symmetric", True) or not fp4_acts:
+            raise unsupported
+        return None  # dequantized at load (checkpoint_tensors)
     if weights.get("dynamic") or (acts and acts.get("type") != kind):
         raise unsupported
     if kind == "float" and bits == 8 and acts and acts.get("num_bits") == 8:
