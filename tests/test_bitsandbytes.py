@@ -46,7 +46,7 @@ def _bnb_checkpoint(src: Path, dst: Path, four_bit: bool, quant_type: str = "nf4
             codes, scales, _ = bnb_functional.int8_vectorwise_quant(w)
             out[name], out[f"{module}.SCB"] = codes, scales
             out[f"{module}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
-            reference[name] = codes.float() * scales[:, None] / 127
+            reference[name] = bnb_functional.int8_vectorwise_dequant(codes, scales).float()
     out.update({k: v for k, v in state.items() if k not in out})
     config = {"quant_method": "bitsandbytes", "load_in_4bit": four_bit, "load_in_8bit": not four_bit,
               "bnb_4bit_quant_type": quant_type, "bnb_4bit_use_double_quant": double_quant,

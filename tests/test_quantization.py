@@ -324,3 +324,21 @@ def test_dummy_weights_in_a_checkpoints_own_layout(tmp_path, seed, quantization_
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_compressed_tensors_groups_rank_exact_names_then_patterns_then_the_class():
+    """As the compressed_tensors package matches them, whatever the groups' order in the config: a
+    module's exact name wins over a `re:` pattern, which wins over the class target `Linear`."""
+    from baryon.quantization.compressed_tensors import CompressedTensorsConfig
+
+    def group(targets, bits):
+        return {"targets": targets, "weights": {"type": "int", "num_bits": bits, "strategy": "group",
+                                                "group_size": 32, "symmetric": True}}
+
+    config = CompressedTensorsConfig({"format": "pack-quantized", "config_groups": {
+        "everything": group(["Linear"], 4), "attention": group(["re:.*self_attn.*"], 8),
+        "one": group(["model.layers.0.self_attn.o_proj"], 4)}})
+    assert config._group_for("model.layers.0.mlp.up_proj")["targets"] == ["Linear"]
+    assert config._group_for("model.layers.1.self_attn.q_proj")["targets"] == ["re:.*self_attn.*"]
+    assert config._group_for("model.layers.0.self_attn.o_proj")["targets"] == ["model.layers.0.self_attn.o_proj"]
+    assert config.linear_method(None, "model.layers.1.self_attn.q_proj").bits == 8

@@ -165,6 +165,27 @@ def test_required_calls_are_an_array_of_the_tools_calls():
     assert constrained_calls(plan, text[:20]) == []
 
 
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "kimi_k2"])
+def test_constrained_calls_take_ids_in_the_models_form(parser):
+    """The calls the server writes for tool_choice required / a named function get ids of the form
+    the model's own calls have (its template writes them back): OpenAI's call_ prefix, Mistral's
+    nine letters and digits, Kimi-K2's functions.NAME:INDEX."""
+    from baryon.server.protocol import ChatCompletionRequest
+    from baryon.server.tool_choice import constrained_calls, plan_tools
+
+    text = '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    required = plan_tools(ChatCompletionRequest(messages=USER, tools=TOOLS, tool_choice="required"), parser)
+    named = plan_tools(ChatCompletionRequest(messages=USER, tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}), parser)
+    ids = [c.id for c in constrained_calls(required, text)] + [c.id for c in constrained_calls(named, '{"city": "Oslo"}')]
+    if parser == "kimi_k2":
+        assert ids == ["functions.get_time:0", "functions.get_weather:1", "functions.get_weather:0"]
+    elif parser == "mistral":
+        assert all(i.isalnum() and len(i) == 9 for i in ids) and len(set(ids)) == 3
+    else:
+        assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 3
+
+
 def _streamed(plan, text: str, rng: random.Random) -> tuple[list[list[dict]], list[int]]:
     """ConstrainedCallStream fed `text` in random pieces: each step's delta entries, and where each step ended."""
     from baryon.server.tool_choice import ConstrainedCallStream

@@ -185,6 +185,8 @@ CASES = [
      + KIMI_END, '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"x": <|tool_call_end|>', []),
     ("kimi_k2", "ok" + KIMI_BEGIN + kimi_call("f", {"a": 1})[:-len("<|tool_call_end|>")], "ok", [("f", {"a": 1})]),
     ("kimi_k2", "No tools <|tool", "No tools <|tool", []),
+    ("kimi_k2", KIMI_BEGIN + "<|tool_call_begin|>functions.:0<|tool_call_argument_begin|>{}<|tool_call_end|>" + KIMI_END,
+     "<|tool_call_begin|>functions.:0<|tool_call_argument_begin|>{}<|tool_call_end|>", []),  # no name: no call
     ("kimi_k2", KIMI_BEGIN + kimi_call("translate", UNICODE) + KIMI_END, None, [("translate", UNICODE)]),
     # glm45 (GLM-4.5 / 4.6)
     ("glm45", "Let me check.\n" + glm_call("get_weather", WEATHER), "Let me check.", [("get_weather", WEATHER)]),

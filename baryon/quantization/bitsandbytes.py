@@ -18,7 +18,7 @@ runs exactly as the float model of its dequantized weights, at float memory. Ten
            <m>.weight.quant_state.bitsandbytes__{nf4,fp4}  uint8: JSON (blocksize, shape, offset)
            w = quant_map[code] * absmax[block]
     8-bit  <m>.weight int8 [N, K], <m>.SCB float32 [N] (LLM.int8, row-major `weight_format` 0):
-           w = weight * SCB / 127
+           w = weight * SCB * (1 / 127 as bitsandbytes rounds it)
 
 Modules the checkpoint kept in float (`llm_int8_skip_modules`, the LM head) stream as they are.
 """
@@ -37,6 +37,7 @@ from baryon.quantization.base import LinearMethod, QuantizationConfig
 Weights = Iterator[tuple[str, torch.Tensor, str]]  # (checkpoint name, tensor, file)
 
 _FOUR_BIT_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+_INV_127 = 7.874015718698502e-3  # bitsandbytes' int8_vectorwise_dequant multiplies by this
 _QUANT_STATE = "quant_state.bitsandbytes__"
 
 
@@ -132,7 +133,7 @@ def _dequantize(module: str, parts: dict[str, torch.Tensor], four_bit: bool) -> 
         if codes.dim() != 2 or scales.shape != (codes.shape[0],):
             raise ValueError(f"bitsandbytes: {module}.weight {tuple(codes.shape)} and {module}.SCB "
                              f"{tuple(scales.shape)} are not an 8-bit [N, K] weight with one scale per row")
-        return codes.float() * scales[:, None] / 127
+        return codes.float() * scales[:, None] * _INV_127
     state = _state(parts)
     shape, blocksize = tuple(state["shape"]), int(state["blocksize"])
     numel = shape[0] * shape[1]
@@ -150,5 +151,8 @@ def _dequantize(module: str, parts: dict[str, torch.Tensor], four_bit: bool) -> 
     if absmax.numel() != -(-numel // blocksize):
         raise ValueError(f"bitsandbytes: {module}.weight.absmax has {absmax.numel()} entries, not one per "
                          f"{blocksize} values of a {list(shape)} weight")
-    values = parts["quant_map"].float().index_select(0, codes)
+    values = parts["quant_map"].float().index_select(0, codes)  # [N * K]
+    del codes
+    if numel % blocksize == 0:  # scaled in place, block by block (no [N * K] copy of the scales)
+        return values.view(-1, blocksize).mul_(absmax.float()[:, None]).view(shape)
     return (values * absmax.float().repeat_interleave(blocksize)[:numel]).reshape(shape)

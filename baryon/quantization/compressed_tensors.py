@@ -55,10 +55,12 @@ class CompressedTensorsConfig(QuantizationConfig):
         self._nvfp4_of: dict[str, bool] = {}  # module -> whether its weights are NVFP4 (see checkpoint_tensors)
 
     def _group_for(self, prefix: str) -> dict[str, Any] | None:
-        for group in self.groups:
-            for target in group.get("targets") or ["Linear"]:
-                if target == "Linear" or (target.startswith("re:") and re.match(target[3:], prefix)) \
-                        or target == prefix:
+        """The group whose targets name the module, ranked as the compressed_tensors package ranks
+        them: an exact name first, then a `re:` pattern, then the class (`Linear`)."""
+        for matches in (lambda t: t == prefix, lambda t: t.startswith("re:") and re.match(t[3:], prefix),
+                        lambda t: t == "Linear"):
+            for group in self.groups:
+                if any(matches(target) for target in group.get("targets") or ["Linear"]):
                     return group
         return None
 

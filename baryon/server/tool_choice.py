@@ -45,11 +45,15 @@ class ToolPlan:
     mode: str  # "none", "auto", "required" or "named"
     function: str | None = None  # the named function
     structure: StructuredOutputsParams | None = None  # the constraint of "required" / "named"
-    parser: str | None = None  # "auto": the tool-call parser
+    parser: str | None = None  # the tool-call parser ("auto": reads the reply; the others: names calls)
     one_call: bool = False  # "auto" with parallel_tool_calls false: the first parsed call only
 
     def new_parser(self) -> ToolParser | None:
         return TOOL_PARSERS[self.parser](self.tools) if self.mode == "auto" and self.parser else None
+
+    def call_id(self, function: str, index: int) -> str:
+        """The id of a call of a constrained reply, in the form the model's format uses."""
+        return (TOOL_PARSERS[self.parser] if self.parser else ToolParser).call_id(function, index)
 
 
 def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
@@ -79,13 +83,14 @@ def plan_tools(request: ChatCompletionRequest, parser: str | None) -> ToolPlan:
             for i, (name, schema) in enumerate(schemas.items()):
                 _check_parameters(i, _calls_schema({name: schema}))
             raise bad_request(f"tools: {str(e).split(': ', 1)[-1]}", param="tools") from None
-        return ToolPlan(tools, "required", structure=StructuredOutputsParams(json=array, disable_any_whitespace=True))
+        return ToolPlan(tools, "required", structure=StructuredOutputsParams(json=array, disable_any_whitespace=True),
+                        parser=parser)
     name = choice.function.name
     if name not in schemas:
         raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools "
                           f"({', '.join(map(repr, schemas))})", param="tool_choice")
     _check_parameters(list(schemas).index(name), schemas[name])
-    return ToolPlan(tools, "named", function=name,
+    return ToolPlan(tools, "named", function=name, parser=parser,
                     structure=StructuredOutputsParams(json=schemas[name], disable_any_whitespace=True))
 
 
@@ -147,7 +152,7 @@ class ConstrainedCallStream:
         if not self.calls:
             if not text:
                 return []
-            self.calls.append(ToolCall(self.plan.function, text))
+            self.calls.append(ToolCall(self.plan.function, text, self.plan.call_id(self.plan.function, 0)))
             call = self.calls[0]
             return [{"index": 0, "id": call.id, "type": "function",
                      "function": {"name": call.name, "arguments": text}}]
@@ -171,7 +176,8 @@ class ConstrainedCallStream:
             if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
                     or "parameters" not in value:
                 break  # not a call (the grammar allows none; nothing is guessed)
-            call = ToolCall(value["name"], text[slice(*member_spans(text, position)["parameters"])])  # as written
+            call = ToolCall(value["name"], text[slice(*member_spans(text, position)["parameters"])],  # as written
+                            self.plan.call_id(value["name"], len(self.calls)))
             entries.append({"index": len(self.calls), "id": call.id, "type": "function",
                             "function": {"name": call.name, "arguments": call.arguments}})
             self.calls.append(call)

@@ -98,6 +98,12 @@ class ToolParser:
     # channels), rather than the content a reasoning parser leaves.
     reads_whole_reply: ClassVar[bool] = False
 
+    @staticmethod
+    def call_id(function: str, index: int) -> str:
+        """The id of a call the server writes itself (tool_choice `required` or a named function:
+        the constrained reply has no id of its own); index: the call's place in the reply."""
+        return _new_call_id()
+
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools or []  # the request's tools (OpenAI's shape): formats that write values untyped read them
         self._assembler = _Assembler()

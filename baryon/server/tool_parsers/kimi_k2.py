@@ -5,8 +5,9 @@ then the calls
     {"city": "Paris"}<|tool_call_end|><|tool_call_begin|>...<|tool_call_end|><|tool_calls_section_end|>
 
 A call's header `functions.NAME:INDEX` is its id, as Kimi's chat template writes the ids of the
-calls it is sent back (and as vLLM's parser keeps them); the name is what lies between the
-`functions.` prefix and the last `:`. K2 also writes the section markers in the singular
+calls it is sent back (and as vLLM's parser keeps them; the calls the server writes for
+tool_choice `required` or a named function get ids of that form too); the name is what lies
+between the `functions.` prefix and the last `:`, and a header without a name is no call. K2 also writes the section markers in the singular
 (`<|tool_call_section_begin|>`). The section markers are dropped; a call that cannot be read
 stays in the content as written.
 """
@@ -25,7 +26,8 @@ def _call_in(body: str) -> ToolCall | None:
     """HEADER<|tool_call_argument_begin|>ARGS, HEADER = functions.NAME:INDEX (the id)."""
     header, marker, rest = body.partition(_ARGUMENTS)
     header = header.strip()
-    name = header.removeprefix("functions.").rpartition(":")[0] or header.removeprefix("functions.")
+    function = header.removeprefix("functions.")
+    name = function.rpartition(":")[0] if ":" in function else function
     arguments = arguments_text(rest)
     if not marker or not name or any(c.isspace() for c in header) or not sendable(header) or arguments is None:
         return None
@@ -34,6 +36,10 @@ def _call_in(body: str) -> ToolCall | None:
 
 class KimiK2ToolParser(ToolParser):
     name = "kimi_k2"
+
+    @staticmethod
+    def call_id(function: str, index: int) -> str:
+        return f"functions.{function}:{index}"  # the header Kimi's template writes back
 
     def scan(self, text: str, start: int, finished: bool) -> Scan:
         def read(marker: str, at: int):

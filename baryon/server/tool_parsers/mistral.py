@@ -68,6 +68,10 @@ def _read_calls(text: str, marker: int, finished: bool) -> tuple[list[ToolCall] 
 class MistralToolParser(ToolParser):
     name = "mistral"
 
+    @staticmethod
+    def call_id(function: str, index: int) -> str:
+        return mistral_call_id()
+
     def scan(self, text: str, start: int, finished: bool) -> Scan:
         items: list[str | ToolCall] = []
         position = start
