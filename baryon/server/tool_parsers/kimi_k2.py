@@ -7,8 +7,9 @@ then the calls
 A call's header `functions.NAME:INDEX` is its id, as Kimi's chat template writes the ids of the
 calls it is sent back (and as vLLM's parser keeps them; the calls the server writes for
 tool_choice `required` or a named function get ids of that form too); the name is what lies
-between the `functions.` prefix and the last `:`, and a header without a name is no call. K2 also writes the section markers in the singular
-(`<|tool_call_section_begin|>`). The section markers are dropped; a call that cannot be read
+between the `functions.` prefix and the last `:`, and a header without a name is no call. K2
+also writes the section markers in the singular (`<|tool_call_section_begin|>`). The section
+markers are dropped; a call that cannot be read
 stays in the content as written.
 """
 
