@@ -137,12 +137,12 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype: QType = QType.F32,
+def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qtype: QType | dict = QType.F32,
                rng: np.random.Generator | None = None, extra_metadata=None) -> dict[str, np.ndarray]:
     """A GGUF file of a Hugging Face state dict, as llama.cpp's converter writes it. Matrices are
-    stored as `qtype` (quantized with gguf.quants, or random blocks for the types it cannot
-    quantize); `extra_metadata(writer)` adds keys. Returns what each GGUF tensor holds,
-    dequantized, for checks."""
+    stored as `qtype` (or qtype[name], F32 for names it lacks; quantized with gguf.quants, or random
+    blocks for the types it cannot quantize); `extra_metadata(writer)` adds keys. Returns what each
+    GGUF tensor holds, dequantized, for checks."""
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -163,7 +163,9 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qt
     model_arch = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     stored = {}
+    types = qtype if isinstance(qtype, dict) else {}
     for hf_name, array in tensors.items():
+        qtype = types.get(hf_name, QType.F32) if types else qtype
         base, suffix = hf_name.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
@@ -346,11 +348,23 @@ def cpu_kernels_available() -> bool:
     return load_error() is None
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED_TYPES)
+# The types none of the packed CPU kernels reads share files (each matrix of one of them in turn),
+# so that a load checks several at once; the others one a file, packed on CPU.
+_UNPACKED = [t for t in SUPPORTED_TYPES if t not in PACKABLE_BITS and t not in ("F32", "F16", "BF16", "Q2_K", "Q3_K")]
+TYPE_FILES = [t for t in SUPPORTED_TYPES if t not in _UNPACKED] + ["+".join(_UNPACKED[i:i + 5])
+                                                                   for i in range(0, len(_UNPACKED), 5)]
+assert {t for group in TYPE_FILES for t in group.split("+")} == set(SUPPORTED_TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPE_FILES)
 def test_every_supported_type_loads_as_gguf_dequantizes_it(tmp_path, seed, qtype):
     rng = np.random.default_rng(seed)
     tensors = random_llama_tensors(rng)
-    stored = write_gguf(tmp_path / "q.gguf", "llama", QUANT_CONFIG, tensors, QType[qtype], rng)
+    matrices = [name for name, array in tensors.items() if array.ndim == 2]
+    kinds = qtype.split("+")  # the matrices take the file's types in turn
+    types = {name: QType[kinds[i % len(kinds)]] for i, name in enumerate(matrices)} if len(kinds) > 1 \
+        else QType[qtype]
+    stored = write_gguf(tmp_path / "q.gguf", "llama", QUANT_CONFIG, tensors, types, rng)
     model = LLM(str(tmp_path / "q.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
                 kv_cache_memory_gib=0.01).engine.core.runner.model
     layer = model.model.layers[0]
