@@ -284,6 +284,20 @@ def zentorch_kernels(record, device: torch.device) -> None:
             record("sdpa.zentorch", shape, lambda: zt.zentorch_sdpa(qh, kh, kh, is_causal=True))
 
 
+def _latent_cache_case(device, dtype, num_seqs: int, q_len: int, seq_len: int, width: int, block_size: int):
+    """A random paged latent cache [blocks, block_size, width] holding num_seqs sequences of seq_len
+    tokens, and the metadata of q_len new tokens each (stored nowhere)."""
+    blocks_per_seq = -(-seq_len // block_size)
+    cache = torch.randn(num_seqs * blocks_per_seq, block_size, width, device=device, dtype=dtype)
+    tables = torch.arange(num_seqs * blocks_per_seq, device=device, dtype=torch.int32).view(num_seqs, -1)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    starts = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32)
+    metadata = AttentionMetadata(num_seqs * q_len, starts.to(device), seq_lens.to(device), tables,
+                                 torch.full((num_seqs * q_len,), -1, device=device, dtype=torch.int64),
+                                 q_len, seq_len, starts, seq_lens)
+    return cache, metadata
+
+
 def mla_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
     """Latent attention over the paged latent cache (DeepSeek-V2-Lite: 16 heads, rank 512, rope 64):
     decode at batch 1 and 64 over 1k-32k tokens of context, and a 4096-token prefill; the JSON
@@ -295,14 +309,7 @@ def mla_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -
     if small:
         cases = [("decode", 1, 1, 256), ("decode", 8, 1, 128), ("prefill", 1, 64, 64)]
     for kind, num_seqs, q_len, seq_len in cases:
-        blocks_per_seq = -(-seq_len // block_size)
-        cache = torch.randn(num_seqs * blocks_per_seq, block_size, rank + rope, device=device, dtype=dtype)
-        tables = torch.arange(num_seqs * blocks_per_seq, device=device, dtype=torch.int32).view(num_seqs, -1)
-        seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
-        starts = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32)
-        metadata = AttentionMetadata(num_seqs * q_len, starts.to(device), seq_lens.to(device), tables,
-                                     torch.full((num_seqs * q_len,), -1, device=device, dtype=torch.int64),
-                                     q_len, seq_len, starts, seq_lens)
+        cache, metadata = _latent_cache_case(device, dtype, num_seqs, q_len, seq_len, rank + rope, block_size)
         q_latent = torch.randn(num_seqs * q_len, heads, rank, device=device, dtype=dtype)
         q_pe = torch.randn(num_seqs * q_len, heads, rope, device=device, dtype=dtype)
         for impl in selector.candidates("mla_attention"):
@@ -323,14 +330,7 @@ def mla_indexer_kernels(record, device: torch.device, dtype: torch.dtype, small:
     block_size = 64
     cases = [(1, 1, 256), (8, 1, 128), (1, 64, 64)] if small else [(1, 1, 8192), (64, 1, 8192), (1, 2048, 2048)]
     for num_seqs, q_len, seq_len in cases:
-        blocks_per_seq = -(-seq_len // block_size)
-        cache = torch.randn(num_seqs * blocks_per_seq, block_size, rank + dim, device=device, dtype=dtype)
-        tables = torch.arange(num_seqs * blocks_per_seq, device=device, dtype=torch.int32).view(num_seqs, -1)
-        seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
-        starts = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32)
-        metadata = AttentionMetadata(num_seqs * q_len, starts.to(device), seq_lens.to(device), tables,
-                                     torch.full((num_seqs * q_len,), -1, device=device, dtype=torch.int64),
-                                     q_len, seq_len, starts, seq_lens)
+        cache, metadata = _latent_cache_case(device, dtype, num_seqs, q_len, seq_len, rank + dim, block_size)
         index_q = torch.randn(num_seqs * q_len, heads, dim, device=device, dtype=dtype)
         weights = torch.randn(num_seqs * q_len, heads, device=device, dtype=torch.float32)
         for cache_name, kv in (("model dtype", cache), ("fp8", cache.clamp(-448, 448).to(torch.float8_e4m3fn))):

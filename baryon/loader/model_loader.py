@@ -47,8 +47,9 @@ def build_model(config: ModelConfig, device: torch.device, quant_config: Quantiz
     with torch.device(device), _default_dtype(config.dtype):
         model = model_class(config.hf_config)
         if quant_config is not None:
-            stored = None if config.load_format == "dummy" else stored_tensor_names(config.model_path,
-                                                                                    config.load_format)
+            # (only read where it decides something: a scheme that would quantize the LM head)
+            stored = None if config.load_format == "dummy" or quant_config.lm_head_method() is None else \
+                stored_tensor_names(config.model_path, config.load_format)
             use_quantized_methods(model, quant_config, CheckpointNames(model, config.hf_config), stored)
     return model
 
