@@ -261,7 +261,10 @@ def test_torch_kernel_is_float_on_dequantized_weights(seed, dtype):
     expected = fused_experts_reference(x.float(), w13_f, w2_f, weights, ids)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), expected, atol=tol * float(expected.abs().max()), rtol=tol)
-    assert _relative_error(got, fused_experts_fp8_reference(x, w13, w2, w13_s, w2_s, block, weights, ids)) < 0.1
+    # The w8a8 reference also rounds both activations to float8 (1/16 at worst per element): over
+    # 400 seeds the norm-relative gap averaged 0.04 and reached 0.16 where a few large elements
+    # carry a token's norm; a wrong scale or a lost expert gives ~1.
+    assert _relative_error(got, fused_experts_fp8_reference(x, w13, w2, w13_s, w2_s, block, weights, ids)) < 0.3
     # Expert parallelism: pairs routed to the other half contribute nothing.
     half = experts // 2
     got = TorchFp8FusedExperts.forward(x, w13[half:], w2[half:], w13_s[half:], w2_s[half:], block, weights, ids,
