@@ -300,12 +300,12 @@ def _latent_cache_case(device, dtype, num_seqs: int, q_len: int, seq_len: int, w
 
 def mla_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
     """Latent attention over the paged latent cache (DeepSeek-V2-Lite: 16 heads, rank 512, rope 64):
-    decode at batch 1 and 64 over 1k-32k tokens of context, and a 4096-token prefill; the JSON
-    line after each gives the cache bytes read per microsecond."""
+    decode at batch 1 and 64 over 1k-32k tokens of context and at nano's full batch (256 x 640), and
+    a 4096-token prefill; the JSON line after each gives the cache bytes read per microsecond."""
     heads, rank, rope = (4, 64, 16) if small else (16, 512, 64)
     block_size = 16
     cases = [("decode", 1, 1, 1024), ("decode", 1, 1, 32768), ("decode", 64, 1, 1024), ("decode", 64, 1, 8192),
-             ("prefill", 1, 4096, 4096)]
+             ("decode", 256, 1, 640), ("prefill", 1, 4096, 4096)]  # 256 x 640: a full nano batch
     if small:
         cases = [("decode", 1, 1, 256), ("decode", 8, 1, 128), ("prefill", 1, 64, 64)]
     for kind, num_seqs, q_len, seq_len in cases:

@@ -61,3 +61,25 @@ def greedy_agreement(path: str, reference: Reference, engine: dict, variant: dic
                   for position in range(len(prompt), len(text))]
     confident = [a for a, m in zip(agree, reference.margins) if m > margin]
     return Agreement(sum(agree), len(agree), sum(confident), len(confident), margin)
+
+
+def gguf_as_checkpoint(gguf_path: str, folder) -> str:
+    """A Hugging Face checkpoint folder (config.json, bf16 safetensors, tokenizer) holding a GGUF
+    file's weights as baryon's GGUF loader dequantizes them: a trained model that online
+    quantization can start from (it refuses GGUF files themselves). Returns the folder."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import PreTrainedTokenizerFast
+
+    from baryon.loader.gguf import gguf_config, iterate_gguf_weights
+
+    config = gguf_config(gguf_path)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(folder)
+    tensors = {name: weight.to(torch.bfloat16).contiguous() for name, weight, _ in iterate_gguf_weights(gguf_path, config)}
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    PreTrainedTokenizerFast.from_pretrained(os.path.dirname(gguf_path) or ".",
+                                            gguf_file=os.path.basename(gguf_path)).save_pretrained(folder)
+    return str(folder)

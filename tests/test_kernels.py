@@ -296,15 +296,16 @@ def test_query_tiles_leave_out_the_sequences_served_elsewhere():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_backend_hands_long_queries_to_sdpa(seed, dtype):
     """On CUDA the paged Triton backend serves a step's large attentions (a whole prompt of >= 4096
-    tokens, a 4100-token chunk over a cached prefix, a 600-token chunk over a 17k prefix) through
-    cuDNN and the rest (a short prompt, a decode, a short chunk) with its own kernel; the result
-    matches dense attention, and the paged kernel's on the whole step."""
+    tokens, a 4100-token chunk over a cached prefix, a 2032-token chunk over a 7k prefix) through
+    cuDNN and the rest (a short prompt, a decode, a short chunk, a 600-token chunk over a 17k
+    prefix: under 4096 x 4096 query-key pairs) with its own kernel; the result matches dense
+    attention, and the paged kernel's on the whole step."""
     from baryon.kernels.attention import sdpa_prefill
     from baryon.kernels.attention.triton_paged import TritonPagedAttention
 
     gen = torch.Generator().manual_seed(seed)
     extra = int(torch.randint(0, 300, (1,), generator=gen))
-    seqs = [(0, 700), (0, 4096 + extra), (50, 1), (3000 + extra, 4100), (33, 200), (17000 + extra, 600)]
+    seqs = [(0, 700), (0, 4096 + extra), (50, 1), (3000 + extra, 4100), (33, 200), (7000 + extra, 2032), (17000, 600)]
     heads, kv_heads, head_dim = 4, 2, 128
     cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, 16)
     moved = [x.cuda().to(dtype) for x in (cache, q, k, v)]
