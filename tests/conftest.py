@@ -23,6 +23,18 @@ cpu_engine_with_triton = pytest.mark.skipif(
 # Each run draws fresh random inputs from this seed; a failure names it so it can be replayed
 # with BARYON_TEST_SEED=<seed>.
 TEST_SEED = int(os.environ.get("BARYON_TEST_SEED", int.from_bytes(os.urandom(3), "little")))
+# pytest-xdist's workers (and the tests' own rank processes) inherit it: one seed for the whole run.
+os.environ["BARYON_TEST_SEED"] = str(TEST_SEED)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """How many processes `-n auto` (pyproject's addopts) runs the tests in: one per core up to 4
+    on a CPU host (most tests are single-threaded Python: the 2-core CI machine runs the suite in
+    half the time), none on a GPU host, whose tests share one device and measure its free memory."""
+    if torch.cuda.is_available():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(4, cores) if cores > 1 else 0
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
