@@ -19,6 +19,9 @@ import torch
 
 from baryon.default_model import DEFAULT_MODEL_NAME, default_model_path
 from baryon.hub import is_gguf, resolve_model_path
+from baryon.logger import get_logger
+
+logger = get_logger(__name__)
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32,
@@ -272,6 +275,7 @@ class EngineConfig:
             tokenizer_path = resolve_model_path(args.tokenizer, args.revision, args.download_dir) \
                 if args.tokenizer else model_path
         max_model_len = _resolve_max_model_len(hf_config, args.max_model_len)
+        _choose_longrope_factors(hf_config, max_model_len)
         model = ModelConfig(
             model=model_name, model_path=model_path, tokenizer_path=tokenizer_path,
             hf_config=hf_config, dtype=_resolve_dtype(args.dtype, hf_config, device),
@@ -600,6 +604,25 @@ def model_context_length(hf_config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def _choose_longrope_factors(hf_config: Any, max_model_len: int) -> None:
+    """LongRoPE checkpoints (Phi-3, Phi-4-mini) carry a short and a long factor set: records in
+    their RoPE settings (`long_factors`) which one this engine uses for every sequence."""
+    from baryon.layers.rotary import rope_parameters, uses_long_factors
+
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "longrope":
+        return
+    long = uses_long_factors(params, max_model_len)
+    original = params["original_max_position_embeddings"]
+    field_name = "rope_parameters" if "long_factor" in (getattr(hf_config, "rope_parameters", None) or {}) \
+        else "rope_scaling"
+    setattr(hf_config, field_name, {**getattr(hf_config, field_name), "long_factors": long})
+    if long:
+        logger.info("LongRoPE: max_model_len %d passes the checkpoint's original %d positions: the long factors "
+                    "for every sequence (transformers takes the short ones for a sequence within %d tokens; "
+                    "max_model_len <= %d keeps those)", max_model_len, original, original, original)
 
 
 def _resolve_max_model_len(hf_config: Any, requested: int | None) -> int:

@@ -86,6 +86,7 @@ def hf_classes(arch: str):
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
@@ -98,7 +99,7 @@ def hf_classes(arch: str):
 
 
 ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                 "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                  "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
                  "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
@@ -133,10 +134,14 @@ MOE_BASE = {
 }
 
 
+# Configs whose defaults name token ids past the tiny vocabulary (Phi-3: 32000).
+TOKEN_IDS = {"phi3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)}
+
+
 def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a randomly initialised transformers model of `arch` to `path` (float32 safetensors)."""
     config_cls, model_cls = hf_classes(arch)
-    config = config_cls(**{**BASE_CONFIG, **MOE_BASE.get(arch, {}), **overrides})
+    config = config_cls(**{**BASE_CONFIG, **MOE_BASE.get(arch, {}), **TOKEN_IDS.get(arch, {}), **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # DeepSeek-V3 / GLM correction biases start at zero: give them values

@@ -50,8 +50,9 @@ FP8_MAX = 448.0
 # The linear layers of the decoder that every format quantizes (experts included).
 QUANTIZED_LINEAR = re.compile(  # (DeepSeek: the latent-attention projections and shared experts too;
     # V3.2's indexer: its query and key projections, not weights_proj, as the published FP8 checkpoint)
-    r"^model\.layers\.\d+\.(self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj"
-    r"|indexer\.(wq_b|wk))|mlp\.((experts\.\d+|shared_experts)\.)?(gate|up|down)_proj)\.weight$")
+    r"^model\.layers\.\d+\.(self_attn\.([qkvo]_proj|qkv_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj"
+    r"|indexer\.(wq_b|wk))|mlp\.((experts\.\d+|shared_experts)\.)?(gate|up|down|gate_up)_proj)\.weight$")
+# (Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: each quantized as one module.)
 # Linear modules that stay float: the LM head and MoE routers.
 FLOAT_LINEAR = re.compile(r"^(lm_head|model\.layers\.\d+\.mlp\.gate)\.weight$")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -641,12 +642,15 @@ def engine_layout(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor 
         attn = [reference.get(f"{p}.self_attn.{x}_proj.weight") for x in "qkv"]
         if all(a is not None for a in attn):
             layout[f"{p}.self_attn.qkv_proj"] = torch.cat(attn)
-        for name in ("o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # unfused
+        for name in ("qkv_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # unfused
                      "indexer.wq_b", "indexer.wk", "indexer.weights_proj"):  # (V3.2's indexer)
             if f"{p}.self_attn.{name}.weight" in reference:
                 layout[f"{p}.self_attn.{name}"] = reference[f"{p}.self_attn.{name}.weight"]
         if f"{p}.self_attn.q_proj.weight" in reference and f"{p}.self_attn.k_proj.weight" not in reference:
             layout[f"{p}.self_attn.q_proj"] = reference[f"{p}.self_attn.q_proj.weight"]  # DeepSeek-V2-Lite
+        if f"{p}.mlp.gate_up_proj.weight" in reference:  # (Phi-3: fused in the checkpoint)
+            layout[f"{p}.mlp.gate_up_proj"] = reference[f"{p}.mlp.gate_up_proj.weight"]
+            layout[f"{p}.mlp.down_proj"] = reference[f"{p}.mlp.down_proj.weight"]
         for mlp in ("mlp", "mlp.shared_experts"):
             if f"{p}.{mlp}.gate_proj.weight" in reference:
                 layout[f"{p}.{mlp}.gate_up_proj"] = torch.cat([reference[f"{p}.{mlp}.gate_proj.weight"],

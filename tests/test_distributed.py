@@ -101,6 +101,8 @@ PARITY_CASES = {
     "qwen3-qknorm": ("qwen3", {}, {}),  # per-head QK RMSNorm on each rank's heads
     "deepseek_v2-mla": ("deepseek_v2", {}, {}),  # latent attention: heads split, the latent whole
     "gpt_oss-sinks": ("gpt_oss", {}, {}),  # attention sinks split with the heads, MXFP4-free experts
+    "phi3-fused": ("phi3", {}, {}),  # the checkpoint's fused qkv_proj / gate_up_proj cut per rank
+    "phi3-1kv-fused": ("phi3", dict(num_key_value_heads=1), {}),  # ... with the one KV head replicated
 }
 
 

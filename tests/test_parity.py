@@ -17,6 +17,11 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+# Phi-3's LongRoPE at head size 16 (8 frequencies; the published files give 48 or 64 of each):
+# the attention factor from max_position_embeddings 256 over the original 64.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.5, 10.0, 16.0, 24.0]}
 
 # (id, architecture, config overrides)
 CASES = [
@@ -35,6 +40,13 @@ CASES = [
     ("mistral-window8", "mistral", dict(sliding_window=8)),
     ("mistral-gqa4-headdim8", "mistral", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                                                sliding_window=None)),
+    # Phi-3 / Phi-4: q/k/v and gate/up stored fused in the checkpoint.
+    ("phi3-fused-gqa-partial-rotary", "phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                    "partial_rotary_factor": 0.5})),
+    ("phi3-window8-tied-mha", "phi3", dict(sliding_window=8, tie_word_embeddings=True, num_key_value_heads=4)),
+    # LongRoPE within the original 64 positions (the short factors: 5-20-token prompts + 32 new)
+    # with max_model_len 64 (see test_longrope_past_the_original_length for the long ones).
+    ("phi3-longrope-short", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
     # Mixtures of experts (tests/conftest.py MOE_BASE: 4-8 experts of intermediate size 32-48).
     ("qwen3moe-renormalised", "qwen3_moe", dict(norm_topk_prob=True)),
     ("qwen3moe-sparse-step2-dense-first", "qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2,
@@ -75,6 +87,8 @@ CASES = [
 ]
 
 
+# Engine arguments a case needs beyond the defaults.
+ENGINE_ARGS = {"phi3-longrope-short": dict(max_model_len=64)}
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                   reason="needs a CUDA GPU"))]
 
@@ -85,9 +99,14 @@ def test_greedy_parity_with_transformers(tmp_path, seed, name, arch, overrides, 
     path = make_checkpoint(tmp_path / name, arch, seed=seed, **overrides)
     prompts = random_prompts(3, 128, 5, 20, seed)
     llm = LLM(str(path), skip_tokenizer_init=True, device=device, dtype="float32", block_size=4,
-              max_num_batched_tokens=16, kv_cache_memory_gib=0.01)  # small blocks and chunked prefill exercise the paging
+              max_num_batched_tokens=16, kv_cache_memory_gib=0.01,  # small blocks and chunked prefill exercise the paging
+              **ENGINE_ARGS.get(name, {}))
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _assert_follows_transformers(name, path, prompts, outputs)
+
+
+def _assert_follows_transformers(name, path, prompts, outputs) -> None:
     for prompt, output in zip(prompts, outputs):
         expected_tokens, expected_logprobs = hf_greedy(path, prompt, NUM_NEW)
         sample = output.outputs[0]
@@ -118,3 +137,19 @@ def test_layers_share_one_rotary_table(tmp_path, seed, arch, overrides):
         with LLM(str(other), skip_tokenizer_init=True, device="cpu", dtype="float32") as second:
             table = second.engine.core.runner.model.model.layers[0].self_attn.rotary_emb
             assert table is not shared and table.cos_sin_cache.shape[0] == 96
+
+
+def test_longrope_past_the_original_length(tmp_path, seed):
+    """LongRoPE's long factors: an original length of 16 positions, 20-40-token prompts (every
+    forward pass of transformers' reference past it: the long set throughout) and the engine's
+    default max_model_len (256: the long set for every sequence); the short set gives other tokens."""
+    rope = {**LONGROPE, "original_max_position_embeddings": 16}
+    path = make_checkpoint(tmp_path / "phi3-longrope-long", "phi3", seed=seed, rope_parameters=rope,
+                           original_max_position_embeddings=16)
+    prompts = random_prompts(3, 128, 20, 40, seed)
+    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
+              max_num_batched_tokens=16, kv_cache_memory_gib=0.01)
+    assert llm.engine.core.runner.model.config.rope_parameters["long_factors"] is True
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _assert_follows_transformers("phi3-longrope-long", path, prompts, outputs)

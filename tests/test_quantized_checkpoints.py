@@ -70,6 +70,9 @@ CASES = [
          victims=("model.layers.0.self_attn.k_proj.weight_scale",)),
     Case("fp8-tensor-dynamic-qwen3", "qwen3", QWEN3, lambda s, d, seed: qc.fp8_per_tensor(s, d, "dynamic", seed),
          "fp8", victims=("model.layers.1.mlp.down_proj.weight_scale",)),
+    # Phi-3: q/k/v and gate/up fused in the checkpoint, one scale each (cut into the engine's parts).
+    Case("fp8-tensor-static-phi3", "phi3", {}, lambda s, d, seed: qc.fp8_per_tensor(s, d, "static", seed), "fp8",
+         victims=("model.layers.0.self_attn.qkv_proj.weight_scale",)),
     Case("fp8-tensor-static-qwen3moe", "qwen3_moe", {}, lambda s, d, seed: qc.fp8_per_tensor(s, d, "static", seed),
          "fp8", victims=("model.layers.1.mlp.experts.2.up_proj.weight_scale",)),
     # FP8 with block scales, DeepSeek-V3 / Qwen3-FP8 layout.
@@ -157,6 +160,8 @@ CASES = [
          bits=8),
     Case("ct-w4a16-g32-qwen3moe-regex-ignore", "qwen3_moe", {},
          _ct("W4A16", group_size=32, ignore=["lm_head", "re:.*mlp.gate$"]), "compressed-tensors", bits=4),
+    Case("gptq-4bit-g16-asym-phi3", "phi3", {}, lambda s, d, seed: qc.gptq(s, d, 4, 16, sym=False, seed=seed),
+         "gptq", bits=4, victims=("model.layers.0.self_attn.qkv_proj.scales",)),
     Case("gptq-4bit-g32-qwen3moe", "qwen3_moe", {}, lambda s, d, seed: qc.gptq(s, d, 4, 32, seed=seed), "gptq",
          bits=4),
     # One group per row: the gate/up rows' group of 48 values fits no packed CPU block (the torch
@@ -166,6 +171,8 @@ CASES = [
     # AWQ (AutoAWQ GEMM).
     Case("awq-g32-llama", "llama", {}, lambda s, d, seed: qc.awq(s, d, 32), "awq", bits=4,
          victims=("model.layers.1.self_attn.o_proj.scales", "model.layers.0.mlp.up_proj.qzeros")),
+    Case("awq-g32-phi3", "phi3", {}, lambda s, d, seed: qc.awq(s, d, 32), "awq", bits=4,
+         victims=("model.layers.1.mlp.gate_up_proj.qzeros",)),
     Case("awq-g16-qwen3", "qwen3", QWEN3, lambda s, d, seed: qc.awq(s, d, 16), "awq", bits=4),
     Case("awq-g32-qwen2-bias", "qwen2", {}, lambda s, d, seed: qc.awq(s, d, 32), "awq", bits=4),
     Case("awq-g128-llama", "llama", WIDE, lambda s, d, seed: qc.awq(s, d, 128), "awq", bits=4),

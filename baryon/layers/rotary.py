@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -24,7 +24,17 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if getattr(hf_config, "original_max_position_embeddings", None):  # Phi-3 keeps it beside the RoPE settings
+        params.setdefault("original_max_position_embeddings", hf_config.original_max_position_embeddings)
     return params
+
+
+def uses_long_factors(params: dict[str, Any], max_model_len: int) -> bool:
+    """LongRoPE: whether an engine whose sequences reach max_model_len tokens takes the long
+    factors. transformers picks them per forward pass, for a sequence past
+    original_max_position_embeddings; an engine's cached keys must keep one set, so it takes the
+    long set for every sequence where any may pass that length (as vLLM does), else the short."""
+    return max_model_len > params["original_max_position_embeddings"]
 
 
 def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
@@ -53,6 +63,8 @@ def _type_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int
         return _llama3(inv_freq, params), 1.0
     if rope_type == "yarn":
         return _yarn(rotary_dim, base, params, max_position)
+    if rope_type == "longrope":
+        return _longrope(rotary_dim, base, params, max_position)
     raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
 
 
@@ -98,6 +110,24 @@ def _yarn(dim: int, base: float, params: dict[str, Any], max_position: int) -> t
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # share of the original (extrapolated) frequency
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def _longrope(dim: int, base: float, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3, Phi-4-mini): each frequency divided by its own factor, of the long set
+    where `long_factors` is set (EngineConfig sets it: `uses_long_factors`), else the short one;
+    cos/sin scaled by sqrt(1 + ln(factor) / ln(original length)), factor = max_position /
+    original length unless given."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    name = "long_factor" if params.get("long_factors") else "short_factor"
+    factors = torch.tensor(params[name], dtype=torch.float32)
+    if factors.numel() != dim // 2:
+        raise ValueError(f"rope {name} has {factors.numel()} factors for {dim // 2} rotary frequencies")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (factors * base ** exponents), float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):

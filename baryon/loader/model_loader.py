@@ -7,6 +7,7 @@ import os
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -173,14 +174,17 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
         if param is None:
             raise WeightLoadError(f"unexpected tensor {name!r} in {file}: {type(model).__name__} "
                                   f"has no parameter {target.param!r}")
-        keys = param.expected_shards if target.all_experts else {target.loaded_key}
+        keys = param.expected_shards if target.all_experts else target.loaded_keys
         if keys & loaded[target.param]:
             raise WeightLoadError(f"tensor {name!r} in {file} is loaded twice")
         try:
             with torch.no_grad():
                 if target.convert is not None:
                     tensor = target.convert(tensor)
-                if target.expert_id is None and not target.all_experts:
+                if target.parts:
+                    for shard_id, part in fused_parts(param, tensor, target.parts):
+                        param.weight_loader(param, part, shard_id)
+                elif target.expert_id is None and not target.all_experts:
                     param.weight_loader(param, tensor, target.shard_id)
                 else:
                     param.weight_loader(param, tensor, target.shard_id, target.expert_id)
@@ -196,6 +200,30 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
         raise WeightLoadError(f"the checkpoint has no tensor for {len(missing)} parameter(s) of "
                               f"{type(model).__name__}: {', '.join(missing[:10])}"
                               + (" ..." if len(missing) > 10 else ""))
+
+
+def fused_parts(param: nn.Parameter, tensor: torch.Tensor, parts: tuple[tuple[Any, int], ...]
+                ) -> Iterator[tuple[Any, torch.Tensor]]:
+    """(shard id, its rows of `tensor`) for each part of a checkpoint tensor that stores several
+    along the parameter's output dimension, in the checkpoint's layout (`output_block` output
+    rows an entry: packed int4 codes, block scales). A tensor with no output dimension (a
+    per-tensor scale, act order's g_idx) is every part's whole."""
+    dim = param.output_dim
+    if dim is None or param.per_shard or tensor.dim() <= dim:
+        yield from ((shard_id, tensor) for shard_id, _ in parts)
+        return
+    total = sum(rows for _, rows in parts)
+    block = param.output_block
+    if tensor.shape[dim] != -(-total // block):
+        raise ValueError(f"shape {tuple(tensor.shape)} does not hold the fused parts' {total} output rows "
+                         f"({', '.join(f'{shard_id}: {rows}' for shard_id, rows in parts)}) along dim {dim}")
+    offset = 0
+    for shard_id, rows in parts:
+        if offset % block or (rows % block and offset + rows != total):
+            raise ValueError(f"fused part {shard_id!r} (rows {offset}..{offset + rows}) does not align with "
+                             f"{block}-row entries of this tensor")
+        yield shard_id, tensor.narrow(dim, offset // block, -(-rows // block))
+        offset += rows
 
 
 def _missing_description(name: str, param: nn.Parameter, loaded: set, names: CheckpointNames) -> str:

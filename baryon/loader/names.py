@@ -4,6 +4,10 @@ A model class may declare:
 
 - `packed_modules_mapping`: checkpoint modules fused into one parameter (q/k/v -> qkv_proj with
   shard ids "q", "k", "v"; gate/up -> gate_up_proj with shard ids 0, 1);
+- `fused_checkpoint_parts(hf_config)`: modules the checkpoint already stores fused (Phi-3's
+  `qkv_proj`, `gate_up_proj`): module name -> its parts in order, (shard id, output rows); each
+  tensor of such a module is cut along its output rows into the parts, which load as the
+  separate tensors of a packed module would (so tensor parallelism takes each part's slice);
 - `weights_mapping`: substrings renamed before anything else (Mixtral's `.block_sparse_moe.`
   -> `.mlp.`);
 - `expert_projections`: the per-expert module names of its MoE layers and the FusedMoE shard
@@ -46,11 +50,16 @@ class Target:
     expert_id: int | None = None  # expert parameters: the global expert id
     all_experts: bool = False  # a tensor of every expert of a layer (shard_id "w13" or "w2")
     convert: Callable | None = None  # published layout -> the parameter's, before loading
+    parts: tuple[tuple[Any, int], ...] = ()  # a fused checkpoint tensor: (shard id, output rows) in order
 
     @property
     def loaded_key(self) -> Any:
-        """What `expected_shards` of the parameter lists for this tensor."""
+        """What `expected_shards` of the parameter lists for this tensor (one of its part's)."""
         return self.shard_id if self.expert_id is None else (self.shard_id, self.expert_id)
+
+    @property
+    def loaded_keys(self) -> set:
+        return {shard_id for shard_id, _ in self.parts} if self.parts else {self.loaded_key}
 
 
 class CheckpointNames:
@@ -63,6 +72,8 @@ class CheckpointNames:
         first = getattr(hf_config, "num_hidden_layers", 0)
         self.skipped_layers = range(first, first + (int(getattr(hf_config, key, 0) or 0) if key else 0))
         self.only_layers = getattr(model, "only_layers", None)
+        fused = getattr(model, "fused_checkpoint_parts", None)
+        self.fused = fused(hf_config) if fused is not None else {}
 
     def target(self, name: str) -> Target | None:
         """Where checkpoint tensor `name` loads; None for a tensor that is skipped."""
@@ -89,6 +100,9 @@ class CheckpointNames:
             for part, shard_id in parts:
                 if f".{part}." in name:
                     return Target(name.replace(f".{part}.", f".{packed}."), shard_id)
+        for module, parts in self.fused.items():
+            if f".{module}." in name:
+                return Target(name, parts=tuple(parts))
         return Target(name)
 
     def checkpoint_prefixes(self, module: str) -> list[str]:
