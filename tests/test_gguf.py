@@ -28,6 +28,7 @@ from baryon.kernels.cpu import load_error
 from baryon.layers.rotary import rope_parameters
 from baryon.loader.gguf import PACKABLE_BITS, SUPPORTED_TYPES, gguf_config
 from conftest import hf_greedy, make_checkpoint, random_prompts
+from test_parity import LONGROPE
 
 NUM_NEW = 32
 # Text prompts for the real model (three are drawn per run).
@@ -154,7 +155,7 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qt
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
@@ -245,7 +246,27 @@ def gguf_from_checkpoint(ckpt, arch: str, out) -> None:
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     rope = config.get("rope_parameters") or {}
-    write_gguf(out, arch, {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}, state)
+    write_gguf(out, arch, {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}, state,
+               extra_metadata=phi3_metadata(config) if arch == "phi3" else None)
+
+
+def phi3_metadata(config: dict):
+    """What llama.cpp's Phi-3 converter adds: the rotated features (partial rotary), the sliding
+    window, the original context length and, for LongRoPE, the attention factor and both factor
+    sets as float32 tensors."""
+    rope = config.get("rope_parameters") or {}
+
+    def add(writer):
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
+        original = config.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("rope_type") == "longrope":
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    return add
 
 
 TINY_CASES = [
@@ -253,6 +274,12 @@ TINY_CASES = [
     ("llama-mha-tied", "llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     ("qwen2-gqa-biases", "qwen2", dict(tie_word_embeddings=True)),
     ("qwen3-qknorm-headdim32", "qwen3", dict(head_dim=32)),
+    # Phi-3: attn_qkv and ffn_up (gate and up) fused; partial rotary, a window; LongRoPE's factor tensors
+    ("phi3-fused-partial-rotary-window8", "phi3", dict(sliding_window=8, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # (the short set: max_position_embeddings = the original 64 keeps the engine and transformers on it)
+    ("phi3-longrope", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64,
+                                   max_position_embeddings=64)),
 ]
 
 
@@ -269,6 +296,31 @@ def test_tiny_gguf_greedy_parity(tmp_path, seed, name, arch, overrides):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
         assert output.outputs[0].token_ids == hf_greedy(ckpt, prompt, NUM_NEW)[0], name
+
+
+@pytest.mark.skipif(load_error() is not None, reason="the packed CPU kernels did not build here")
+def test_phi3_fused_matrices_stay_packed_as_the_file_holds_them(tmp_path, seed):
+    """A Q8_0 Phi-3 file: the fused attn_qkv / ffn_up matrices are held packed (cut into the
+    engine's q/k/v and gate/up parts row by row), each exactly the file's values; LongRoPE's
+    factors and the attention factor reach the config."""
+    ckpt = make_checkpoint(tmp_path / "phi3", "phi3", seed=seed, rope_parameters=LONGROPE,
+                           original_max_position_embeddings=64)
+    config, state = hf_state(ckpt)
+    stored = write_gguf(tmp_path / "phi3.gguf", "phi3", {**config, "rope_theta": 10000.0}, state, qtype=QType.Q8_0,
+                        rng=np.random.default_rng(seed), extra_metadata=phi3_metadata(config))
+    hf_config = gguf_config(str(tmp_path / "phi3.gguf"))
+    rope = rope_parameters(hf_config)
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 64
+    assert rope["long_factor"] == [float(np.float32(f)) for f in LONGROPE["long_factor"]]
+    assert rope["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(64)))
+    llm = LLM(str(tmp_path / "phi3.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              kv_cache_memory_gib=0.01, max_model_len=64)
+    layers = llm.engine.core.runner.model.model.layers
+    for i, layer in enumerate(layers):
+        for module, name in ((layer.self_attn.qkv_proj, "attn_qkv"), (layer.mlp.gate_up_proj, "ffn_up")):
+            assert type(module.method).__name__ == "BlockQuantLinearMethod", f"{name} is not held packed"
+            assert torch.equal(module.method.dequantize(module).float(),
+                               torch.from_numpy(stored[f"blk.{i}.{name}.weight"])), f"blk.{i}.{name}"
 
 
 def llama3_rope_factors(head_dim: int, base: float, scaling: dict) -> np.ndarray:

@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),  # q/k/v and gate/up fused (attn_qkv, ffn_up), as in its checkpoints
 }
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # Architectures whose query/key rows llama.cpp's converter permutes (rotary pairs interleaved).
@@ -91,6 +92,10 @@ _BLOCK_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Phi-3's: its fused modules.
+_PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors read into the config, not loaded: Llama 3.1's rope divisors, Phi-3's LongRoPE factors.
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Mixtral's checkpoint names for the same tensors.
 _MIXTRAL_BLOCK_NAMES = {**_BLOCK_NAMES, "ffn_gate_inp": "block_sparse_moe.gate",
                         "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
@@ -176,7 +181,8 @@ def gguf_config(path: str) -> Any:
     if not isinstance(kv_heads, int):
         raise GGUFError(f"GGUF file {path} gives per-layer KV head counts {kv_heads}; baryon needs one count")
     head_dim = meta.get(Keys.Attention.KEY_LENGTH) or hidden // heads
-    for key in (Keys.Attention.VALUE_LENGTH, Keys.Rope.DIMENSION_COUNT):
+    rotary_dim = meta.get(Keys.Rope.DIMENSION_COUNT, head_dim)
+    for key in (Keys.Attention.VALUE_LENGTH,) + ((Keys.Rope.DIMENSION_COUNT,) if meta.arch != "phi3" else ()):
         if meta.get(key, head_dim) != head_dim:
             raise GGUFError(f"GGUF file {path}: {key.format(arch=meta.arch)}={meta.get(key)} differs from "
                             f"the head size {head_dim}; baryon supports full-width rotary and equal key/value sizes")
@@ -204,24 +210,51 @@ def gguf_config(path: str) -> Any:
     rope_scaling = _rope_scaling(meta)
     if "rope_freqs.weight" in tensors:  # Llama 3.1-3.3: the frequencies' divisors, as a tensor
         rope_scaling = {**(rope_scaling or {"rope_type": "default"}),
-                        "freq_factors": _rope_freq_factors(tensors["rope_freqs.weight"], head_dim, path)}
+                        "freq_factors": _rope_factors(tensors["rope_freqs.weight"], head_dim, path)}
+    if meta.arch == "phi3":
+        fields.update(_phi3_fields(meta, tensors, head_dim, rotary_dim))
+        rope_scaling = fields.pop("rope_parameters")
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
     return AutoConfig.for_model(model_type, **fields)
 
 
-def _rope_freq_factors(tensor, head_dim: int, path: str) -> list[float]:
-    """llama.cpp's `rope_freqs` (its converter writes it for Llama 3.1-style scaling): one float32
-    divisor per rotary frequency, each frequency base^(-2i / head_dim) / factor[i]."""
-    if tensor.tensor_type.name != "F32" or tuple(int(n) for n in tensor.shape) != (head_dim // 2,):
-        raise GGUFError(f"GGUF file {path}: rope_freqs.weight is {tensor.tensor_type.name} "
-                        f"{[int(n) for n in tensor.shape]}, not float32 [{head_dim // 2}] (one factor per "
-                        f"rotary frequency of the {head_dim}-wide heads)")
+def _phi3_fields(meta: _Metadata, tensors: dict, head_dim: int, rotary_dim: int) -> dict[str, Any]:
+    """Phi-3's config fields as llama.cpp's converter stores them: partial rotary (the rope
+    dimension count), the sliding window, the original context length and, for LongRoPE
+    files, the two factor sets as tensors (rope_factors_long / _short) with the attention factor."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.get(Keys.Rope.FREQ_BASE, 10000.0)}
+    if rotary_dim != head_dim:
+        rope["partial_rotary_factor"] = rotary_dim / head_dim
+    original = meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN) or meta.require(Keys.LLM.CONTEXT_LENGTH)
+    if "rope_factors_long.weight" in tensors:
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    long_factor=_rope_factors(tensors["rope_factors_long.weight"], rotary_dim, meta.path),
+                    short_factor=_rope_factors(tensors["rope_factors_short.weight"], rotary_dim, meta.path))
+        if meta.get(Keys.Rope.SCALING_ATTN_FACTOR) is not None:
+            rope["attention_factor"] = meta.get(Keys.Rope.SCALING_ATTN_FACTOR)
+    return dict(rope_parameters=rope, original_max_position_embeddings=original,
+                sliding_window=meta.get(Keys.Attention.SLIDING_WINDOW))
+
+
+def _rope_factors(tensor, rotary_dim: int, path: str) -> list[float]:
+    """A float32 tensor of one factor per rotary frequency: Llama 3.1's `rope_freqs` (divisors of
+    each frequency base^(-2i / dim)), Phi-3's `rope_factors_long` / `_short`."""
+    if tensor.tensor_type.name != "F32" or tuple(int(n) for n in tensor.shape) != (rotary_dim // 2,):
+        raise GGUFError(f"GGUF file {path}: {tensor.name} is {tensor.tensor_type.name} "
+                        f"{[int(n) for n in tensor.shape]}, not float32 [{rotary_dim // 2}] (one factor per "
+                        f"rotary frequency of the {rotary_dim} rotated features)")
     return [float(v) for v in tensor.data]
 
 
 def _is_mixtral(meta: _Metadata) -> bool:
     return meta.arch == "llama" and (meta.get(Keys.LLM.EXPERT_COUNT) or 0) > 0
+
+
+def _block_names(meta: _Metadata) -> dict[str, str]:
+    if _is_mixtral(meta):
+        return _MIXTRAL_BLOCK_NAMES
+    return _PHI3_BLOCK_NAMES if meta.arch == "phi3" else _BLOCK_NAMES
 
 
 def _moe_fields(meta: _Metadata, architecture: str) -> dict[str, Any]:
@@ -283,16 +316,16 @@ def _file_dtype(tensors: list) -> torch.dtype:
     return torch.bfloat16
 
 
-def checkpoint_name(gguf_name: str, mixtral: bool = False) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown. A
-    stacked expert tensor gives a name with `{e}` where the expert id goes."""
+def checkpoint_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (block_names: the file's
+    architecture's, `_block_names`); None if unknown. A stacked expert tensor gives a name with
+    `{e}` where the expert id goes."""
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     parts = base.split(".")
-    block_names = _MIXTRAL_BLOCK_NAMES if mixtral else _BLOCK_NAMES
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
         return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
     return None
@@ -319,10 +352,10 @@ def packable_formats(path: str) -> dict[str, tuple[int, int] | None]:
     """Checkpoint name -> (code bits, pair bytes) of every matrix the file stores in a packable
     type, None for the other tensors (stacked expert tensors are left out: they are dequantized)."""
     reader = open_gguf(path)
-    mixtral = _is_mixtral(_Metadata(reader, path))
+    block_names = _block_names(_Metadata(reader, path))
     return {name: packed_format(t.tensor_type.name) if len(t.shape) == 2 else None
             for t in reader.tensors if len(t.shape) <= 2  # stacked experts are dequantized
-            and (name := checkpoint_name(t.name, mixtral)) is not None}  # (rope_freqs: read into the config)
+            and (name := checkpoint_name(t.name, block_names)) is not None}  # (rope_freqs: read into the config)
 
 
 def _fp16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -406,11 +439,11 @@ def iterate_gguf_weights(path: str, hf_config: Any,
     reader = open_gguf(path)
     meta = _Metadata(reader, path)
     permuted = _permuted_heads(meta.arch, hf_config)
-    mixtral = _is_mixtral(meta)
+    block_names = _block_names(meta)
     for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # read into the config's RoPE (gguf_config)
+        if tensor.name in _CONFIG_TENSORS:  # read into the config's RoPE (gguf_config)
             continue
-        name = checkpoint_name(tensor.name, mixtral)
+        name = checkpoint_name(tensor.name, block_names)
         if name is None:
             raise GGUFError(f"tensor {tensor.name!r} in {path} has no counterpart in a "
                             f"{hf_config.architectures[0]} checkpoint")
