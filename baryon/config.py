@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import os
+import random
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -509,8 +510,26 @@ def is_moe(hf_config: Any) -> bool:
 
 
 def free_port() -> int:
-    """A TCP port on this host that nothing listens on now."""
-    with socket.socket() as s:
+    """A TCP port on this host that nothing listens on now, for a listener that binds it a moment
+    later (a process group's rendezvous, a test server). Drawn at random below the ephemeral
+    range, where the kernel picks the local ports of outgoing connections (a port it hands to
+    bind(0) there can go to another process's connection before the listener binds it: with
+    several engines or test workers starting at once, EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default range starts here
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(max(1024, ephemeral_low // 2), ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the low ports all taken: any the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -656,9 +656,12 @@ def main() -> None:
     norm = selector.select("rms_norm", device)
     record(f"rms_norm.{norm.name}", f"tokens={tokens} hidden={hidden} +residual",
            lambda: norm.forward(x, weight, 1e-6, x))
-    act = selector.select("silu_and_mul", device)
     gate_up = torch.randn(tokens, 2 * 12288 // scale, device=device, dtype=dtype)
-    record(f"silu_and_mul.{act.name}", f"tokens={tokens} d={12288 // scale}", lambda: act.forward(gate_up))
+    for family in ("silu_and_mul", "gelu_tanh_and_mul"):  # (GELU-tanh: Gemma 3's gating)
+        for act in selector.candidates(family):
+            if act.unsupported_reason(device) is None:
+                record(f"{family}.{act.name}", f"tokens={tokens} d={12288 // scale}",
+                       lambda act=act: act.forward(gate_up))
     # QKV prologue (Qwen3: QK norm + RoPE + KV write), every implementation that runs here.
     positions = torch.arange(tokens, device=device)
     cos_sin = torch.randn(4096, head_dim, device=device)

@@ -103,6 +103,9 @@ PARITY_CASES = {
     "gpt_oss-sinks": ("gpt_oss", {}, {}),  # attention sinks split with the heads, MXFP4-free experts
     "phi3-fused": ("phi3", {}, {}),  # the checkpoint's fused qkv_proj / gate_up_proj cut per rank
     "phi3-1kv-fused": ("phi3", dict(num_key_value_heads=1), {}),  # ... with the one KV head replicated
+    # sandwich norms on each rank's reduced block outputs, scaled embeddings, local / global layers
+    "gemma3-window": ("gemma3", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                     layer_types=["sliding_attention", "full_attention"]), {}),
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from baryon.kernels import selector
-from baryon.kernels.activation import TorchSiluAndMul
+from baryon.kernels.activation import TorchGeluTanhAndMul, TorchSiluAndMul
 from baryon.kernels.attention.metadata import AttentionMetadata
 from baryon.kernels.attention.torch_paged import TorchPagedAttention
 from baryon.kernels.norm import TorchRMSNorm
@@ -158,6 +158,15 @@ def test_silu_and_mul(seed):
     x = torch.randn(5, 2 * 24, generator=gen)
     gate, up = x[:, :24], x[:, 24:]
     torch.testing.assert_close(TorchSiluAndMul.forward(x), gate * torch.sigmoid(gate) * up)
+
+
+def test_gelu_tanh_and_mul(seed):
+    """Gemma's `gelu_pytorch_tanh` gating: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) * up."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 2 * 24, generator=gen, dtype=torch.float64) * 3
+    gate, up = x[:, :24], x[:, 24:]
+    expected = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
+    torch.testing.assert_close(TorchGeluTanhAndMul.forward(x), expected)
 
 
 def test_selector_falls_back_and_can_be_forced(monkeypatch):

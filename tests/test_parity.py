@@ -19,6 +19,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
 # Phi-3's LongRoPE at head size 16 (8 frequencies; the published files give 48 or 64 of each):
 # the attention factor from max_position_embeddings 256 over the original 64.
+GEMMA_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"]
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.0],
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.5, 10.0, 16.0, 24.0]}
@@ -47,6 +48,16 @@ CASES = [
     # LongRoPE within the original 64 positions (the short factors: 5-20-token prompts + 32 new)
     # with max_model_len 64 (see test_longrope_past_the_original_length for the long ones).
     ("phi3-longrope-short", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
+    # Gemma 3: sandwich norms of (1 + weight), scaled embeddings, GELU-tanh, local / global layers
+    # (a window of 8 and RoPE base 10k on the local ones, linear scaling on the global ones).
+    ("gemma3-local-global-window8", "gemma3", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                                   num_hidden_layers=3, layer_types=GEMMA_LAYERS, rope_parameters={
+                                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 1000000.0}})),
+    ("gemma3-mqa-headdim32-untied", "gemma3", dict(head_dim=32, num_key_value_heads=1, query_pre_attn_scalar=32,
+                                                   tie_word_embeddings=False, sliding_window=4,
+                                                   layer_types=["full_attention", "sliding_attention"])),
     # Mixtures of experts (tests/conftest.py MOE_BASE: 4-8 experts of intermediate size 32-48).
     ("qwen3moe-renormalised", "qwen3_moe", dict(norm_topk_prob=True)),
     ("qwen3moe-sparse-step2-dense-first", "qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2,

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from baryon import LLM, SamplingParams
+from baryon.config import free_port
 
 API_KEY = "sk-test"
 MODEL = "stories"
@@ -34,12 +34,6 @@ MAX_MODEL_LEN = 256
 VOCAB_SIZE = 512  # stories260K's; random token-id prompts draw from all of it (byte tokens included)
 CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:

@@ -102,11 +102,15 @@ def test_triton_rms_norm_matches_torch(seed, hidden, with_residual):
 
 
 @pytest.mark.parametrize("d", [24, 1500])
-def test_triton_silu_and_mul_matches_torch(seed, d):
-    from baryon.kernels.activation import TorchSiluAndMul, TritonSiluAndMul
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_triton_gated_activations_match_torch(seed, d, act):
+    from baryon.kernels import activation
 
-    x = torch.randn(3, 2 * d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
-    torch.testing.assert_close(TritonSiluAndMul.forward(x), TorchSiluAndMul.forward(x), atol=1e-5, rtol=1e-5)
+    triton_kernel, torch_kernel = {"silu": (activation.TritonSiluAndMul, activation.TorchSiluAndMul),
+                                   "gelu_tanh": (activation.TritonGeluTanhAndMul, activation.TorchGeluTanhAndMul)}[act]
+    # a wide range: GELU's tanh saturates both ways, and its cubic term matters past |x| ~ 1
+    x = (torch.randn(3, 2 * d, generator=torch.Generator().manual_seed(seed)) * 3).to(DEVICE)
+    torch.testing.assert_close(triton_kernel.forward(x), torch_kernel.forward(x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim,qk_norm", [
@@ -163,6 +167,23 @@ def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypat
     layer = runner.model.model.layers[0]
     assert layer.input_layernorm.kernel.name == layer.self_attn.attn.prologue.name == "triton"
     assert layer.mlp.act_fn.kernel.name == "triton"
+    _assert_follows_transformers(llm, path, seed)
+
+
+def test_gemma3_engine_greedy_parity_with_the_triton_kernels(tmp_path, seed, monkeypatch):
+    """Gemma 3 with the Triton kernels selected (GELU-tanh gating, the (1 + weight) norms as held,
+    QK norm in the prologue, local windows): transformers' tokens."""
+    from baryon import LLM
+    from conftest import make_checkpoint
+
+    for family in ("attention", "rms_norm", "qkv_prologue", "gelu_tanh_and_mul"):
+        monkeypatch.setenv(f"BARYON_KERNEL_{family.upper()}", "triton")
+    path = make_checkpoint(tmp_path / "gemma3", "gemma3", seed=seed, head_dim=64, query_pre_attn_scalar=48,
+                           sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    llm = LLM(str(path), skip_tokenizer_init=True, device=DEVICE, dtype="float32", block_size=16,
+              max_num_batched_tokens=12, kv_cache_memory_gib=0.01, enforce_eager=True)
+    layer = llm.engine.core.runner.model.model.layers[0]
+    assert layer.mlp.act_fn.kernel.name == layer.post_feedforward_layernorm.kernel.name == "triton"
     _assert_follows_transformers(llm, path, seed)
 
 

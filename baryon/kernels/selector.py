@@ -50,6 +50,8 @@ _REGISTRY: dict[str, list[str]] = {
     "rms_norm": ["baryon.kernels.norm:TritonRMSNorm", "baryon.kernels.norm:CpuRMSNorm",
                  "baryon.kernels.norm:TorchRMSNorm"],
     "silu_and_mul": ["baryon.kernels.activation:TritonSiluAndMul", "baryon.kernels.activation:TorchSiluAndMul"],
+    "gelu_tanh_and_mul": ["baryon.kernels.activation:TritonGeluTanhAndMul",
+                          "baryon.kernels.activation:TorchGeluTanhAndMul"],
     "qkv_prologue": ["baryon.kernels.qkv_prologue:TritonQKVPrologue", "baryon.kernels.qkv_prologue:CpuQKVPrologue",
                      "baryon.kernels.qkv_prologue:TorchQKVPrologue"],
     "decoder_layer": ["baryon.kernels.decoder_layer:CpuDecoderLayer", "baryon.kernels.decoder_layer:ModulesDecoderLayer"],

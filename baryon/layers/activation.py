@@ -1,21 +1,35 @@
-"""The gated MLP activation: silu(gate) * up."""
+"""The gated MLP activations: act(gate) * up, by the config's `hidden_act` / `hidden_activation`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from baryon.kernels.activation import TorchSiluAndMul
-from baryon.kernels.selector import select
+from baryon.kernels.activation import TorchGeluTanhAndMul, TorchSiluAndMul
+from baryon.kernels.selector import Kernel, select
 
 
-class SiluAndMul(nn.Module):
+class GatedActivation(nn.Module):
+    family: str
+    reference: type[Kernel]  # the plain torch ops, which inductor fuses with their neighbours
+
     def __init__(self) -> None:
         super().__init__()
-        self.kernel = select("silu_and_mul", torch.get_default_device())
+        self.kernel = select(self.family, torch.get_default_device())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, 2 * d] -> [num_tokens, d]."""
-        # Under torch.compile the plain torch ops, which inductor fuses with their neighbours.
-        kernel = TorchSiluAndMul if torch.compiler.is_compiling() else self.kernel
+        kernel = self.reference if torch.compiler.is_compiling() else self.kernel
         return kernel.forward(x)
+
+
+class SiluAndMul(GatedActivation):
+    family, reference = "silu_and_mul", TorchSiluAndMul
+
+
+class GeluTanhAndMul(GatedActivation):
+    family, reference = "gelu_tanh_and_mul", TorchGeluTanhAndMul
+
+
+# hidden_act -> its gated activation
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}

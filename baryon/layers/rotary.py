@@ -13,10 +13,14 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The checkpoint's RoPE settings as one dict with `rope_type` and `rope_theta`, whether the
-    config uses transformers 5's `rope_parameters` or the older `rope_scaling` + `rope_theta`."""
+    config uses transformers 5's `rope_parameters` or the older `rope_scaling` + `rope_theta`;
+    layer_type: those of one kind of layer where the config keeps a dict per kind (Gemma 3:
+    `sliding_attention`, `full_attention`)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     for key, value in scaling.items():
         params.setdefault(key, value)
@@ -150,10 +154,10 @@ class RotaryEmbedding(nn.Module):
 _TABLES: weakref.WeakValueDictionary[tuple, RotaryEmbedding] = weakref.WeakValueDictionary()
 
 
-def get_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
-    """The rotary embedding of `hf_config` for heads of head_dim features, shared with every other
-    layer of the same table on the same device."""
-    params = rope_parameters(hf_config)
+def get_rope(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary embedding of `hf_config` (of its `layer_type` layers, see rope_parameters) for
+    heads of head_dim features, shared with every other layer of the same table on the same device."""
+    params = rope_parameters(hf_config, layer_type)
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {params['rope_type']!r} (rope_scaling in config.json) is not "
                          f"supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
