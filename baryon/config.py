@@ -465,6 +465,7 @@ def _draft_model_config(method: str, name: Any, args: EngineArgs, target: ModelC
     if method == "draft_model" and draft_len is not None and draft_len < target.max_model_len:
         raise ValueError(f"the draft model {name} has a context of {draft_len} tokens, shorter than "
                          f"max_model_len={target.max_model_len}; use max_model_len <= {draft_len}")
+    _choose_longrope_factors(hf_config, target.max_model_len)  # (a LongRoPE draft: the target's set)
     return dataclasses.replace(target, model=name, model_path=path, tokenizer_path=None, hf_config=hf_config,
                                quantization=None)
 
@@ -509,20 +510,26 @@ def is_moe(hf_config: Any) -> bool:
     return any(getattr(hf_config, key, None) for key in ("num_experts", "n_routed_experts", "num_local_experts"))
 
 
+def ephemeral_port_start() -> int:
+    """The first port of this host's ephemeral range (Linux: ip_local_port_range; 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
     """A TCP port on this host that nothing listens on now, for a listener that binds it a moment
     later (a process group's rendezvous, a test server). Drawn at random below the ephemeral
     range, where the kernel picks the local ports of outgoing connections (a port it hands to
     bind(0) there can go to another process's connection before the listener binds it: with
     several engines or test workers starting at once, EADDRINUSE)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768  # Linux's default range starts here
+    ephemeral_low = ephemeral_port_start()
     draw = random.SystemRandom()
-    for _ in range(100):
-        port = draw.randrange(max(1024, ephemeral_low // 2), ephemeral_low)
+    low = max(1024, ephemeral_low // 2)
+    for _ in range(100 if low < ephemeral_low else 0):  # (none when the range starts at 1024: bind(0))
+        port = draw.randrange(low, ephemeral_low)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

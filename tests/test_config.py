@@ -379,3 +379,22 @@ def test_hf_overrides_rope_scaling_as_model_cards_give_it(tmp_path, seed):
     params = rope_parameters(config.model.hf_config)
     assert (params["rope_type"], params["factor"], params["rope_theta"]) == ("yarn", factor, theta)
     assert config.model.max_model_len == int(64 * factor)
+
+
+def test_free_port_is_below_the_ephemeral_range_and_bindable(monkeypatch):
+    """free_port draws below the ephemeral range (where outgoing connections take their local
+    ports), returns a port that binds; where that range starts at 1024 (nothing below it to
+    draw from), a port the kernel gives."""
+    import socket
+
+    from baryon import config
+
+    start = config.ephemeral_port_start()
+    for _ in range(20):
+        port = config.free_port()
+        assert max(1024, start // 2) <= port < start
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    monkeypatch.setattr(config, "ephemeral_port_start", lambda: 1024)
+    port = config.free_port()
+    assert 0 < port < 65536

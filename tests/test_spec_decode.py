@@ -226,6 +226,15 @@ def test_mtp_draft_keeps_greedy_output(tmp_path, seed):
     assert llm.engine.core.spec_stats.num_draft_tokens > 0
 
 
+def test_eagle3_on_a_target_without_its_hidden_states_is_refused(tmp_path, seed):
+    """A Gemma 3 target does not hand EAGLE-3 its layers' hidden states: refused by name at start."""
+    gemma = make_checkpoint(tmp_path / "gemma3", "gemma3", seed=seed, head_dim=16, query_pre_attn_scalar=16)
+    head = _write_eagle3(tmp_path / "eagle3", _eagle3_tensors(seed, 64, with_embedding=False))
+    with pytest.raises(ValueError, match="EAGLE-3 heads read a Llama-family target's hidden states; Gemma3ForCausalLM"):
+        LLM(str(gemma), speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2},
+            **ENGINE)
+
+
 def test_eagle3_head_keeps_greedy_output(target, tmp_path, seed):
     """An EAGLE-3 head in the published layout (own draft vocabulary, the target's embedding) drafts
     from three of the target's hidden states."""

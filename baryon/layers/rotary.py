@@ -19,9 +19,9 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, 
     layer_type: those of one kind of layer where the config keeps a dict per kind (Gemma 3:
     `sliding_attention`, `full_attention`)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if layer_type is not None and isinstance(params.get(layer_type), dict):
-        params = dict(params[layer_type])
     scaling = getattr(hf_config, "rope_scaling", None) or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params, scaling = dict(params[layer_type]), {}  # (transformers 5's rope_scaling: the same nested dict)
     for key, value in scaling.items():
         params.setdefault(key, value)
     if "type" in params and "rope_type" not in params:

@@ -17,6 +17,7 @@ The tokenizer and chat template also live in the metadata; `baryon.tokenizer` bu
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -225,8 +226,15 @@ def _phi3_fields(meta: _Metadata, tensors: dict, head_dim: int, rotary_dim: int)
     files, the two factor sets as tensors (rope_factors_long / _short) with the attention factor."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.get(Keys.Rope.FREQ_BASE, 10000.0)}
     if rotary_dim != head_dim:
-        rope["partial_rotary_factor"] = rotary_dim / head_dim
+        factor = rotary_dim / head_dim
+        if int(head_dim * factor) != rotary_dim:  # the model takes int(head_dim * factor) features
+            factor = math.nextafter(factor, math.inf)
+        rope["partial_rotary_factor"] = factor
     original = meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN) or meta.require(Keys.LLM.CONTEXT_LENGTH)
+    if ("rope_factors_long.weight" in tensors) != ("rope_factors_short.weight" in tensors):
+        have, lack = sorted(("rope_factors_long.weight", "rope_factors_short.weight"),
+                            key=lambda name: name not in tensors)
+        raise GGUFError(f"GGUF file {meta.path} has {have} but no {lack}: LongRoPE needs both factor sets")
     if "rope_factors_long.weight" in tensors:
         rope.update(rope_type="longrope", original_max_position_embeddings=original,
                     long_factor=_rope_factors(tensors["rope_factors_long.weight"], rotary_dim, meta.path),

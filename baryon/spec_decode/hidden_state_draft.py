@@ -35,6 +35,10 @@ class HiddenStateProposer(DraftModelProposer):
         super().__init__(config, max_blocks_per_seq)
         self.method = config.speculative.method
         if self.method == "eagle3":
+            if not hasattr(target.model, "aux_hidden_state_layers"):
+                raise ValueError(f"EAGLE-3 heads read a Llama-family target's hidden states; "
+                                 f"{type(target).__name__} does not give them (use an n-gram or draft-model "
+                                 f"proposer with it)")
             num_layers = len(target.model.layers)
             target.model.aux_hidden_state_layers = self.model.aux_hidden_state_layer_ids(num_layers)
             self.model.share_embedding(target.model.embed_tokens)
