@@ -577,9 +577,28 @@ def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
 
         return gguf_config(model_path)
     try:
-        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read the model config of {model_path!r}: {e}") from e
+    return _language_model_config(hf_config)
+
+
+# Image-and-text checkpoints whose language model baryon serves alone (their vision tower unread).
+LANGUAGE_MODEL_ONLY = ("Gemma3ForConditionalGeneration",)
+
+
+def _language_model_config(hf_config: Any) -> Any:
+    """For a LANGUAGE_MODEL_ONLY checkpoint, its `text_config` (under the checkpoint's
+    architecture name, which picks the model class that reads its language model's tensors):
+    every engine setting reads the language model's sizes from it. Other configs as they are."""
+    architecture = (getattr(hf_config, "architectures", None) or [None])[0]
+    if architecture not in LANGUAGE_MODEL_ONLY:
+        return hf_config
+    text = copy.deepcopy(hf_config.text_config)
+    text.architectures = [architecture]
+    text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", True))
+    logger.info("%s: serving its language model; images are not read (its vision tower is not loaded)", architecture)
+    return text
 
 
 def _apply_hf_overrides(hf_config: Any, overrides: str | dict | None) -> Any:

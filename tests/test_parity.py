@@ -164,3 +164,30 @@ def test_longrope_past_the_original_length(tmp_path, seed):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _assert_follows_transformers("phi3-longrope-long", path, prompts, outputs)
+
+
+def test_gemma3_image_and_text_checkpoint_serves_its_language_model(tmp_path, seed):
+    """A Gemma3ForConditionalGeneration checkpoint (the 4b-27b layout: `language_model.model.*`
+    beside `vision_tower.*` and `multi_modal_projector.*`): its language model greedy-decodes as
+    transformers' whole model does on text, the vision tensors unread."""
+    import transformers
+
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                         max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"],
+                         initializer_range=0.15),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=127, boi_token_index=125, eoi_token_index=126)
+    torch.manual_seed(seed)
+    path = tmp_path / "gemma3-vlm"
+    transformers.Gemma3ForConditionalGeneration(config).eval().save_pretrained(path)
+    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
+              max_num_batched_tokens=16, kv_cache_memory_gib=0.01)
+    assert llm.config.model.hf_config.architectures == ["Gemma3ForConditionalGeneration"]
+    assert llm.config.model.hf_config.num_hidden_layers == 2  # the language model's config
+    prompts = random_prompts(2, 120, 5, 20, seed)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _assert_follows_transformers("gemma3-vlm", path, prompts, outputs)

@@ -192,8 +192,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
             raise WeightLoadError(f"tensor {name!r} in {file}: {e}") from e
         loaded[target.param] |= keys
     if skipped:
-        logger.info("skipped %d tensors of layers this model does not hold (multi-token prediction: the main "
-                    "model's or the draft's)", skipped)
+        logger.info("skipped %d tensors of parts this model does not hold (multi-token prediction layers: the "
+                    "main model's or the draft's; a vision tower)", skipped)
     missing = [_missing_description(name, p, loaded[name], names) for name, p in params.items()
                if not p.expected_shards <= loaded[name]]
     if missing:

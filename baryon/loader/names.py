@@ -21,7 +21,9 @@ A model class may declare:
 - `extra_layers_config_key`: a config field counting layers stored past `num_hidden_layers`
   (GLM's multi-token-prediction layers, `num_nextn_predict_layers`) that are skipped at load;
 - `only_layers`: the layer indices a model loads, every other tensor skipped (DeepSeek's MTP
-  layers loaded as a draft model of their own).
+  layers loaded as a draft model of their own);
+- `skipped_checkpoint_prefixes`: tensors of parts the model does not hold (an image-and-text
+  checkpoint's vision tower), skipped.
 
 FP8 KV-cache scales load into the attention layer (`<prefix>.self_attn.attn.k_scale` / `v_scale`)
 under both published names: `self_attn.k_scale` (compressed-tensors' kv_cache_scheme, ModelOpt)
@@ -72,11 +74,14 @@ class CheckpointNames:
         first = getattr(hf_config, "num_hidden_layers", 0)
         self.skipped_layers = range(first, first + (int(getattr(hf_config, key, 0) or 0) if key else 0))
         self.only_layers = getattr(model, "only_layers", None)
+        self.skipped_prefixes = tuple(getattr(model, "skipped_checkpoint_prefixes", ()))
         fused = getattr(model, "fused_checkpoint_parts", None)
         self.fused = fused(hf_config) if fused is not None else {}
 
     def target(self, name: str) -> Target | None:
         """Where checkpoint tensor `name` loads; None for a tensor that is skipped."""
+        if self.skipped_prefixes and name.startswith(self.skipped_prefixes):
+            return None
         for old, new in self.renames.items():
             name = name.replace(old, new)
         layer = _LAYER.match(name)

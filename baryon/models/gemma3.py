@@ -1,4 +1,5 @@
-"""Gemma 3 text models (`Gemma3ForCausalLM`: gemma-3-1b and the text-only checkpoints).
+"""Gemma 3 text models (`Gemma3ForCausalLM`: gemma-3-1b and the text-only checkpoints), and the
+language model of the image-and-text checkpoints (`Gemma3ForConditionalGeneration`: 4b-27b).
 
 Against the Llama decoder: the embeddings scaled by sqrt(hidden_size) (rounded to the model
 dtype, as transformers scales them), RMSNorms that multiply by (1 + weight) (the loader stores
@@ -115,3 +116,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a Gemma 3 image-and-text checkpoint, served alone: its config is the
+    checkpoint's `text_config` (baryon.config.LANGUAGE_MODEL_ONLY), its tensors those under
+    `language_model.`; the vision tower and the projector are not loaded (images unsupported)."""
+
+    weights_mapping = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                       "model.language_model.": "model."}  # (the hub's layout; transformers 5's in memory)
+    skipped_checkpoint_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                   "model.multi_modal_projector.")

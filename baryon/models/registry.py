@@ -11,6 +11,7 @@ _MODELS: dict[str, str] = {
     "MistralForCausalLM": "baryon.models.llama:MistralForCausalLM",
     "Phi3ForCausalLM": "baryon.models.phi3:Phi3ForCausalLM",
     "Gemma3ForCausalLM": "baryon.models.gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "baryon.models.gemma3:Gemma3ForConditionalGeneration",
     "Qwen2ForCausalLM": "baryon.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "baryon.models.qwen3:Qwen3ForCausalLM",
     "Qwen2MoeForCausalLM": "baryon.models.qwen2_moe:Qwen2MoeForCausalLM",
