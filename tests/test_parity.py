@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from baryon import LLM, SamplingParams
-from conftest import hf_greedy, make_checkpoint, random_prompts
+from conftest import hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
 
 NUM_NEW = 32
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -121,11 +121,37 @@ def _assert_follows_transformers(name, path, prompts, outputs) -> None:
     for prompt, output in zip(prompts, outputs):
         expected_tokens, expected_logprobs = hf_greedy(path, prompt, NUM_NEW)
         sample = output.outputs[0]
-        assert sample.token_ids == expected_tokens, f"{name}: greedy tokens differ from transformers"
         got = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
         worst = max(abs(a - b) for a, b in zip(got, expected_logprobs))
+        if (sample.token_ids != expected_tokens or worst >= 1e-4) and _router_tie(path, prompt + expected_tokens):
+            continue  # two experts' float32 scores equal at the top-k boundary: either choice is right
+        assert sample.token_ids == expected_tokens, f"{name}: greedy tokens differ from transformers"
         assert worst < 1e-4, f"{name}: chosen-token logprobs differ by {worst:.2e}"
         assert sample.finish_reason == "length"
+
+
+def _router_tie(path, tokens: list[int]) -> bool:
+    """Whether transformers' softmax routers (Qwen-MoE, Mixtral) score the k-th and (k + 1)-th
+    experts of some token within 1e-6 of each other: float32 sums in another order (a matmul of
+    another row count: the engine's chunked prefill) can swap such a pair, and an exact tie goes
+    to the lower expert index in the engine, to torch.topk's choice in transformers. Random
+    weights meet one now and then (seen: a gap of 1.9e-8, one run in many); a real routing error
+    moves tokens where the reference has no such pair."""
+    _, model_cls = hf_classes_from_path(path)
+    model = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    k = getattr(model.config, "num_experts_per_tok", None)
+    try:
+        with torch.no_grad():
+            router_logits = model(torch.tensor([tokens]), output_router_logits=True).router_logits
+    except TypeError:  # a model whose router this check does not read
+        return False
+    for logits in router_logits or ():
+        if logits is None or k is None or logits.shape[-1] <= k:
+            continue
+        ranked = logits.float().softmax(-1).sort(-1, descending=True).values
+        if bool((ranked[:, k - 1] - ranked[:, k] <= 1e-6).any()):
+            return True
+    return False
 
 
 @pytest.mark.parametrize("arch, overrides", [("llama", dict(rope_parameters=YARN)), ("deepseek_v3", {})])
