@@ -213,17 +213,19 @@ def gguf_config(path: str) -> Any:
         rope_scaling = {**(rope_scaling or {"rope_type": "default"}),
                         "freq_factors": _rope_factors(tensors["rope_freqs.weight"], head_dim, path)}
     if meta.arch == "phi3":
-        fields.update(_phi3_fields(meta, tensors, head_dim, rotary_dim))
-        rope_scaling = fields.pop("rope_parameters")
+        phi3_fields, rope_scaling = _phi3_fields(meta, tensors, head_dim, rotary_dim)
+        fields.update(phi3_fields)
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
     return AutoConfig.for_model(model_type, **fields)
 
 
-def _phi3_fields(meta: _Metadata, tensors: dict, head_dim: int, rotary_dim: int) -> dict[str, Any]:
-    """Phi-3's config fields as llama.cpp's converter stores them: partial rotary (the rope
-    dimension count), the sliding window, the original context length and, for LongRoPE
-    files, the two factor sets as tensors (rope_factors_long / _short) with the attention factor."""
+def _phi3_fields(meta: _Metadata, tensors: dict, head_dim: int, rotary_dim: int
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Phi-3's config fields and RoPE settings as llama.cpp's converter stores them: partial
+    rotary (the rope dimension count), the sliding window, the original context length and, for
+    LongRoPE files, the two factor sets as tensors (rope_factors_long / _short) with the
+    attention factor."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.get(Keys.Rope.FREQ_BASE, 10000.0)}
     if rotary_dim != head_dim:
         factor = rotary_dim / head_dim
@@ -231,18 +233,17 @@ def _phi3_fields(meta: _Metadata, tensors: dict, head_dim: int, rotary_dim: int)
             factor = math.nextafter(factor, math.inf)
         rope["partial_rotary_factor"] = factor
     original = meta.get(Keys.Rope.SCALING_ORIG_CTX_LEN) or meta.require(Keys.LLM.CONTEXT_LENGTH)
-    if ("rope_factors_long.weight" in tensors) != ("rope_factors_short.weight" in tensors):
-        have, lack = sorted(("rope_factors_long.weight", "rope_factors_short.weight"),
-                            key=lambda name: name not in tensors)
-        raise GGUFError(f"GGUF file {meta.path} has {have} but no {lack}: LongRoPE needs both factor sets")
-    if "rope_factors_long.weight" in tensors:
+    factor_sets = ("rope_factors_long.weight", "rope_factors_short.weight")
+    missing = [name for name in factor_sets if name not in tensors]
+    if len(missing) == 1:
+        raise GGUFError(f"GGUF file {meta.path} has no {missing[0]} beside the other LongRoPE factor set")
+    if not missing:
         rope.update(rope_type="longrope", original_max_position_embeddings=original,
                     long_factor=_rope_factors(tensors["rope_factors_long.weight"], rotary_dim, meta.path),
                     short_factor=_rope_factors(tensors["rope_factors_short.weight"], rotary_dim, meta.path))
         if meta.get(Keys.Rope.SCALING_ATTN_FACTOR) is not None:
             rope["attention_factor"] = meta.get(Keys.Rope.SCALING_ATTN_FACTOR)
-    return dict(rope_parameters=rope, original_max_position_embeddings=original,
-                sliding_window=meta.get(Keys.Attention.SLIDING_WINDOW))
+    return dict(original_max_position_embeddings=original, sliding_window=meta.get(Keys.Attention.SLIDING_WINDOW)), rope
 
 
 def _rope_factors(tensor, rotary_dim: int, path: str) -> list[float]:

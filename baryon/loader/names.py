@@ -55,13 +55,11 @@ class Target:
     parts: tuple[tuple[Any, int], ...] = ()  # a fused checkpoint tensor: (shard id, output rows) in order
 
     @property
-    def loaded_key(self) -> Any:
-        """What `expected_shards` of the parameter lists for this tensor (one of its part's)."""
-        return self.shard_id if self.expert_id is None else (self.shard_id, self.expert_id)
-
-    @property
     def loaded_keys(self) -> set:
-        return {shard_id for shard_id, _ in self.parts} if self.parts else {self.loaded_key}
+        """What `expected_shards` of the parameter lists for this tensor (each part's, for a fused one)."""
+        if self.parts:
+            return {shard_id for shard_id, _ in self.parts}
+        return {self.shard_id if self.expert_id is None else (self.shard_id, self.expert_id)}
 
 
 class CheckpointNames:

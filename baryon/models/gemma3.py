@@ -20,7 +20,7 @@ from torch import nn
 
 from baryon.distributed.parallel_state import tp_settle_pushes
 from baryon.layers.attention import Attention
-from baryon.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from baryon.layers.embedding import VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear, copy_checked
 from baryon.layers.mlp import GatedMLP
 from baryon.layers.norm import RMSNorm
@@ -103,7 +103,6 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any) -> None:
-        nn.Module.__init__(self)
         for field in ("final_logit_softcapping", "attn_logit_softcapping"):
             if getattr(config, field, None) is not None:
                 raise ValueError(f"{field}={getattr(config, field)} (logit soft-capping, Gemma 2) is not supported; "
@@ -111,11 +110,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=true (an embedding model) is not supported: baryon "
                              "serves causal language models")
-        self.config = config
-        self.model = Gemma3Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config)
+
+    @classmethod
+    def build_model(cls, config: Any) -> nn.Module:
+        return Gemma3Model(config)
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

@@ -164,10 +164,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.build_attention, self.build_mlp)
+        self.model = self.build_model(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def build_model(cls, config: Any) -> nn.Module:
+        """The decoder stack (embeddings, layers, final norm; Gemma overrides this)."""
+        return LlamaModel(config, cls.build_attention, cls.build_mlp)
 
     @staticmethod
     def attention_options(config: Any) -> dict[str, bool]:
