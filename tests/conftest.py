@@ -87,6 +87,8 @@ def hf_classes(arch: str):
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
         "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
         "gemma3_vlm": (tf.Gemma3Config, tf.Gemma3ForConditionalGeneration),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
@@ -101,7 +103,9 @@ def hf_classes(arch: str):
 
 
 ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3",
+                 "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "GemmaForCausalLM": "gemma",
+                 "Gemma2ForCausalLM": "gemma2",
+                 "Gemma3ForCausalLM": "gemma3",
                  "Gemma3ForConditionalGeneration": "gemma3_vlm", "Qwen3MoeForCausalLM": "qwen3_moe",
                  "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                  "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",

@@ -16,14 +16,17 @@ from baryon.kernels.norm import TorchRMSNorm
 from baryon.kernels.rotary import apply_rotary
 
 
-def dense_attention(q, k, v, scale, window, sinks=None):
+def dense_attention(q, k, v, scale, window, sinks=None, softcap=None):
     """q: [q_len, H, D] for the last q_len positions of k/v [seq_len, H_kv, D]; float64 softmax.
-    sinks: [H] extra logits that join each head's softmax without a value."""
+    sinks: [H] extra logits that join each head's softmax without a value; softcap: scores
+    s -> softcap * tanh(s / softcap) before the mask (Gemma 2)."""
     q_len, heads, _ = q.shape
     seq_len, kv_heads, _ = k.shape
     k = k.repeat_interleave(heads // kv_heads, dim=1).double()
     v = v.repeat_interleave(heads // kv_heads, dim=1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
     k_pos = torch.arange(seq_len).unsqueeze(0)
     visible = k_pos <= q_pos
@@ -99,6 +102,32 @@ def test_paged_attention_matches_dense(seed, heads, kv_heads, head_dim, block_si
         start += new
 
 
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_paged_attention_with_softcap_matches_dense(seed, kind, backend):
+    """Gemma 2's soft-capped scores (cap 2: most random scores bend), with a window and GQA."""
+    from baryon.kernels.attention.cpu_paged import CpuPagedAttention
+
+    reason = CpuPagedAttention.unsupported_reason(torch.device("cpu")) if backend == "cpu" else None
+    if reason is not None:
+        pytest.skip(reason)
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, block_size, window, cap = 8, 2, 16, 4, 7, 2.0
+    seqs = [(5, 1), (0, 9), (13, 4)] if kind == "mixed" else [(5, 1), (17, 1), (0, 1)]
+    cache, metadata, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
+    q = q * 3  # scores well past the cap
+    scale = 1 / math.sqrt(head_dim)
+    cls = TorchPagedAttention if backend == "torch" else CpuPagedAttention
+    out = cls(heads, head_dim, kv_heads, scale, window, logit_softcap=cap).forward(q, k, v, cache, metadata)
+    start = 0
+    for (cached, new), fk, fv in zip(seqs, full_k, full_v):
+        expected = dense_attention(q[start:start + new], fk, fv, scale, window, softcap=cap)
+        torch.testing.assert_close(out[start:start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
+    uncapped = cls(heads, head_dim, kv_heads, scale, window).forward(q, None, None, cache, metadata)
+    assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap changes the result
+
+
 def test_store_skips_padding_slots(seed):
     gen = torch.Generator().manual_seed(seed)
     cache = torch.zeros(2, 4, 4, 2, 8)
@@ -151,6 +180,28 @@ def test_rms_norm_with_residual_matches_transformers(seed):
     plain, none = TorchRMSNorm.forward(x, weight, 1e-6)
     assert none is None
     torch.testing.assert_close(plain, ref(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norm_rounds_as_transformers_for_the_weight_dtype(seed, dtype):
+    """Bit for bit in every dtype: a weight of the model dtype as LlamaRMSNorm (the normalised
+    values rounded, then scaled), a float32 weight holding Gemma's 1 + w as Gemma3RMSNorm (scaled
+    in float32, rounded once). In 16 bits the two orders differ on some elements."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(16, 256, generator=gen) * 4).to(dtype)
+    w = torch.randn(256, generator=gen).to(dtype)
+    llama, gemma = LlamaRMSNorm(256, eps=1e-6).to(dtype), Gemma3RMSNorm(256, eps=1e-6).to(dtype)
+    llama.weight.data.copy_(w)
+    gemma.weight.data.copy_(w)
+    with torch.no_grad():
+        assert torch.equal(TorchRMSNorm.forward(x, w, 1e-6)[0], llama(x))
+        as_gemma = TorchRMSNorm.forward(x, w.float() + 1, 1e-6)[0]
+        assert as_gemma.dtype == dtype and torch.equal(as_gemma, gemma(x))
+        if dtype != torch.float32:  # the float32 product is a different rounding than the model-dtype one
+            assert not torch.equal(as_gemma, TorchRMSNorm.forward(x, (w.float() + 1).to(dtype), 1e-6)[0])
 
 
 def test_silu_and_mul(seed):
@@ -322,7 +373,7 @@ def test_paged_backend_hands_long_queries_to_sdpa(seed, dtype):
                            metadata.block_tables.cuda(), metadata.slot_mapping.cuda(), metadata.max_query_len,
                            metadata.max_seq_len, metadata.query_start_loc_cpu, metadata.seq_lens_cpu)
     attn = TritonPagedAttention(heads, head_dim, kv_heads, head_dim ** -0.5, None)
-    assert sdpa_prefill.takes(moved[1], moved[0], None, None) and sdpa_prefill.long_queries(md) == (1, 3, 5)
+    assert sdpa_prefill.takes(moved[1], moved[0], None, None, None) and sdpa_prefill.long_queries(md) == (1, 3, 5)
     out = attn.forward(moved[1], moved[2], moved[3], moved[0], md, output=torch.full_like(moved[1], float("nan")))
     md.backend_scratch["sdpa_long_queries"] = ()  # the paged kernel on the same step
     paged = attn.forward(moved[1], None, None, moved[0], md)

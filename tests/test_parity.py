@@ -48,6 +48,17 @@ CASES = [
     # LongRoPE within the original 64 positions (the short factors: 5-20-token prompts + 32 new)
     # with max_model_len 64 (see test_longrope_past_the_original_length for the long ones).
     ("phi3-longrope-short", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
+    # Gemma (1): Llama's two norms a layer, of (1 + weight), scaled embeddings, GELU-tanh, head size 32
+    ("gemma-mha-headdim32-tied", "gemma", dict(head_dim=32, num_key_value_heads=4, tie_word_embeddings=True)),
+    ("gemma-mqa-untied", "gemma", dict(num_key_value_heads=1, head_dim=16)),
+    # Gemma 2: soft-capped attention scores and final logits (caps small enough to bend random
+    # models' values; the published 50 / 30 on the second), alternating local / global layers.
+    ("gemma2-softcaps-window8", "gemma2", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                               num_hidden_layers=3, attn_logit_softcapping=2.0,
+                                               final_logit_softcapping=3.0)),
+    ("gemma2-mqa-headdim32-tied-published-caps", "gemma2", dict(head_dim=32, num_key_value_heads=1,
+                                                                query_pre_attn_scalar=32, tie_word_embeddings=True,
+                                                                sliding_window=4)),
     # Gemma 3: sandwich norms of (1 + weight), scaled embeddings, GELU-tanh, local / global layers
     # (a window of 8 and RoPE base 10k on the local ones, linear scaling on the global ones).
     ("gemma3-local-global-window8", "gemma3", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
@@ -140,13 +151,15 @@ def _router_tie(path, tokens: list[int]) -> bool:
     _, model_cls = hf_classes_from_path(path)
     model = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     k = getattr(model.config, "num_experts_per_tok", None)
+    if k is None:  # no router (a dense model)
+        return False
     try:
         with torch.no_grad():
             router_logits = model(torch.tensor([tokens]), output_router_logits=True).router_logits
-    except TypeError:  # a model whose router this check does not read
+    except (TypeError, AttributeError):  # a model whose router this check does not read
         return False
     for logits in router_logits or ():
-        if logits is None or k is None or logits.shape[-1] <= k:
+        if logits is None or logits.shape[-1] <= k:
             continue
         ranked = logits.float().softmax(-1).sort(-1, descending=True).values
         if bool((ranked[:, k - 1] - ranked[:, k] <= 1e-6).any()):
@@ -217,3 +230,48 @@ def test_gemma3_image_and_text_checkpoint_serves_its_language_model(tmp_path, se
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _assert_follows_transformers("gemma3-vlm", path, prompts, outputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_norm_in_16_bits_is_transformers_bit_for_bit(seed, dtype):
+    """GemmaRMSNorm holds 1 + w in float32 under a 16-bit model and scales in float32, rounding
+    once: bit for bit transformers' Gemma3RMSNorm of the same checkpoint weight, with and without
+    the residual add."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from baryon.models.gemma2 import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    stored = (torch.randn(192, generator=gen) * 0.5).to(dtype)  # the checkpoint's weight
+    x, residual = ((torch.randn(9, 192, generator=gen) * 3).to(dtype) for _ in range(2))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        norm = GemmaRMSNorm(192, 1e-6)
+    finally:
+        torch.set_default_dtype(previous)
+    norm.weight.weight_loader(norm.weight, stored)
+    assert norm.weight.dtype == torch.float32
+    reference = Gemma3RMSNorm(192, eps=1e-6).to(dtype)
+    reference.weight.data.copy_(stored)
+    with torch.no_grad():
+        assert torch.equal(norm(x), reference(x))
+        out, new_residual = norm(x, residual)
+        assert torch.equal(new_residual, x + residual) and torch.equal(out, reference(x + residual))
+
+
+def test_gemma_legacy_gelu_config_means_the_tanh_approximation(tmp_path, seed):
+    """gemma-2b / 7b's config.json says hidden_act "gelu" beside hidden_activation
+    "gelu_pytorch_tanh": the tanh approximation, as transformers reads it."""
+    import json
+
+    path = make_checkpoint(tmp_path / "gemma-legacy", "gemma", seed=seed, head_dim=16)
+    config = json.loads((path / "config.json").read_text())
+    config.update(hidden_act="gelu", hidden_activation="gelu_pytorch_tanh")
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01)
+    assert type(llm.engine.core.runner.model.model.layers[0].mlp.act_fn).__name__ == "GeluTanhAndMul"
+    prompts = random_prompts(2, 120, 5, 20, seed)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _assert_follows_transformers("gemma-legacy", path, prompts, outputs)

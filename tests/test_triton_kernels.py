@@ -101,6 +101,24 @@ def test_triton_rms_norm_matches_torch(seed, hidden, with_residual):
                                    TorchRMSNorm.forward(heads, weight[:8], 1e-6)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="bit-exact bf16 needs a GPU: the interpreter's bf16 conversions do not round as the hardware's")
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_triton_rms_norm_rounds_as_torch_in_bf16(seed, weight_dtype):
+    """bf16 rows, bit for bit with the reference: a bf16 weight scales the rounded normalised
+    values, a float32 weight (Gemma's 1 + w) scales them in float32 and rounds once; the
+    all-reduce + norm kernel's last step (the same helper) is checked on two GPUs."""
+    from baryon.kernels.norm import TorchRMSNorm, TritonRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x, residual = ((torch.randn(6, 320, generator=gen) * 4).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    weight = (torch.randn(320, generator=gen) + 1).to(weight_dtype).to(DEVICE)
+    for res in (None, residual):
+        out, _ = TritonRMSNorm.forward(x, weight, 1e-6, res)
+        ref, _ = TorchRMSNorm.forward(x, weight, 1e-6, res)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("d", [24, 1500])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_triton_gated_activations_match_torch(seed, d, act):
@@ -115,10 +133,12 @@ def test_triton_gated_activations_match_torch(seed, d, act):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim,qk_norm", [
     (4, 2, 64, 64, True), (8, 1, 64, 32, False), (3, 3, 128, 128, True), (2, 2, 128, 64, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rotary_dim, qk_norm, dtype):
+@pytest.mark.parametrize("dtype,norm_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+def test_triton_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rotary_dim, qk_norm, dtype, norm_dtype):
     """QK norm + rotary + KV write fused: same queries and the same cache as the reference,
-    padding slots (-1) untouched, partial rotary leaves the tail features alone."""
+    padding slots (-1) untouched, partial rotary leaves the tail features alone; norm weights of
+    the model dtype or float32 (Gemma 3's 1 + w, scaled in float32)."""
     from baryon.kernels.qkv_prologue import TorchQKVPrologue, TritonQKVPrologue
 
     gen = torch.Generator().manual_seed(seed)
@@ -128,7 +148,7 @@ def test_triton_qkv_prologue_matches_torch(seed, heads, kv_heads, head_dim, rota
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
     freqs = torch.outer(torch.arange(64).float(), inv_freq)
     cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(DEVICE)
-    weights = [torch.randn(head_dim, generator=gen).to(dtype).to(DEVICE) if qk_norm else None for _ in range(2)]
+    weights = [torch.randn(head_dim, generator=gen).to(norm_dtype).to(DEVICE) if qk_norm else None for _ in range(2)]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[torch.randperm(tokens, generator=gen)[:2]] = -1  # padding rows
     slots = slots.to(DEVICE)
@@ -170,16 +190,19 @@ def test_engine_greedy_parity_with_every_triton_kernel(tmp_path, seed, monkeypat
     _assert_follows_transformers(llm, path, seed)
 
 
-def test_gemma3_engine_greedy_parity_with_the_triton_kernels(tmp_path, seed, monkeypatch):
-    """Gemma 3 with the Triton kernels selected (GELU-tanh gating, the (1 + weight) norms as held,
-    QK norm in the prologue, local windows): transformers' tokens."""
+@pytest.mark.parametrize("arch,overrides", [("gemma3", {}),
+                                            ("gemma2", dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0))])
+def test_gemma_engine_greedy_parity_with_the_triton_kernels(tmp_path, seed, monkeypatch, arch, overrides):
+    """Gemma 3 and 2 with the Triton kernels selected (GELU-tanh gating, the (1 + weight) norms as
+    held, Gemma 3's QK norm in the prologue, local windows, Gemma 2's soft-capped scores):
+    transformers' tokens."""
     from baryon import LLM
     from conftest import make_checkpoint
 
     for family in ("attention", "rms_norm", "qkv_prologue", "gelu_tanh_and_mul"):
         monkeypatch.setenv(f"BARYON_KERNEL_{family.upper()}", "triton")
-    path = make_checkpoint(tmp_path / "gemma3", "gemma3", seed=seed, head_dim=64, query_pre_attn_scalar=48,
-                           sliding_window=6, layer_types=["sliding_attention", "full_attention"])
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed, head_dim=64, query_pre_attn_scalar=48,
+                           sliding_window=6, layer_types=["sliding_attention", "full_attention"], **overrides)
     llm = LLM(str(path), skip_tokenizer_init=True, device=DEVICE, dtype="float32", block_size=16,
               max_num_batched_tokens=12, kv_cache_memory_gib=0.01, enforce_eager=True)
     layer = llm.engine.core.runner.model.model.layers[0]
@@ -187,7 +210,10 @@ def test_gemma3_engine_greedy_parity_with_the_triton_kernels(tmp_path, seed, mon
     _assert_follows_transformers(llm, path, seed)
 
 
-def test_triton_paged_attention_with_sinks(seed):
+@pytest.mark.parametrize("with_sinks,softcap", [(True, None), (False, 2.0), (True, 2.0)])
+def test_triton_paged_attention_with_sinks_or_softcap(seed, with_sinks, softcap):
+    """A mixed step (decode, prefill, chunk over a prefix) with attention sinks (GPT-OSS) and / or
+    soft-capped scores (Gemma 2; cap 2 bends most of these scores)."""
     gen = torch.Generator().manual_seed(seed)
     heads, kv_heads, head_dim, block_size, window = 8, 2, 64, 16, 5
     seqs = [(6, 1), (0, 12), (20, 3)]
@@ -195,19 +221,23 @@ def test_triton_paged_attention_with_sinks(seed):
     cache, q, k, v = (t.to(DEVICE) for t in (cache, q, k, v))
     for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
         setattr(md, name, getattr(md, name).to(DEVICE))
-    sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE)
+    sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE) if with_sinks else None
     scale = 1 / math.sqrt(head_dim)
-    out = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks).forward(q, k, v, cache, md)
+    q = q * 3  # scores well past the cap
+    out = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks,
+                                            logit_softcap=softcap).forward(q, k, v, cache, md)
     start = 0
     for (cached, new), fk, fv in zip(seqs, full_k, full_v):
-        expected = dense_attention(q[start:start + new].cpu(), fk, fv, scale, window, sinks.cpu())
+        expected = dense_attention(q[start:start + new].cpu(), fk, fv, scale, window,
+                                   None if sinks is None else sinks.cpu(), softcap)
         torch.testing.assert_close(out[start:start + new].cpu(), expected, atol=2e-3, rtol=2e-3)
         start += new
 
 
-def _assert_split_decode_matches_dense(gen, seqs, block_size, splits, window, with_sinks, tiles=None) -> None:
+def _assert_split_decode_matches_dense(gen, seqs, block_size, splits, window, with_sinks, tiles=None,
+                                       softcap=None) -> None:
     """Decodes (seqs: (cached, 1) each) through the Triton kernel with `splits` KV splits (and
-    these DecodeTiles) equal dense attention over each sequence's keys."""
+    these DecodeTiles, and this score soft-cap) equal dense attention over each sequence's keys."""
     heads, kv_heads, head_dim = 4, 2, 64
     cache, md, q, k, v, full_k, full_v = _case(gen, seqs, heads, kv_heads, head_dim, block_size)
     cache, q, k, v = (t.to(DEVICE) for t in (cache, q, k, v))
@@ -215,23 +245,25 @@ def _assert_split_decode_matches_dense(gen, seqs, block_size, splits, window, wi
         setattr(md, name, getattr(md, name).to(DEVICE))
     sinks = (torch.randn(heads, generator=gen) * 2).to(DEVICE) if with_sinks else None
     scale = 1 / math.sqrt(head_dim)
-    attn = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks)
+    attn = triton_paged.TritonPagedAttention(heads, head_dim, kv_heads, scale, window, sinks, logit_softcap=softcap)
     attn.num_kv_splits = splits
     if tiles is not None:
         attn.decode_tiles = tiles
     out = attn.forward(q, k, v, cache, md)
     for i, (fk, fv) in enumerate(zip(full_k, full_v)):
-        expected = dense_attention(q[i:i + 1].cpu(), fk, fv, scale, window, None if sinks is None else sinks.cpu())
+        expected = dense_attention(q[i:i + 1].cpu(), fk, fv, scale, window, None if sinks is None else sinks.cpu(),
+                                   softcap)
         torch.testing.assert_close(out[i:i + 1].cpu(), expected, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("splits", [2, 4, 16])
-@pytest.mark.parametrize("with_sinks", [False, True])
-def test_triton_split_kv_decode_matches_dense(seed, splits, with_sinks):
-    """Flash decoding: each sequence's keys split over several programs, then merged."""
+@pytest.mark.parametrize("with_sinks,softcap", [(False, None), (True, None), (False, 1.0)])
+def test_triton_split_kv_decode_matches_dense(seed, splits, with_sinks, softcap):
+    """Flash decoding: each sequence's keys split over several programs, then merged (soft-capped
+    scores too: the cap applies before each split's softmax)."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [(int(torch.randint(0, 150, (1,), generator=gen)), 1) for _ in range(3)] + [(0, 1), (63, 1)]
-    _assert_split_decode_matches_dense(gen, seqs, 16, splits, None, with_sinks)
+    _assert_split_decode_matches_dense(gen, seqs, 16, splits, None, with_sinks, softcap=softcap)
 
 
 @pytest.mark.parametrize("tile_n,min_chunk", [(16, 16), (16, 48), (32, 128)])

@@ -87,6 +87,16 @@ PRESETS: dict[str, dict] = {
         rope_theta=10000, routed_scaling_factor=2.5, scoring_func="sigmoid", seq_aux=True,
         tie_word_embeddings=False, topk_group=4, topk_method="noaux_tc", torch_dtype="bfloat16", use_cache=True,
         v_head_dim=128, vocab_size=129280),
+    # google/gemma-2-9b-it: 42 layers alternating a 4,096-token window and full attention (16 heads of
+    # 256, 8 KV heads), soft-capped attention scores (50) and final logits (30), a 256k vocabulary
+    "gemma-2-9b": dict(
+        architectures=["Gemma2ForCausalLM"], model_type="gemma2", attention_bias=False, attention_dropout=0.0,
+        attn_logit_softcapping=50.0, bos_token_id=2, eos_token_id=[1, 107], final_logit_softcapping=30.0,
+        head_dim=256, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", hidden_size=3584,
+        initializer_range=0.02, intermediate_size=14336, max_position_embeddings=8192, num_attention_heads=16,
+        num_hidden_layers=42, num_key_value_heads=8, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-06,
+        rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=True, torch_dtype="bfloat16", use_cache=True,
+        vocab_size=256000),
     # openai/gpt-oss-20b (../shared/configs/gpt-oss-20b.json): 24 layers alternating a 128-token
     # sliding window and full attention (64 heads of 64, 8 KV heads, sinks), 32 MXFP4 experts (top-4)
     "gpt-oss-20b": dict(

@@ -105,6 +105,7 @@ def all_reduce_add_rms_norm_reference(parts: list[torch.Tensor], residual: torch
 
 
 if triton is not None:
+    from baryon.kernels.norm import scaled_by_weight
     _ABORT_CHECK_POLLS = tl.constexpr(256)  # reads of a row between two looks at the abort word (over PCIe)
 
     @triton.jit
@@ -205,13 +206,13 @@ if triton is not None:
     def _add_rms_norm_store(summed, residual, w, out, residual_out, row, stride_r, stride_o, stride_ro, cols, mask,
                             eps, HIDDEN: tl.constexpr):
         """Row `row` of the sum over ranks (`summed`, in the model dtype) plus the residual: stored as
-        the new residual, and normalised and scaled by w (float32) into out (HF's rounding)."""
+        the new residual, and normalised and scaled by the weight's row w into out (HF's rounding for
+        w's dtype: norm.scaled_by_weight)."""
         h = summed + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
         tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
         h32 = h.to(tl.float32)
         variance = tl.sum(h32 * h32, axis=0) / HIDDEN
-        normed = (h32 * tl.rsqrt(variance + eps)).to(h.dtype)
-        tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w).to(h.dtype), mask=mask)
+        tl.store(out + row * stride_o + cols, scaled_by_weight(h32 * tl.rsqrt(variance + eps), w, h), mask=mask)
 
     @triton.jit
     def _all_reduce_add_rms_norm_kernel(x, residual, weight, out, residual_out, buffers, counters, abort_addr, rows,
@@ -239,7 +240,7 @@ if triton is not None:
         mine = tl.load(buffers + RANK).to(tl.pointer_type(itype))
         abort = abort_addr.to(tl.pointer_type(tl.int32))
         if NORM:
-            w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(weight + cols, mask=mask, other=0.0)
         empty = tl.full([BLOCK], SENTINEL, itype)
         for row in range(tl.program_id(0), rows, tl.num_programs(0)):
             at = ROW0 + row  # the row's place in the buffers and counters
@@ -283,7 +284,7 @@ if triton is not None:
         empty = tl.full([BLOCK], SENTINEL, itype)
         dtype = x.dtype.element_ty
         if NORM:
-            w = tl.load(weight + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(weight + cols, mask=mask, other=0.0)
         for row in range(tl.program_id(0), rows, tl.num_programs(0)):
             slot = _claim_slot(counters, row)
             sent = _offset(slot, RANK, row, WORLD, SLOT_ROWS, ROW_STRIDE)

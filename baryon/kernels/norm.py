@@ -10,9 +10,14 @@ from baryon.kernels.triton_utils import (TritonKernel, next_power_of_2, pdl_laun
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., hidden]; weight: [hidden]. Normalises in float32, scales in x's dtype (as HF does)."""
+    """x: [..., hidden]; weight: [hidden]. Normalises in float32, then as transformers does for
+    the weight's dtype: a weight in x's dtype (Llama and most models) scales the normalised values
+    rounded to x's dtype; a float32 weight (Gemma's 1 + weight) scales them in float32, rounded once.
+    The result is in x's dtype."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (weight * x32).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
@@ -53,6 +58,15 @@ class CpuRMSNorm(Kernel):
 if triton is not None:
 
     @triton.jit
+    def scaled_by_weight(normed, w, like):
+        """rms_norm_reference's last step in a kernel: normed (the float32 normalised values) times
+        the loaded weight w, in like's dtype: a float32 weight multiplies in float32 and rounds
+        once, a weight of the model dtype multiplies the normalised values rounded to it first."""
+        if w.dtype == tl.float32:
+            return (normed * w).to(like.dtype)
+        return (normed.to(like.dtype).to(tl.float32) * w.to(tl.float32)).to(like.dtype)
+
+    @triton.jit
     def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r, stride_o, stride_ro,
                          eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          PDL: tl.constexpr):
@@ -66,9 +80,8 @@ if triton is not None:
             tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
         h32 = h.to(tl.float32)
         variance = tl.sum(h32 * h32, axis=0) / HIDDEN
-        normed = (h32 * tl.rsqrt(variance + eps)).to(h.dtype)  # as HF: normalise in fp32, round
         w = tl.load(weight + cols, mask=mask, other=0.0)
-        tl.store(out + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(h.dtype), mask=mask)
+        tl.store(out + row * stride_o + cols, scaled_by_weight(h32 * tl.rsqrt(variance + eps), w, h), mask=mask)
 
 
 class TritonRMSNorm(TritonKernel):

@@ -31,6 +31,7 @@ from baryon.kernels.triton_utils import (INTERPRETED, TritonKernel, next_power_o
                                          triton, wait_and_release)
 
 if triton is not None:
+    from baryon.kernels.norm import scaled_by_weight
     from baryon.kernels.attention.triton_paged import quantize_fp8_kv
 
 
@@ -104,14 +105,13 @@ if triton is not None:
         mask = (heads < num_heads) & (dims[None, :] < HEAD_DIM)
         x = tl.load(row + heads * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
         x_partner = tl.load(row + heads * HEAD_DIM + partner[None, :], mask=mask, other=0.0)
-        if HAS_NORM:  # as HF: normalise in fp32, round to the dtype, scale in the dtype
+        if HAS_NORM:  # as HF: normalise in fp32, then scale as the weight's dtype says (scaled_by_weight)
             x32 = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / HEAD_DIM + eps)[:, None]
             w = tl.load(norm_weight + dims, mask=dims < HEAD_DIM, other=0.0)[None, :]
             w_partner = tl.load(norm_weight + partner, mask=partner < HEAD_DIM, other=0.0)[None, :]
-            x = ((x32 * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)).to(x.dtype)
-            x_partner = ((x_partner.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-                         * w_partner.to(tl.float32)).to(x.dtype)
+            x = scaled_by_weight(x32 * rstd, w, x)
+            x_partner = scaled_by_weight(x_partner.to(tl.float32) * rstd, w_partner, x)
         y = x.to(tl.float32) * cos[None, :] + x_partner.to(tl.float32) * sin[None, :]
         return y.to(x.dtype), mask
 

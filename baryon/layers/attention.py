@@ -84,16 +84,18 @@ class PagedKVLayer(nn.Module):
 
 class Attention(PagedKVLayer):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> None:
+                 sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                 logit_softcap: float | None = None) -> None:
         """sinks: [num_heads] attention-sink logits (GPT-OSS: the layer's parameter, read as it is
-        at every step), or None."""
+        at every step), or None. logit_softcap: scores capped to cap * tanh(s / cap) before the
+        softmax (Gemma 2), or None."""
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.sliding_window = sliding_window
         backend = select("attention", torch.get_default_device(), head_dim=head_dim,
                          num_heads=num_heads, num_kv_heads=num_kv_heads,
                          dtype=torch.get_default_dtype(), sliding_window=sliding_window)
-        self.backend = backend(num_heads, head_dim, num_kv_heads, scale, sliding_window, sinks)
+        self.backend = backend(num_heads, head_dim, num_kv_heads, scale, sliding_window, sinks, logit_softcap)
         self.prologue = select("qkv_prologue", torch.get_default_device(), head_dim=head_dim,
                                dtype=torch.get_default_dtype())
         # [2, num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner once the

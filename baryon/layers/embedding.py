@@ -8,6 +8,7 @@ from torch import nn
 
 from baryon.distributed.parallel_state import tp_all_gather, tp_all_reduce, tp_rank, tp_world_size
 from baryon.kernels.selector import Kernel, select
+from baryon.kernels.soft_cap import soft_cap
 from baryon.layers.linear import copy_checked
 from baryon.quantization.base import DENSE, LinearMethod
 
@@ -61,8 +62,13 @@ class VocabParallelEmbedding(nn.Module):
 class VocabLogits:
     """What an LM head does with its rank's vocabulary slice of the logits (`local_logits`):
     gather every rank's slices, or find the greedy token without gathering them. The head sets
-    vocab_size, tp_size, rows_per_rank, vocab_start and vocab_end."""
+    vocab_size, tp_size, rows_per_rank, vocab_start and vocab_end.
 
+    final_logit_softcap (Gemma 2's final_logit_softcapping, set by the model): the gathered logits
+    become cap * tanh(logits / cap), in their dtype as transformers computes them. The greedy
+    argmax reads the logits before the cap, which keeps their order (tanh is increasing)."""
+
+    final_logit_softcap: float | None = None
     vocab_size: int
     tp_size: int
     rows_per_rank: int
@@ -74,7 +80,7 @@ class VocabLogits:
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's `local_logits_into` slice of n rows -> [n, vocab_size] float32."""
-        return self._gathered(local).float()
+        return soft_cap(self._gathered(local), self.final_logit_softcap).float()
 
     def _gathered(self, local: torch.Tensor) -> torch.Tensor:
         """[n, rows_per_rank] slices of every rank -> [n, vocab_size] (padding cut), their dtype."""
@@ -111,8 +117,10 @@ class ParallelLMHead(VocabLogits, VocabParallelEmbedding):
         -> out [n, vocab_size] in the model dtype (every rank's vocabulary slice, gathered)."""
         if self.tp_size == 1:
             torch.mm(hidden_states, self.weight.t(), out=out)
-            return
-        out.copy_(self._gathered(torch.mm(hidden_states, self.weight.t())))
+        else:
+            out.copy_(self._gathered(torch.mm(hidden_states, self.weight.t())))
+        if self.final_logit_softcap is not None:
+            out.copy_(soft_cap(out, self.final_logit_softcap))
 
     def local_logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's vocabulary slice of the logits into a preallocated buffer (the target's decode

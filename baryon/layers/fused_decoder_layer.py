@@ -3,7 +3,7 @@
 After loading, the runner calls `fuse_decoder_layers(model, device)`: every `LlamaDecoderLayer`
 whose parts the C++ op covers gets a `FusedDecoderLayer` as its `fused` attribute, which its
 forward then calls instead of its modules. Covered: float32 activations, one rank, the CPU
-attention backend and prologue without attention sinks, a gated SiLU MLP without biases, and
+attention backend and prologue without attention sinks or soft-capping, a gated SiLU MLP without biases, and
 linears that are dense float32 or in the packed GGUF blocks on either C++ kernel (GGUF matrices,
 and W8A8 / W4A16 layers repacked into them). Anything else (MoE blocks, latent attention, other
 quantization methods, GPTQ act order, an fp8 KV cache at run time) keeps the op-by-op path.
@@ -66,8 +66,9 @@ def why_not_fused(layer: nn.Module) -> str | None:
         return "not multi-head attention with a fused QKV projection and rotary embedding"
     if not (hasattr(mlp, "gate_up_proj") and isinstance(getattr(mlp, "act_fn", None), SiluAndMul)):
         return "not a gated SiLU MLP"
-    if attn.backend.name != "cpu" or attn.prologue.name != "cpu" or attn.backend.sinks is not None:
-        return "not the C++ attention without sinks"
+    if (attn.backend.name != "cpu" or attn.prologue.name != "cpu" or attn.backend.sinks is not None
+            or attn.backend.logit_softcap is not None):
+        return "not the C++ attention without sinks or soft-capping"
     if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return "the MLP has biases"
     if layer.input_layernorm.reduces_input or layer.post_attention_layernorm.reduces_input:

@@ -13,7 +13,9 @@ from baryon.layers.linear import copy_checked
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, weight_dtype: torch.dtype | None = None) -> None:
+        """weight_dtype: the weight's dtype (default: the model's); a float32 weight in a 16-bit
+        model scales the normalised values in float32 (see rms_norm_reference)."""
         super().__init__()
         self.eps = eps
         # x is the ranks' partial sums, left unreduced by the block before, and this norm adds
@@ -22,7 +24,7 @@ class RMSNorm(nn.Module):
         # replica's rows and the sum is reduce-scattered to this replica's own
         # (dp_reduce_scatter_add_rms_norm: the residual's rows are the replica's tokens).
         self.reduces_input = False
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=weight_dtype), requires_grad=False)
         self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param.data, loaded)
         self.weight.expected_shards = frozenset([None])
         self.kernel = select("rms_norm", torch.get_default_device())

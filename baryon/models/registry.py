@@ -10,6 +10,8 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "baryon.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "baryon.models.llama:MistralForCausalLM",
     "Phi3ForCausalLM": "baryon.models.phi3:Phi3ForCausalLM",
+    "GemmaForCausalLM": "baryon.models.gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "baryon.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "baryon.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "baryon.models.gemma3:Gemma3ForConditionalGeneration",
     "Qwen2ForCausalLM": "baryon.models.qwen2:Qwen2ForCausalLM",

@@ -54,7 +54,8 @@ class AttentionBackend(Kernel):
     cuda_graph_safe: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None, sinks: torch.Tensor | None = None) -> None:
+                 sliding_window: int | None, sinks: torch.Tensor | None = None,
+                 logit_softcap: float | None = None) -> None:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -64,6 +65,9 @@ class AttentionBackend(Kernel):
         # [num_heads] float32 attention-sink logits (GPT-OSS): one extra softmax term per head
         # that takes probability mass but contributes no value. None: no sinks.
         self.sinks = sinks
+        # Gemma 2: each scaled score s becomes logit_softcap * tanh(s / logit_softcap) before the
+        # softmax (attn_logit_softcapping, 50.0 in the published configs). None: scores as they are.
+        self.logit_softcap = logit_softcap
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None,

@@ -43,5 +43,5 @@ class CpuPagedAttention(TorchPagedAttention):
             store_kv(key, value, kv_cache, metadata.slot_mapping, k_scale, v_scale)
         result = torch.ops.baryon_cpu.paged_attention(query, kv_cache, metadata.block_tables, metadata.seq_lens,
                                                       metadata.query_start_loc, self.scale, self.sliding_window or 0,
-                                                      k_scale, v_scale)
+                                                      self.logit_softcap or 0.0, k_scale, v_scale)
         return result if output is None else output.copy_(result)

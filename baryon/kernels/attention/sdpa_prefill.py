@@ -62,10 +62,11 @@ def long_queries(metadata: AttentionMetadata) -> tuple[int, ...]:
 
 
 def takes(query: torch.Tensor, kv_cache: torch.Tensor, sliding_window: int | None,
-          sinks: torch.Tensor | None) -> bool:
-    """Whether this layer's long queries may come here (the step decides which are long)."""
+          sinks: torch.Tensor | None, logit_softcap: float | None) -> bool:
+    """Whether this layer's long queries may come here (the step decides which are long): SDPA
+    has no windows, sinks, fp8 keys or soft-capped scores."""
     return (query.is_cuda and query.dtype in FUSED_DTYPES and sliding_window is None and sinks is None
-            and not is_fp8_cache(kv_cache))
+            and logit_softcap is None and not is_fp8_cache(kv_cache))
 
 
 def prefill(query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,

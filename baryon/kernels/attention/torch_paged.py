@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from baryon.kernels.attention.backend import (FP8_KV_DTYPE, AttentionBackend, check_fp8_scales, dequantize_kv,
                                               is_fp8_cache, quantize_kv)
 from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.soft_cap import soft_cap
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -50,7 +51,7 @@ class TorchPagedAttention(AttentionBackend):
 
     @classmethod
     def cannot_implement_reason(cls, **config: Any) -> str | None:
-        return None  # any head size, GQA ratio, window, sinks, dtype
+        return None  # any head size, GQA ratio, window, sinks, soft-cap, dtype
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata, output: torch.Tensor | None = None,
@@ -105,16 +106,19 @@ class TorchPagedAttention(AttentionBackend):
     def _attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    mask: torch.Tensor) -> torch.Tensor:
         """query: [..., H, q, D]; keys/values: [..., H_kv, k, D]; mask: broadcastable to [..., q, k]."""
-        if self.sinks is None:
+        if self.sinks is None and self.logit_softcap is None:
             return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale,
                                                   enable_gqa=self.num_heads != self.num_kv_heads)
-        # With sinks, each head's softmax has one more logit that takes probability but no value.
         group = self.num_heads // self.num_kv_heads
         keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
-        scores = (query.float() @ keys.float().transpose(-1, -2)) * self.scale  # [..., H, q, k]
+        scores = soft_cap((query.float() @ keys.float().transpose(-1, -2)) * self.scale,
+                          self.logit_softcap)  # [..., H, q, k]
         scores = scores.masked_fill(~mask, float("-inf"))
-        sink = self.sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        if self.sinks is not None:  # each head's softmax has one more logit that takes probability but no value
+            sink = self.sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         return (probs @ values.float()).to(query.dtype)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,

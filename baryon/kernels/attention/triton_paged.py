@@ -2,7 +2,7 @@
 
 A program takes BLOCK_Q query tokens of one sequence and all the query heads that share one KV
 head (GQA: the tile holds BLOCK_Q x group rows; attention sinks seed its softmax), then walks the sequence's block table in
-TILE_N-token steps with an online softmax. Decode-only steps launch one program per (sequence,
+TILE_N-token steps with an online softmax (scores soft-capped first where the layer caps them). Decode-only steps launch one program per (sequence,
 KV head); steps with prefill chunks launch one per (non-empty query tile, KV head) from a tile
 table built once per step, so one launch serves any mix. The loop bounds come from device
 memory (seq_lens, query_start_loc), so decode launches can be captured in a CUDA graph.
@@ -25,6 +25,7 @@ import torch
 from baryon.kernels.attention import sdpa_prefill
 from baryon.kernels.attention.backend import AttentionBackend, check_fp8_scales, is_fp8_cache
 from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.soft_cap import soft_cap_tile
 from baryon.kernels.triton_utils import (INTERPRETED, multiprocessor_count, next_power_of_2, pdl_launch, tl, triton,
                                          triton_unsupported_reason, wait_and_release)
 from baryon.transfer import to_device
@@ -88,9 +89,10 @@ if triton is not None:
     def _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos, kv_head, m_i, l_i, acc,
                      dims, dim_valid, scale, stride_cache_block, stride_cache_slot, stride_cache_head, stride_bt,
                      PAGE: tl.constexpr, TILE_N: tl.constexpr, WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr,
-                     FP8_KV: tl.constexpr):
+                     FP8_KV: tl.constexpr, SOFTCAP: tl.constexpr):
         """One TILE_N-token step of the online softmax over keys [start, start + TILE_N).
-        FP8_KV: `scale` already includes k_scale; `acc` is still to be multiplied by v_scale."""
+        FP8_KV: `scale` already includes k_scale; `acc` is still to be multiplied by v_scale.
+        SOFTCAP > 0: the scaled scores soft-capped (Gemma 2) before the softmax."""
         key_pos = start + tl.arange(0, TILE_N)
         key_valid = key_pos < last_pos
         page = tl.load(block_tables + seq * stride_bt + key_pos // PAGE, mask=key_valid, other=0)
@@ -104,6 +106,8 @@ if triton is not None:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, TILE_N]
         else:
             scores = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        if SOFTCAP > 0:
+            scores = soft_cap_tile(scores, SOFTCAP)
         visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :]
         if WINDOW > 0:
             visible = visible & (key_pos[None, :] > q_pos[:, None] - WINDOW)
@@ -132,7 +136,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, PAGE: tl.constexpr,
         TILE_N: tl.constexpr, WINDOW: tl.constexpr, INTERPRETED: tl.constexpr, TILED: tl.constexpr,
         IEEE_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-        NUM_HEADS: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr,
+        NUM_HEADS: tl.constexpr, FP8_KV: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_and_release(PDL)
         if TILED:  # program -> (sequence, query tile) from the step's tile table: no idle programs
@@ -190,14 +194,14 @@ if triton is not None:
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
                                              stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
-                                             IEEE_DOT, FP8_KV)
+                                             IEEE_DOT, FP8_KV, SOFTCAP)
                 start += TILE_N
         else:
             for start in range(lo, hi, TILE_N):
                 m_i, l_i, acc = _attend_tile(q, k_cache, v_cache, block_tables, seq, start, last_pos, q_pos,
                                              kv_head, m_i, l_i, acc, dims, dim_valid, scale, stride_cache_block,
                                              stride_cache_slot, stride_cache_head, stride_bt, PAGE, TILE_N, WINDOW,
-                                             IEEE_DOT, FP8_KV)
+                                             IEEE_DOT, FP8_KV, SOFTCAP)
         if FP8_KV:  # sum_j p_j (v8_j * v_scale) = v_scale * sum_j p_j v8_j
             acc = acc * tl.load(v_scale)
         if SPLITS > 1:  # unnormalised partial results; combine_splits_kernel merges them
@@ -324,7 +328,8 @@ class TritonPagedAttention(AttentionBackend):
         if output is None:
             output = torch.empty_like(query)
         long_queries = ()
-        if metadata.max_query_len > 1 and sdpa_prefill.takes(query, kv_cache, self.sliding_window, self.sinks):
+        if metadata.max_query_len > 1 and sdpa_prefill.takes(query, kv_cache, self.sliding_window, self.sinks,
+                                                             self.logit_softcap):
             long_queries = sdpa_prefill.long_queries(metadata)
             sdpa_prefill.prefill(query, kv_cache, metadata, self.scale, output, long_queries)
         group = self.num_heads // self.num_kv_heads
@@ -373,7 +378,7 @@ class TritonPagedAttention(AttentionBackend):
             WINDOW=self.sliding_window or 0, INTERPRETED=INTERPRETED, TILED=tiled,
             IEEE_DOT=query.dtype == torch.float32, HAS_SINKS=self.sinks is not None,
             SPLITS=splits, MIN_CHUNK=min_chunk, NUM_HEADS=self.num_heads, FP8_KV=fp8,
-            **launch, **pdl_launch(query.device),
+            SOFTCAP=self.logit_softcap or 0.0, **launch, **pdl_launch(query.device),
         )
         if splits > 1:
             combine_splits_kernel[(query.shape[0], self.num_heads)](

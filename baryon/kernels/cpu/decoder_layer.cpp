@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
                         double, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, const OptTensor&,
                         const OptTensor&);
   using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                               const at::Tensor&, double, int64_t, const OptTensor&, const OptTensor&);
+                               const at::Tensor&, double, int64_t, double, const OptTensor&, const OptTensor&);
   static const auto prologue =
       c10::Dispatcher::singleton().findSchemaOrThrow("baryon_cpu::qkv_prologue", "").typed<Prologue>();
   static const auto attention =
@@ -83,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
                 num_heads, num_kv_heads, head_dim, std::nullopt, std::nullopt);
   const at::Tensor query = qkv.slice(1, 0, num_heads * head_dim).view({T, num_heads, head_dim});
   const at::Tensor attn = attention.call(query, kv_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                                         std::nullopt, std::nullopt)
+                                         /*softcap=*/0.0, std::nullopt, std::nullopt)
                               .reshape({T, num_heads * head_dim});
   const at::Tensor o = linear(attn, o_weight, o_bits, o_bias, integer_dots);
   std::tie(h, res) = rms_norm(o, post_norm_weight, eps, res);

@@ -9,7 +9,8 @@
 //
 // paged_attention: every query token (decodes and prefill chunks alike) attends causally over
 //   its sequence's cached tokens up to its own position (the last `window` of them when
-//   window > 0), GQA by head groups. query [T, H, D] (rows may be strided), block_tables
+//   window > 0), GQA by head groups, the scaled scores soft-capped when softcap > 0 (softcap *
+//   tanh(s / softcap), Gemma 2). query [T, H, D] (rows may be strided), block_tables
 //   [S, max_blocks] int32, seq_lens [S] int32 (tokens after this step), query_start_loc [S + 1]
 //   int32 (sequence s owns query rows starting at query_start_loc[s]) -> out [T, H, D].
 //   Matches TorchPagedAttention.
@@ -282,7 +283,7 @@ struct AttentionJobs {
   const int32_t* starts;
   const std::vector<int64_t>& seq_of_token;
   int64_t H, Hkv, D, group, block_size, max_blocks, window;
-  float qk_scale, v_mult;
+  float qk_scale, v_mult, softcap;  // softcap > 0: scores s -> softcap * tanh(s / softcap) (Gemma 2)
   float* out;
 };
 
@@ -346,6 +347,8 @@ void attend(const AttentionJobs& a, const T* keys, const T* values, const uint8_
         prefetch_row(value_ptrs[j], D);
         for (int64_t g = 0; g < group; ++g) probs[g * n + j] = dot(q0 + g * D, key_ptrs[j], D) * a.qk_scale;
       }
+      if (a.softcap > 0.f)
+        for (float& score : probs) score = std::tanh(score / a.softcap) * a.softcap;
       scales.resize(group);
       for (int64_t g = 0; g < group; ++g) {
         float* p = probs.data() + g * n;
@@ -359,7 +362,7 @@ void attend(const AttentionJobs& a, const T* keys, const T* values, const uint8_
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                           int64_t window, const std::optional<at::Tensor>& k_scale,
+                           int64_t window, double softcap, const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.dim() == 3 && query.stride(2) == 1 &&
                   query.stride(1) == query.size(2),
@@ -384,7 +387,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache, 
   at::Tensor out = at::empty({T, H, D}, query.options());
   const AttentionJobs jobs{query, block_tables, seq_lens, starts, seq_of_token, H, kv_cache.size(3), D,
                            H / kv_cache.size(3), kv_cache.size(2), block_tables.size(1), window,
-                           static_cast<float>(scale) * k_mult, v_mult, out.data_ptr<float>()};
+                           static_cast<float>(scale) * k_mult, v_mult, static_cast<float>(softcap),
+                           out.data_ptr<float>()};
   if (is_half) {
     const c10::Half* keys = kv_cache.data_ptr<c10::Half>();
     attend<c10::Half>(jobs, keys, keys + cache_half, nullptr, nullptr);
@@ -405,7 +409,8 @@ TORCH_LIBRARY_FRAGMENT(baryon_cpu, m) {
         "Tensor? k_norm_weight, float eps, Tensor(b!) kv_cache, Tensor slot_mapping, int num_heads, "
         "int num_kv_heads, int head_dim, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.def("paged_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor query_start_loc, float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+        "Tensor query_start_loc, float scale, int window, float softcap, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(baryon_cpu, CPU, m) {
