@@ -1,5 +1,5 @@
 """The 16-bit decode GEMV (`dense_gemv`) against cuBLAS (F.linear) on the Qwen3 presets' projections
-(CUDA): per shape and row count the fastest tiles and the table's; then a decode step's
+(CUDA; and Gemma-2-9B's): per shape and row count the fastest tiles and the table's; then a decode step's
 projections (layers x qkv, o, gate/up, down, each reading the previous one's output) chained in
 one CUDA graph, cuBLAS against the GEMV, which is where programmatic dependent launch shows.
 
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 MODELS = {
     "qwen3-8b": ([(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)], 36),
     "qwen3-0.6b": ([(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)], 28),
+    "gemma-2-9b": ([(8192, 3584), (3584, 4096), (28672, 3584), (3584, 14336)], 42),
     # one rank's share at tensor parallelism 2: column-parallel N and row-parallel K halved
     "qwen3-8b-tp2": ([(3072, 4096), (4096, 2048), (12288, 4096), (4096, 6144)], 36),
 }

@@ -1,6 +1,6 @@
 """GGUF checkpoints: greedy parity of the default model (SmolLM2-135M-Instruct, Q4_1) with
 transformers' own GGUF loading, tiny GGUF files written from random Hugging Face checkpoints
-(llama with llama.cpp's query/key permutation, qwen2, qwen3), every supported tensor type against
+(llama with llama.cpp's query/key permutation, qwen2, qwen3, phi3, gemma 1-3), every supported tensor type against
 `gguf.quants.dequantize`, and broken files.
 
 The tiny files are written here the way llama.cpp's converter writes them: names through gguf's
@@ -241,13 +241,37 @@ def hf_state(path) -> tuple[dict, dict[str, np.ndarray]]:
     return json.loads((path / "config.json").read_text()), load_file(path / "model.safetensors")
 
 
-def gguf_from_checkpoint(ckpt, arch: str, out) -> None:
+def gguf_from_checkpoint(ckpt, arch: str, out, gemma_pattern: bool = False) -> None:
+    """gemma_pattern: write Gemma's sliding layers as the per-layer key (else llama.cpp implies them)."""
     config, state = hf_state(ckpt)
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     rope = config.get("rope_parameters") or {}
+    if arch.startswith("gemma"):  # llama.cpp's Gemma converters store every norm weight plus one
+        state = {name: w + np.float32(1) if name.endswith("norm.weight") else w for name, w in state.items()}
+        rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' RoPE
+    extra = phi3_metadata(config) if arch == "phi3" else gemma_metadata(config, gemma_pattern) if arch != "gemma" and arch.startswith("gemma") else None
     write_gguf(out, arch, {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}, state,
-               extra_metadata=phi3_metadata(config) if arch == "phi3" else None)
+               extra_metadata=extra)
+
+
+def gemma_metadata(config: dict, with_pattern: bool):
+    """What llama.cpp's Gemma 2 / 3 converters add: the soft-caps, the sliding window, Gemma 3's
+    global RoPE scaling (and, on request, the sliding layers as a per-layer key)."""
+    def add(writer):
+        if config.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        if config.get("sliding_window"):
+            writer.add_sliding_window(config["sliding_window"])
+        if with_pattern:
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in config["layer_types"]])
+        full = (config.get("rope_parameters") or {}).get("full_attention", {})
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+    return add
 
 
 def phi3_metadata(config: dict):
@@ -280,6 +304,18 @@ TINY_CASES = [
     # (the short set: max_position_embeddings = the original 64 keeps the engine and transformers on it)
     ("phi3-longrope", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64,
                                    max_position_embeddings=64)),
+    # Gemma: norms stored as 1 + w (taken off at load), scaled embeddings; Gemma 2's soft-caps and
+    # every other layer sliding (implied by llama.cpp, not stored); Gemma 3's five sliding layers of six
+    # (implied), its QK norms and the two RoPE settings (local base 10,000; global base with linear scaling)
+    ("gemma-tied-headdim32", "gemma", dict(head_dim=32, tie_word_embeddings=True)),
+    ("gemma2-softcaps-window8", "gemma2", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+                                               num_hidden_layers=4, attn_logit_softcapping=2.0,
+                                               final_logit_softcapping=3.0, tie_word_embeddings=True)),
+    ("gemma3-six-layers-linear-rope", "gemma3", dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=6,
+                                                     num_hidden_layers=6, rope_parameters={
+                                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1000000.0}})),
 ]
 
 
@@ -299,6 +335,29 @@ def test_tiny_gguf_greedy_parity(tmp_path, seed, name, arch, overrides):
 
 
 @pytest.mark.skipif(load_error() is not None, reason="the packed CPU kernels did not build here")
+def test_gemma3_gguf_with_its_sliding_layers_listed(tmp_path, seed):
+    """A Gemma 3 file that lists its sliding layers (`gemma3.attention.sliding_window_pattern`, one
+    flag a layer) takes them from the list, not from llama.cpp's five-of-six pattern; the
+    config read back equals the checkpoint's where it matters."""
+    layer_types = ["full_attention", "sliding_attention", "sliding_attention"]
+    ckpt = make_checkpoint(tmp_path / "gemma3", "gemma3", seed=seed, head_dim=32, query_pre_attn_scalar=32,
+                           sliding_window=5, num_hidden_layers=3, layer_types=layer_types,
+                           final_logit_softcapping=4.0)
+    gguf_from_checkpoint(ckpt, "gemma3", tmp_path / "gemma3.gguf", gemma_pattern=True)
+    config = gguf_config(str(tmp_path / "gemma3.gguf"))
+    assert config.layer_types == layer_types and config.sliding_window == 5
+    assert config.final_logit_softcapping == 4.0 and config.query_pre_attn_scalar == 32
+    llm = LLM(str(tmp_path / "gemma3.gguf"), skip_tokenizer_init=True, device="cpu", dtype="float32",
+              kv_cache_memory_gib=0.01)
+    norm = llm.engine.core.runner.model.model.layers[0].self_attn.q_norm.weight
+    stored = hf_state(ckpt)[1]["model.layers.0.self_attn.q_norm.weight"]
+    assert torch.equal(norm, torch.from_numpy(stored) + 1)  # 1 + w exactly, as from the safetensors
+    prompts = random_prompts(2, 128, 5, 20, seed)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        assert output.outputs[0].token_ids == hf_greedy(ckpt, prompt, NUM_NEW)[0]
+
+
 def test_phi3_fused_matrices_stay_packed_as_the_file_holds_them(tmp_path, seed):
     """A Q8_0 Phi-3 file: the fused attn_qkv / ffn_up matrices are held packed (cut into the
     engine's q/k/v and gate/up parts row by row), each exactly the file's values; LongRoPE's

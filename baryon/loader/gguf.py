@@ -36,7 +36,12 @@ ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),  # q/k/v and gate/up fused (attn_qkv, ffn_up), as in its checkpoints
+    "gemma": ("gemma", "GemmaForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # the text model of every Gemma 3 (images: a separate mmproj file)
 }
+# Architectures whose norm weights llama.cpp's converter stores with the 1 of Gemma's (1 + weight) added.
+_SHIFTED_NORMS = ("gemma", "gemma2", "gemma3")
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # Architectures whose query/key rows llama.cpp's converter permutes (rotary pairs interleaved).
 _PERMUTED_QK = ("llama",)
@@ -95,6 +100,9 @@ _BLOCK_NAMES = {
 }
 # Phi-3's: its fused modules.
 _PHI3_BLOCK_NAMES = {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 2 and 3: four norms a layer (ffn_norm is the one before the MLP).
+_GEMMA2_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Tensors read into the config, not loaded: Llama 3.1's rope divisors, Phi-3's LongRoPE factors.
 _CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # Mixtral's checkpoint names for the same tensors.
@@ -215,6 +223,9 @@ def gguf_config(path: str) -> Any:
     if meta.arch == "phi3":
         phi3_fields, rope_scaling = _phi3_fields(meta, tensors, head_dim, rotary_dim)
         fields.update(phi3_fields)
+    if meta.arch in ("gemma2", "gemma3"):
+        gemma_fields, rope_scaling = _gemma_fields(meta, fields, rope_scaling)
+        fields.update(gemma_fields)
     if rope_scaling is not None:
         fields["rope_scaling"] = rope_scaling
     return AutoConfig.for_model(model_type, **fields)
@@ -246,6 +257,39 @@ def _phi3_fields(meta: _Metadata, tensors: dict, head_dim: int, rotary_dim: int
     return dict(original_max_position_embeddings=original, sliding_window=meta.get(Keys.Attention.SLIDING_WINDOW)), rope
 
 
+def _gemma_fields(meta: _Metadata, fields: dict[str, Any], rope_scaling: dict[str, Any] | None
+                  ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Gemma 2 / 3's config fields as llama.cpp stores or implies them: the soft-caps and the sliding
+    window from the metadata; which layers slide (`sliding_window_pattern` where the file has it,
+    else llama.cpp's fixed patterns: every other layer on Gemma 2, five of six on Gemma 3); the
+    softmax scale's query_pre_attn_scalar, not stored: the head size, but hidden / heads on the 27B
+    models (46 layers: Gemma 2, 62: Gemma 3), as llama.cpp derives it; and Gemma 3's RoPE per kind
+    of layer: the file's base and scaling on the global layers, base 10,000 unscaled on the local."""
+    layers, window = fields["num_hidden_layers"], meta.get(Keys.Attention.SLIDING_WINDOW)
+    is_27b = layers == (46 if meta.arch == "gemma2" else 62)
+    out: dict[str, Any] = dict(
+        query_pre_attn_scalar=fields["hidden_size"] // fields["num_attention_heads"] if is_27b else fields["head_dim"],
+        final_logit_softcapping=meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
+        attn_logit_softcapping=meta.get(Keys.LLM.ATTN_LOGIT_SOFTCAPPING), sliding_window=window)
+    pattern = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN)
+    if not window:
+        sliding = [False] * layers
+    elif isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise GGUFError(f"GGUF file {meta.path}: {Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=meta.arch)} "
+                            f"has {len(pattern)} entries for {layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = int(pattern) if pattern else (2 if meta.arch == "gemma2" else 6)
+        sliding = [(i + 1) % every != 0 for i in range(layers)]
+    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    if meta.arch == "gemma2":
+        return out, rope_scaling
+    full = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": fields["rope_theta"]}
+    out["rope_parameters"] = {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return out, None
+
+
 def _rope_factors(tensor, rotary_dim: int, path: str) -> list[float]:
     """A float32 tensor of one factor per rotary frequency: Llama 3.1's `rope_freqs` (divisors of
     each frequency base^(-2i / dim)), Phi-3's `rope_factors_long` / `_short`."""
@@ -263,6 +307,8 @@ def _is_mixtral(meta: _Metadata) -> bool:
 def _block_names(meta: _Metadata) -> dict[str, str]:
     if _is_mixtral(meta):
         return _MIXTRAL_BLOCK_NAMES
+    if meta.arch in ("gemma2", "gemma3"):
+        return _GEMMA2_BLOCK_NAMES
     return _PHI3_BLOCK_NAMES if meta.arch == "phi3" else _BLOCK_NAMES
 
 
@@ -471,6 +517,10 @@ def iterate_gguf_weights(path: str, hf_config: Any,
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         if kind in permuted:
             weight = unpermute_qk(weight, permuted[kind])
+        if meta.arch in _SHIFTED_NORMS and tensor.name.rpartition(".")[0].endswith("norm"):
+            # the checkpoint's weight, as the model's GemmaRMSNorm loads it: 1 + w taken off in
+            # float64, exact, so that its (float64 + 1) gives the file's float32 value back bit for bit
+            weight = weight.double() - 1
         if "{e}" in name:  # experts stacked [experts, out, in]: one tensor per expert
             for expert, matrix in enumerate(weight):
                 yield name.format(e=expert), matrix, path

@@ -33,7 +33,10 @@ class GemmaRMSNorm(RMSNorm):
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps, weight_dtype=torch.float32)
-        self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(param.data, loaded.float() + 1)
+        # 1 + w computed in float64 and rounded once to float32: transformers' float32 sum for a
+        # 16- or 32-bit w, and exact for a GGUF file's float64 (1 + w) - 1 (loader/gguf.py)
+        self.weight.weight_loader = lambda param, loaded, shard_id=None: copy_checked(
+            param.data, (loaded.double() + 1).float())
 
 
 def layer_type(config: Any, layer_idx: int) -> str:
