@@ -106,8 +106,9 @@ def test_triton_rms_norm_matches_torch(seed, hidden, with_residual):
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_triton_rms_norm_rounds_as_torch_in_bf16(seed, weight_dtype):
     """bf16 rows, bit for bit with the reference: a bf16 weight scales the rounded normalised
-    values, a float32 weight (Gemma's 1 + w) scales them in float32 and rounds once; the
-    all-reduce + norm kernel's last step (the same helper) is checked on two GPUs."""
+    values, a float32 weight (Gemma's 1 + w) scales them in float32 and rounds once (also in the
+    norm + add + norm kernel); the all-reduce + norm kernel's last step (the same helper) is
+    checked on two GPUs."""
     from baryon.kernels.norm import TorchRMSNorm, TritonRMSNorm
 
     gen = torch.Generator().manual_seed(seed)
@@ -117,6 +118,32 @@ def test_triton_rms_norm_rounds_as_torch_in_bf16(seed, weight_dtype):
         out, _ = TritonRMSNorm.forward(x, weight, 1e-6, res)
         ref, _ = TorchRMSNorm.forward(x, weight, 1e-6, res)
         assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    second = (torch.randn(320, generator=gen) + 1).to(weight_dtype).to(DEVICE)
+    fused = TritonRMSNorm.norm_add_norm(x, weight, residual, second, 1e-6)
+    for got, want in zip(fused, TorchRMSNorm.norm_add_norm(x, weight, residual, second, 1e-6)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("hidden", [64, 1000])
+def test_triton_norm_add_norm_matches_torch(seed, hidden):
+    """Gemma's sandwich norms in one kernel: rms_norm(x) * w1 + residual, then its norm * w2, and
+    the sum as the new residual; float32 weights (Gemma's 1 + w) and rows of a strided view."""
+    from baryon.kernels.norm import CpuRMSNorm, TorchRMSNorm, TritonRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 2 * hidden, generator=gen).to(DEVICE)[:, :hidden]  # strided rows
+    residual = torch.randn(5, hidden, generator=gen).to(DEVICE)
+    first, second = (torch.randn(hidden, generator=gen).to(DEVICE) + 1 for _ in range(2))
+    out, new_residual = TritonRMSNorm.norm_add_norm(x, first, residual, second, 1e-6)
+    ref, ref_residual = TorchRMSNorm.norm_add_norm(x, first, residual, second, 1e-6)
+    torch.testing.assert_close(new_residual, ref_residual, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    by_hand = TorchRMSNorm.forward(TorchRMSNorm.forward(x, first, 1e-6)[0], second, 1e-6, residual)
+    torch.testing.assert_close(ref, by_hand[0], atol=0, rtol=0)
+    if DEVICE == "cpu" and CpuRMSNorm.unsupported_reason(torch.device("cpu")) is None:
+        cpu_out, cpu_residual = CpuRMSNorm.norm_add_norm(x.contiguous(), first, residual, second, 1e-6)
+        torch.testing.assert_close(cpu_out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cpu_residual, ref_residual, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("d", [24, 1500])

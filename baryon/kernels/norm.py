@@ -33,10 +33,18 @@ class TorchRMSNorm(Kernel):
             residual = x
         return rms_norm_reference(x, weight, eps), residual
 
+    @classmethod
+    def norm_add_norm(cls, x: torch.Tensor, first_weight: torch.Tensor, residual: torch.Tensor,
+                      second_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's output norm, the residual add and the next norm (Gemma's sandwich norms):
+        s = rms_norm(x) * first_weight + residual; returns (rms_norm(s) * second_weight, s)."""
+        return cls.forward(cls.forward(x, first_weight, eps)[0], second_weight, eps, residual)
 
-class CpuRMSNorm(Kernel):
+
+class CpuRMSNorm(TorchRMSNorm):
     """The C++ kernel (kernels/cpu/rms_norm.cpp): residual add and norm in one pass per token;
-    float32 rows only (other inputs take the torch reference)."""
+    float32 rows only (other inputs take the torch reference); norm_add_norm as TorchRMSNorm's, two
+    passes of this forward."""
 
     name = "cpu"
 
@@ -84,8 +92,29 @@ if triton is not None:
         tl.store(out + row * stride_o + cols, scaled_by_weight(h32 * tl.rsqrt(variance + eps), w, h), mask=mask)
 
 
+    @triton.jit
+    def _norm_add_norm_kernel(x, residual, first_weight, second_weight, out, residual_out, stride_x, stride_r,
+                              stride_o, stride_ro, eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
+        wait_and_release(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < HIDDEN
+        h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+        h32 = h.to(tl.float32)
+        w = tl.load(first_weight + cols, mask=mask, other=0.0)
+        normed = scaled_by_weight(h32 * tl.rsqrt(tl.sum(h32 * h32, axis=0) / HIDDEN + eps), w, h)
+        s = normed + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+        tl.store(residual_out + row * stride_ro + cols, s, mask=mask)
+        s32 = s.to(tl.float32)
+        w = tl.load(second_weight + cols, mask=mask, other=0.0)
+        tl.store(out + row * stride_o + cols, scaled_by_weight(s32 * tl.rsqrt(tl.sum(s32 * s32, axis=0) / HIDDEN + eps),
+                                                               w, s), mask=mask)
+
+
 class TritonRMSNorm(TritonKernel):
-    """One kernel per call: residual add, normalisation and scale fused."""
+    """One kernel per call: residual add, normalisation and scale fused; norm_add_norm's two
+    norms and the add between them in one kernel too."""
 
     family = "rms_norm"
 
@@ -110,3 +139,20 @@ class TritonRMSNorm(TritonKernel):
                                       **pdl_launch(x.device))
         out = out.view(x.shape)
         return out, (None if residual is None else res_out.view(x.shape))
+
+    @staticmethod
+    def norm_add_norm(x: torch.Tensor, first_weight: torch.Tensor, residual: torch.Tensor,
+                      second_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """As TorchRMSNorm.norm_add_norm: x, residual [..., hidden] -> (out, the new residual)."""
+        hidden = x.shape[-1]
+        x2 = x.reshape(-1, hidden)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        res2 = residual.reshape(-1, hidden)
+        out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        res_out = torch.empty_like(out)
+        if x2.shape[0]:
+            _norm_add_norm_kernel[(x2.shape[0],)](x2, res2, first_weight, second_weight, out, res_out, x2.stride(0),
+                                                  res2.stride(0), out.stride(0), res_out.stride(0), eps, HIDDEN=hidden,
+                                                  BLOCK=next_power_of_2(hidden), **pdl_launch(x.device))
+        return out.view(x.shape), res_out.view(x.shape)

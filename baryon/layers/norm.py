@@ -48,6 +48,16 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual_out)
 
 
+def norm_add_norm(first: RMSNorm, x: torch.Tensor, residual: torch.Tensor,
+                  second: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """second(first(x), residual): a block's output norm, the residual add and the next norm
+    (Gemma's sandwich norms) as one kernel where both norms are plain (no reduction of their
+    input, one eps): returns (the next block's normalised input, the new residual)."""
+    if first.reduces_input or second.reduces_input or first.eps != second.eps or torch.compiler.is_compiling():
+        return second(first(x), residual)
+    return first.kernel.norm_add_norm(x, first.weight, residual, second.weight, first.eps)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with a weight and a bias (DeepSeek-V3.2's indexer key norm), in the input dtype
     as torch's nn.LayerNorm computes it."""

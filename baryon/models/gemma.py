@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from baryon.distributed.parallel_state import tp_settle_pushes
 from baryon.layers.mlp import GatedMLP
 from baryon.models.gemma2 import Gemma2Attention, Gemma2ForCausalLM, Gemma2Model, GemmaRMSNorm
 
@@ -44,6 +45,14 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaModel(Gemma2Model):
     layer_class = GemmaDecoderLayer
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids) * self.embed_scale, None  # [num_tokens, hidden]
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        tp_settle_pushes()
+        return hidden_states
 
 
 class GemmaForCausalLM(Gemma2ForCausalLM):

@@ -22,7 +22,7 @@ from baryon.layers.attention import Attention
 from baryon.layers.embedding import VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear, copy_checked
 from baryon.layers.mlp import GatedMLP
-from baryon.layers.norm import RMSNorm
+from baryon.layers.norm import RMSNorm, norm_add_norm
 from baryon.layers.rotary import get_rope
 from baryon.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
 
@@ -66,6 +66,10 @@ class Gemma2Attention(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    """Takes the normalised input (the model applies input_layernorm) and returns the MLP's output
+    before post_feedforward_layernorm: each block's output norm, the residual add and the next
+    block's input norm run as one kernel (`norm_add_norm`), in the layer and between layers."""
+
     attention_class = Gemma2Attention
 
     def __init__(self, config: Any, layer_idx: int) -> None:
@@ -79,15 +83,13 @@ class Gemma2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)  # on the MLP's output
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the block's output, the residual stream before it): the next norm adds them."""
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
-        hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
+                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states: input_layernorm's output; residual: the stream it normalised. Returns (the
+        MLP's output, not normalised yet, the residual stream before it)."""
+        attended = self.self_attn(positions, hidden_states)
+        hidden_states, residual = norm_add_norm(self.post_attention_layernorm, attended, residual,
+                                                self.pre_feedforward_layernorm)
+        return self.mlp(hidden_states), residual
 
 
 class Gemma2Model(nn.Module):
@@ -102,10 +104,12 @@ class Gemma2Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids) * self.embed_scale, None  # [num_tokens, hidden]
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        residual = self.embed_tokens(input_ids) * self.embed_scale  # [num_tokens, hidden]
+        hidden_states = self.layers[0].input_layernorm(residual)
+        for i, layer in enumerate(self.layers):
+            mlp_out, residual = layer(positions, hidden_states, residual)
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden_states, residual = norm_add_norm(layer.post_feedforward_layernorm, mlp_out, residual, after)
         tp_settle_pushes()
         return hidden_states
 
