@@ -75,6 +75,14 @@ if triton is not None:
         return (normed.to(like.dtype).to(tl.float32) * w.to(tl.float32)).to(like.dtype)
 
     @triton.jit
+    def _rms_norm_row(h, weight, cols, mask, eps, HIDDEN: tl.constexpr):
+        """One row h (model dtype) normalised in float32 and scaled by the norm's weight, in h's dtype."""
+        h32 = h.to(tl.float32)
+        variance = tl.sum(h32 * h32, axis=0) / HIDDEN
+        w = tl.load(weight + cols, mask=mask, other=0.0)
+        return scaled_by_weight(h32 * tl.rsqrt(variance + eps), w, h)
+
+    @triton.jit
     def _rms_norm_kernel(x, residual, weight, out, residual_out, stride_x, stride_r, stride_o, stride_ro,
                          eps, HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          PDL: tl.constexpr):
@@ -86,11 +94,7 @@ if triton is not None:
         if HAS_RESIDUAL:
             h = h + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
             tl.store(residual_out + row * stride_ro + cols, h, mask=mask)
-        h32 = h.to(tl.float32)
-        variance = tl.sum(h32 * h32, axis=0) / HIDDEN
-        w = tl.load(weight + cols, mask=mask, other=0.0)
-        tl.store(out + row * stride_o + cols, scaled_by_weight(h32 * tl.rsqrt(variance + eps), w, h), mask=mask)
-
+        tl.store(out + row * stride_o + cols, _rms_norm_row(h, weight, cols, mask, eps, HIDDEN), mask=mask)
 
     @triton.jit
     def _norm_add_norm_kernel(x, residual, first_weight, second_weight, out, residual_out, stride_x, stride_r,
@@ -101,15 +105,10 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         mask = cols < HIDDEN
         h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
-        h32 = h.to(tl.float32)
-        w = tl.load(first_weight + cols, mask=mask, other=0.0)
-        normed = scaled_by_weight(h32 * tl.rsqrt(tl.sum(h32 * h32, axis=0) / HIDDEN + eps), w, h)
-        s = normed + tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+        s = _rms_norm_row(h, first_weight, cols, mask, eps, HIDDEN) + tl.load(residual + row * stride_r + cols,
+                                                                               mask=mask, other=0.0)
         tl.store(residual_out + row * stride_ro + cols, s, mask=mask)
-        s32 = s.to(tl.float32)
-        w = tl.load(second_weight + cols, mask=mask, other=0.0)
-        tl.store(out + row * stride_o + cols, scaled_by_weight(s32 * tl.rsqrt(tl.sum(s32 * s32, axis=0) / HIDDEN + eps),
-                                                               w, s), mask=mask)
+        tl.store(out + row * stride_o + cols, _rms_norm_row(s, second_weight, cols, mask, eps, HIDDEN), mask=mask)
 
 
 class TritonRMSNorm(TritonKernel):
