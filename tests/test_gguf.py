@@ -544,9 +544,9 @@ def test_unknown_tensor_type_id_is_named(tmp_path, tiny_gguf):
 
 
 def test_unsupported_architecture_is_named(tmp_path, seed):
-    path = tmp_path / "gemma.gguf"
-    write_gguf(path, "gemma", QUANT_CONFIG, {"model.embed_tokens.weight": np.zeros((256, 256), np.float32)})
-    with pytest.raises(ValueError, match="'gemma'.*llama"):
+    path = tmp_path / "falcon.gguf"
+    write_gguf(path, "falcon", QUANT_CONFIG, {"model.embed_tokens.weight": np.zeros((256, 256), np.float32)})
+    with pytest.raises(ValueError, match="'falcon'.*gemma.*llama"):
         LLM(str(path), skip_tokenizer_init=True, device="cpu")
 
 
