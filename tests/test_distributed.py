@@ -106,6 +106,9 @@ PARITY_CASES = {
     # sandwich norms on each rank's reduced block outputs, scaled embeddings, local / global layers
     "gemma3-window": ("gemma3", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                      layer_types=["sliding_attention", "full_attention"]), {}),
+    # each rank's block outputs scaled before the all-reduce; logits divided after the gather
+    "granite-multipliers": ("granite", dict(embedding_multiplier=6.0, attention_multiplier=0.125,
+                                            residual_multiplier=0.3, logits_scaling=4.0), {}),
     # soft-capped scores per rank's heads, the final cap on the gathered vocabulary
     "gemma2-softcaps": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0), {}),

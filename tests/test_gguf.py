@@ -169,7 +169,7 @@ def write_gguf(path, arch: str, config: dict, tensors: dict[str, np.ndarray], qt
         qtype = types.get(hf_name, QType.F32) if types else qtype
         base, suffix = hf_name.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        if arch in ("llama", "granite") and (".q_proj." in hf_name or ".k_proj." in hf_name):
             array = llama_cpp_permute(array, heads if ".q_proj." in hf_name else kv_heads)
         if array.ndim == 2 and qtype == QType.F16:
             writer.add_tensor(name, array.astype(np.float16))
@@ -250,9 +250,21 @@ def gguf_from_checkpoint(ckpt, arch: str, out, gemma_pattern: bool = False) -> N
     if arch.startswith("gemma"):  # llama.cpp's Gemma converters store every norm weight plus one
         state = {name: w + np.float32(1) if name.endswith("norm.weight") else w for name, w in state.items()}
         rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' RoPE
-    extra = phi3_metadata(config) if arch == "phi3" else gemma_metadata(config, gemma_pattern) if arch != "gemma" and arch.startswith("gemma") else None
+    extra = {"phi3": phi3_metadata, "granite": granite_metadata}.get(arch, lambda c: None)(config)
+    if arch in ("gemma2", "gemma3"):
+        extra = gemma_metadata(config, gemma_pattern)
     write_gguf(out, arch, {**config, "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}, state,
                extra_metadata=extra)
+
+
+def granite_metadata(config: dict):
+    """What llama.cpp's Granite converter adds: the four multipliers under its `*_scale` names."""
+    def add(writer):
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
+    return add
 
 
 def gemma_metadata(config: dict, with_pattern: bool):
@@ -304,6 +316,9 @@ TINY_CASES = [
     # (the short set: max_position_embeddings = the original 64 keeps the engine and transformers on it)
     ("phi3-longrope", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64,
                                    max_position_embeddings=64)),
+    # Granite: Llama's layout (q/k permuted) with its multipliers as llama.cpp's *_scale keys
+    ("granite-multipliers", "granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                            residual_multiplier=0.22, logits_scaling=8.0)),
     # Gemma: norms stored as 1 + w (taken off at load), scaled embeddings; Gemma 2's soft-caps and
     # every other layer sliding (implied by llama.cpp, not stored); Gemma 3's five sliding layers of six
     # (implied), its QK norms and the two RoPE settings (local base 10,000; global base with linear scaling)
@@ -356,6 +371,18 @@ def test_gemma3_gguf_with_its_sliding_layers_listed(tmp_path, seed):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
     for prompt, output in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
         assert output.outputs[0].token_ids == hf_greedy(ckpt, prompt, NUM_NEW)[0]
+
+
+def test_gemma2_gguf_without_the_keys_takes_llama_cpps_defaults(tmp_path, seed):
+    """A Gemma 2 file converted before the soft-cap and window keys existed: llama.cpp's defaults
+    (50, 30, a 4,096-token window on every other layer), not full attention uncapped."""
+    ckpt = make_checkpoint(tmp_path / "gemma2", "gemma2", seed=seed, head_dim=32, num_hidden_layers=4,
+                           tie_word_embeddings=True, attn_logit_softcapping=None, final_logit_softcapping=None,
+                           sliding_window=None)
+    gguf_from_checkpoint(ckpt, "gemma2", tmp_path / "gemma2.gguf")
+    config = gguf_config(str(tmp_path / "gemma2.gguf"))
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping, config.sliding_window) == (50.0, 30.0, 4096)
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
 
 
 def test_phi3_fused_matrices_stay_packed_as_the_file_holds_them(tmp_path, seed):

@@ -48,6 +48,19 @@ CASES = [
     # LongRoPE within the original 64 positions (the short factors: 5-20-token prompts + 32 new)
     # with max_model_len 64 (see test_longrope_past_the_original_length for the long ones).
     ("phi3-longrope-short", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
+    # Granite: scaled embeddings, softmax scale, block outputs and logits (granite-3.x's values)
+    ("granite-multipliers-tied", "granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                                 residual_multiplier=0.22, logits_scaling=8.0,
+                                                 tie_word_embeddings=True)),
+    ("granite-mqa-biases", "granite", dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True,
+                                           embedding_multiplier=4.0, attention_multiplier=0.25,
+                                           residual_multiplier=0.5, logits_scaling=2.0)),
+    # SmolLM3: every 4th layer without RoPE (NoPE); a window on the layers layer_types marks
+    ("smollm3-nope-every-4th", "smollm3", dict(num_hidden_layers=4, tie_word_embeddings=True)),
+    ("smollm3-nope-pattern-window8", "smollm3", dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1],
+                                                     use_sliding_window=True, sliding_window=8,
+                                                     layer_types=["sliding_attention", "full_attention",
+                                                                  "sliding_attention"])),
     # Gemma (1): Llama's two norms a layer, of (1 + weight), scaled embeddings, GELU-tanh, head size 32
     ("gemma-mha-headdim32-tied", "gemma", dict(head_dim=32, num_key_value_heads=4, tie_word_embeddings=True)),
     ("gemma-mqa-untied", "gemma", dict(num_key_value_heads=1, head_dim=16)),
@@ -171,7 +184,7 @@ def _router_tie(path, tokens: list[int]) -> bool:
 def test_layers_share_one_rotary_table(tmp_path, seed, arch, overrides):
     """Every layer reads one cos/sin table (not a copy each: DeepSeek-V3's is 42 MB a layer), equal to
     a freshly built one; a second engine on another config gets its own."""
-    from baryon.layers.rotary import RotaryEmbedding, rope_parameters
+    from baryon.layers.rotary import rope_parameters, rotary_table
 
     path = make_checkpoint(tmp_path / arch, arch, seed=seed, **overrides)
     with LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32") as llm:
@@ -180,9 +193,9 @@ def test_layers_share_one_rotary_table(tmp_path, seed, arch, overrides):
         assert len(tables) == 1 and len(model.model.layers) > 1
         shared = model.model.layers[0].self_attn.rotary_emb
         hf_config = llm.engine.config.model.hf_config
-        fresh = RotaryEmbedding(shared.cos_sin_cache.shape[1], hf_config.max_position_embeddings,
-                                rope_parameters(hf_config))
-        assert torch.equal(shared.cos_sin_cache, fresh.cos_sin_cache)
+        fresh = rotary_table(shared.cos_sin_cache.shape[1], hf_config.max_position_embeddings,
+                             rope_parameters(hf_config))
+        assert torch.equal(shared.cos_sin_cache, fresh)
         other = make_checkpoint(tmp_path / "other", arch, seed=seed, max_position_embeddings=96, **overrides)
         with LLM(str(other), skip_tokenizer_init=True, device="cpu", dtype="float32") as second:
             table = second.engine.core.runner.model.model.layers[0].self_attn.rotary_emb
@@ -262,7 +275,7 @@ def test_gemma_norm_in_16_bits_is_transformers_bit_for_bit(seed, dtype):
 
 def test_gemma_legacy_gelu_config_means_the_tanh_approximation(tmp_path, seed):
     """gemma-2b / 7b's config.json says hidden_act "gelu" beside hidden_activation
-    "gelu_pytorch_tanh": the tanh approximation, as transformers reads it."""
+    "gelu_pytorch_tanh": the engine takes the tanh approximation, as transformers does."""
     import json
 
     path = make_checkpoint(tmp_path / "gemma-legacy", "gemma", seed=seed, head_dim=16)

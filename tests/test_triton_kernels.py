@@ -138,8 +138,6 @@ def test_triton_norm_add_norm_matches_torch(seed, hidden):
     ref, ref_residual = TorchRMSNorm.norm_add_norm(x, first, residual, second, 1e-6)
     torch.testing.assert_close(new_residual, ref_residual, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    by_hand = TorchRMSNorm.forward(TorchRMSNorm.forward(x, first, 1e-6)[0], second, 1e-6, residual)
-    torch.testing.assert_close(ref, by_hand[0], atol=0, rtol=0)
     if DEVICE == "cpu" and CpuRMSNorm.unsupported_reason(torch.device("cpu")) is None:
         cpu_out, cpu_residual = CpuRMSNorm.norm_add_norm(x.contiguous(), first, residual, second, 1e-6)
         torch.testing.assert_close(cpu_out, ref, atol=1e-5, rtol=1e-5)

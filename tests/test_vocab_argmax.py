@@ -71,3 +71,20 @@ def test_bad_shapes_are_refused(kernel):
         kernel.candidates(local, 9, 0)
     with pytest.raises(ValueError, match="base-256"):
         kernel.candidates(local, 8, vocab_argmax.MAX_VOCAB - 4)
+
+
+def test_lm_head_argmax_reads_the_soft_capped_logits(seed):
+    """Gemma 2's final soft-cap in bf16 maps neighbouring logits to one value: the greedy argmax
+    (the path without logprobs) takes the lowest id of the capped tie, as the gathered logits'
+    argmax and transformers do, not the larger raw logit; Granite's divisor too."""
+    from baryon.layers.embedding import ParallelLMHead
+
+    gen = torch.Generator().manual_seed(seed)
+    head = ParallelLMHead(64, 8)
+    head.final_logit_softcap = 30.0
+    raw = torch.randn(4, 64, generator=gen).to(torch.bfloat16) * 3
+    raw[:, 10], raw[:, 11] = 25.375, 25.5  # equal once capped in bf16; 11 is larger before the cap
+    assert torch.equal(head.finished_logits(raw[:, 10:11]), head.finished_logits(raw[:, 11:12]))
+    assert head.argmax(raw).tolist() == head.gather_logits(raw).argmax(dim=-1).tolist() == [10] * 4
+    head.final_logit_softcap, head.final_logit_divisor = None, 8.0
+    assert head.argmax(raw).tolist() == head.gather_logits(raw).argmax(dim=-1).tolist()

@@ -64,10 +64,13 @@ class VocabLogits:
     gather every rank's slices, or find the greedy token without gathering them. The head sets
     vocab_size, tp_size, rows_per_rank, vocab_start and vocab_end.
 
-    final_logit_softcap (Gemma 2's final_logit_softcapping, set by the model): the gathered logits
-    become cap * tanh(logits / cap), in their dtype as transformers computes them. The greedy
-    argmax reads the logits before the cap, which keeps their order (tanh is increasing)."""
+    The model may set what becomes of the gathered logits, in their dtype as transformers computes
+    it: final_logit_divisor (Granite's logits_scaling) divides them, then final_logit_softcap
+    (Gemma 2's final_logit_softcapping) caps them to cap * tanh(logits / cap). The greedy argmax
+    reads them so transformed too: in 16 bits the cap maps neighbouring logits to one value, and
+    the tie then goes to the lowest id, as transformers' argmax gives it."""
 
+    final_logit_divisor: float | None = None
     final_logit_softcap: float | None = None
     vocab_size: int
     tp_size: int
@@ -80,7 +83,14 @@ class VocabLogits:
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's `local_logits_into` slice of n rows -> [n, vocab_size] float32."""
-        return soft_cap(self._gathered(local), self.final_logit_softcap).float()
+        return self.finished_logits(self._gathered(local)).float()
+
+    def finished_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [n, columns] divided and soft-capped as the model asks (see above); unchanged
+        where it asks for neither."""
+        if self.final_logit_divisor is not None:
+            logits = logits / self.final_logit_divisor
+        return soft_cap(logits, self.final_logit_softcap)
 
     def _gathered(self, local: torch.Tensor) -> torch.Tensor:
         """[n, rows_per_rank] slices of every rank -> [n, vocab_size] (padding cut), their dtype."""
@@ -93,6 +103,7 @@ class VocabLogits:
         candidates (`vocab_argmax`: a few [4]-rows per row, the logit and its id) instead of n x
         vocab logits; the lowest id wins a tie."""
         kernel = self.__dict__.get("_argmax_kernel") or self._select_argmax(local.device)
+        local = self.finished_logits(local)  # (elementwise: the same on a rank's slice)
         if self.tp_size == 1:
             return kernel.argmax(local, self.vocab_size)
         candidates = kernel.candidates(local, self.vocab_end - self.vocab_start, self.vocab_start)  # [n, C, 4]
@@ -119,8 +130,8 @@ class ParallelLMHead(VocabLogits, VocabParallelEmbedding):
             torch.mm(hidden_states, self.weight.t(), out=out)
         else:
             out.copy_(self._gathered(torch.mm(hidden_states, self.weight.t())))
-        if self.final_logit_softcap is not None:
-            out.copy_(soft_cap(out, self.final_logit_softcap))
+        if self.final_logit_divisor is not None or self.final_logit_softcap is not None:
+            out.copy_(self.finished_logits(out))
 
     def local_logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's vocabulary slice of the logits into a preallocated buffer (the target's decode

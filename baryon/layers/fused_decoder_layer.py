@@ -71,6 +71,8 @@ def why_not_fused(layer: nn.Module) -> str | None:
         return "not the C++ attention without sinks or soft-capping"
     if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return "the MLP has biases"
+    if hasattr(attention, "output_multiplier") or hasattr(mlp, "output_multiplier"):
+        return "its blocks scale their outputs (Granite's residual_multiplier)"
     if layer.input_layernorm.reduces_input or layer.post_attention_layernorm.reduces_input:
         return "a norm adds the ranks' parts (tensor parallelism or DP attention)"
     if layer.input_layernorm.eps != layer.post_attention_layernorm.eps:

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from baryon.distributed.parallel_state import tp_rank, tp_world_size
-from baryon.kernels.soft_cap import soft_cap
 from baryon.layers.embedding import VocabLogits
 from baryon.layers.linear import LinearBase
 from baryon.quantization.base import LinearMethod
@@ -59,4 +58,4 @@ class QuantizedLMHead(VocabLogits, LinearBase):
 
     def logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:
         """As ParallelLMHead.logits_into (a draft model's decode graphs)."""
-        out.copy_(soft_cap(self._gathered(self.local_logits(hidden_states)), self.final_logit_softcap))
+        out.copy_(self.finished_logits(self._gathered(self.local_logits(hidden_states))))

@@ -134,17 +134,29 @@ def _longrope(dim: int, base: float, params: dict[str, Any], max_position: int) 
     return 1.0 / (factors * base ** exponents), float(attention_factor)
 
 
-class RotaryEmbedding(nn.Module):
-    """NeoX-style rotary embedding over the first `rotary_dim` features of each head: holds the
-    cos/sin table that the attention layer's QKV prologue applies."""
+def rotary_table(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
+    """The cos/sin table of NeoX-style rotary embedding over the first `rotary_dim` features of each
+    head: [max_position, rotary_dim] float32 (cos half | sin half), whatever the model dtype."""
+    inv_freq, scaling = _inverse_frequencies(rotary_dim, params, max_position)
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
-    def __init__(self, rotary_dim: int, max_position: int, params: dict[str, Any]) -> None:
+
+def identity_table(head_dim: int, max_position: int) -> torch.Tensor:
+    """No position encoding (SmolLM3's NoPE layers): cos 1 and sin 0 at every position, so that the
+    QKV prologue's rotation leaves queries and keys exactly as they are and such a layer keeps the
+    rest of the fused path (QK norm, the KV-cache write). [max_position, head_dim] float32."""
+    ones = torch.ones(max_position, head_dim // 2)
+    return torch.cat((ones, torch.zeros_like(ones)), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds a cos/sin table (`rotary_table`, `identity_table`) that the attention layer's QKV
+    prologue applies."""
+
+    def __init__(self, cos_sin: torch.Tensor) -> None:
         super().__init__()
-        inv_freq, scaling = _inverse_frequencies(rotary_dim, params, max_position)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
-        cos_sin = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-        # [max_position, rotary_dim] float32, whatever the model dtype.
         self.register_buffer("cos_sin_cache", cos_sin.to(torch.get_default_device()), persistent=False)
 
 
@@ -167,5 +179,14 @@ def get_rope(hf_config: Any, head_dim: int, layer_type: str | None = None) -> Ro
            str(torch.get_default_device()))
     table = _TABLES.get(key)
     if table is None:
-        table = _TABLES[key] = RotaryEmbedding(rotary_dim, hf_config.max_position_embeddings, params)
+        table = _TABLES[key] = RotaryEmbedding(rotary_table(rotary_dim, hf_config.max_position_embeddings, params))
+    return table
+
+
+def get_identity_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
+    """The identity table's embedding for heads of head_dim features, shared as get_rope's are."""
+    key = ("identity", head_dim, hf_config.max_position_embeddings, str(torch.get_default_device()))
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = RotaryEmbedding(identity_table(head_dim, hf_config.max_position_embeddings))
     return table

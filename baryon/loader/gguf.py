@@ -36,6 +36,7 @@ ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),  # q/k/v and gate/up fused (attn_qkv, ffn_up), as in its checkpoints
+    "granite": ("granite", "GraniteForCausalLM"),  # Llama's layout with four multipliers in the metadata
     "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # the text model of every Gemma 3 (images: a separate mmproj file)
@@ -44,7 +45,7 @@ ARCHITECTURES = {
 _SHIFTED_NORMS = ("gemma", "gemma2", "gemma3")
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # Architectures whose query/key rows llama.cpp's converter permutes (rotary pairs interleaved).
-_PERMUTED_QK = ("llama",)
+_PERMUTED_QK = ("llama", "granite")
 
 # ggml tensor types baryon reads (dequantized with gguf.quants), by name: the legacy and K-quants,
 # the i-quants (IQ4_XS / IQ3_S / IQ2_M ... files), the ternary TQ types and MXFP4 / NVFP4.
@@ -213,8 +214,13 @@ def gguf_config(path: str) -> Any:
         pad_token_id=meta.get(Keys.Tokenizer.PAD_ID),
         dtype=_file_dtype(reader.tensors),
     )
-    if meta.arch == "llama" and not _is_mixtral(meta):
+    if meta.arch in ("llama", "granite") and not _is_mixtral(meta):
         fields.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias="blk.0.ffn_up.bias" in tensors)
+    if meta.arch == "granite":  # llama.cpp's names for the config's multipliers (a missing one: 1)
+        fields.update(embedding_multiplier=meta.get(Keys.LLM.EMBEDDING_SCALE, 1.0),
+                      residual_multiplier=meta.get(Keys.LLM.RESIDUAL_SCALE, 1.0),
+                      attention_multiplier=meta.get(Keys.Attention.SCALE, 1.0 / math.sqrt(head_dim)),
+                      logits_scaling=meta.get(Keys.LLM.LOGIT_SCALE, 1.0))
     fields.update(_moe_fields(meta, architecture))
     rope_scaling = _rope_scaling(meta)
     if "rope_freqs.weight" in tensors:  # Llama 3.1-3.3: the frequencies' divisors, as a tensor
@@ -260,17 +266,21 @@ def _phi3_fields(meta: _Metadata, tensors: dict, head_dim: int, rotary_dim: int
 def _gemma_fields(meta: _Metadata, fields: dict[str, Any], rope_scaling: dict[str, Any] | None
                   ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Gemma 2 / 3's config fields as llama.cpp stores or implies them: the soft-caps and the sliding
-    window from the metadata; which layers slide (`sliding_window_pattern` where the file has it,
-    else llama.cpp's fixed patterns: every other layer on Gemma 2, five of six on Gemma 3); the
-    softmax scale's query_pre_attn_scalar, not stored: the head size, but hidden / heads on the 27B
-    models (46 layers: Gemma 2, 62: Gemma 3), as llama.cpp derives it; and Gemma 3's RoPE per kind
-    of layer: the file's base and scaling on the global layers, base 10,000 unscaled on the local."""
-    layers, window = fields["num_hidden_layers"], meta.get(Keys.Attention.SLIDING_WINDOW)
+    window from the metadata (a Gemma 2 file without them, converted before the keys existed: 50,
+    30 and 4,096, llama.cpp's defaults); which layers slide (`sliding_window_pattern` where the file
+    has it: one flag a layer, or n: every n-th layer global, 0: every layer sliding; else llama.cpp's fixed
+    patterns: every other layer on Gemma 2, five of six on Gemma 3); the softmax scale's
+    query_pre_attn_scalar, not stored: the head size, but hidden / heads on the 27B models (46
+    layers: Gemma 2, 62: Gemma 3), as llama.cpp derives it; and Gemma 3's RoPE per kind of layer:
+    the file's base and scaling on the global layers, base 10,000 unscaled on the local."""
+    defaults = (50.0, 30.0, 4096) if meta.arch == "gemma2" else (None, None, None)
+    layers = fields["num_hidden_layers"]
+    window = meta.get(Keys.Attention.SLIDING_WINDOW, defaults[2])
     is_27b = layers == (46 if meta.arch == "gemma2" else 62)
     out: dict[str, Any] = dict(
         query_pre_attn_scalar=fields["hidden_size"] // fields["num_attention_heads"] if is_27b else fields["head_dim"],
-        final_logit_softcapping=meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING),
-        attn_logit_softcapping=meta.get(Keys.LLM.ATTN_LOGIT_SOFTCAPPING), sliding_window=window)
+        attn_logit_softcapping=meta.get(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, defaults[0]),
+        final_logit_softcapping=meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, defaults[1]), sliding_window=window)
     pattern = meta.get(Keys.Attention.SLIDING_WINDOW_PATTERN)
     if not window:
         sliding = [False] * layers
@@ -280,8 +290,8 @@ def _gemma_fields(meta: _Metadata, fields: dict[str, Any], rope_scaling: dict[st
                             f"has {len(pattern)} entries for {layers} layers")
         sliding = [bool(p) for p in pattern]
     else:
-        every = int(pattern) if pattern else (2 if meta.arch == "gemma2" else 6)
-        sliding = [(i + 1) % every != 0 for i in range(layers)]
+        every = (2 if meta.arch == "gemma2" else 6) if pattern is None else int(pattern)
+        sliding = [every == 0 or (i + 1) % every != 0 for i in range(layers)]
     out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     if meta.arch == "gemma2":
         return out, rope_scaling

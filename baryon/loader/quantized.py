@@ -66,7 +66,7 @@ def _quantize_lm_head(model: nn.Module, quant_config: QuantizationConfig, stored
                     quant_config.name)
         return False
     model.lm_head = QuantizedLMHead(head.vocab_size, head.weight.shape[1], method)
-    model.lm_head.final_logit_softcap = head.final_logit_softcap
+    model.lm_head.final_logit_divisor, model.lm_head.final_logit_softcap = head.final_logit_divisor, head.final_logit_softcap
     return True
 
 

@@ -3,8 +3,8 @@ attention, scaled embeddings and (1 + weight) norms (models/gemma2.py) in Llama'
 norms, full attention everywhere, the softmax scale head_dim^-0.5, GELU-tanh gating.
 
 The published configs say `hidden_act: "gelu"` beside `hidden_activation: "gelu_pytorch_tanh"`:
-both mean the tanh approximation the models were trained with (transformers 5 rewrites the
-legacy "gelu" so; vLLM reads `hidden_activation`), and so they are read here.
+both mean the tanh approximation the models were trained with (transformers 5's GemmaConfig
+rewrites the legacy "gelu" so as it loads; vLLM reads `hidden_activation`, and so does this).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_settle_pushes
 from baryon.layers.mlp import GatedMLP
 from baryon.models.gemma2 import Gemma2Attention, Gemma2ForCausalLM, Gemma2Model, GemmaRMSNorm
 
 
 def gemma_activation(config: Any) -> str:
-    act = getattr(config, "hidden_activation", None) or config.hidden_act
-    return "gelu_pytorch_tanh" if act == "gelu" else act
+    return getattr(config, "hidden_activation", None) or config.hidden_act
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -51,7 +49,6 @@ class GemmaModel(Gemma2Model):
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
-        tp_settle_pushes()
         return hidden_states
 
 

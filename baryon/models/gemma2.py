@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from baryon.distributed.parallel_state import tp_settle_pushes
 from baryon.layers.attention import Attention
 from baryon.layers.embedding import VocabParallelEmbedding
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear, copy_checked
@@ -110,7 +109,6 @@ class Gemma2Model(nn.Module):
             mlp_out, residual = layer(positions, hidden_states, residual)
             after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             hidden_states, residual = norm_add_norm(layer.post_feedforward_layernorm, mlp_out, residual, after)
-        tp_settle_pushes()
         return hidden_states
 
 
@@ -121,6 +119,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=true (an embedding model) is not supported: baryon "
                              "serves causal language models")
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(config, field, None)
+            if cap is not None and not cap > 0:
+                raise ValueError(f"{field}={cap}: a soft-cap must be a positive number, or null for none")
         super().__init__(config)
         self.lm_head.final_logit_softcap = getattr(config, "final_logit_softcapping", None)
 

@@ -26,21 +26,22 @@ def head_dim_of(config: Any) -> int:
 
 
 def sliding_window_of(config: Any, layer_idx: int) -> int | None:
-    """The layer's attention window: per `layer_types` when the config has them (Qwen2/3),
-    otherwise `sliding_window` for every layer (Mistral), else None (full attention)."""
+    """The layer's attention window: none where the config switches windows off
+    (`use_sliding_window: false`: Qwen2/3, SmolLM3), else per `layer_types` when the config has
+    them, otherwise `sliding_window` for every layer (Mistral), else None (full attention)."""
     window = getattr(config, "sliding_window", None)
-    if not window:
+    if not window or getattr(config, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
     return window
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 scale: float | None = None) -> None:
+        """scale: the softmax scale (None: head_dim^-0.5)."""
         super().__init__()
         head_dim = head_dim_of(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -49,7 +50,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = get_rope(config, head_dim)
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
-                              scale=head_dim ** -0.5, sliding_window=sliding_window_of(config, layer_idx))
+                              scale=head_dim ** -0.5 if scale is None else scale,
+                              sliding_window=sliding_window_of(config, layer_idx))
         self.qk_norm = qk_norm
         if qk_norm:  # Qwen3: RMSNorm over each head's features, before RoPE
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -136,8 +138,12 @@ class LlamaModel(nn.Module):
                 layer.mlp.reduce_results = False
                 next_norm.reduces_input = True
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [num_tokens] -> the first layer's input [num_tokens, hidden] (Granite scales it)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
+        hidden_states, residual = self.embed(input_ids), None  # [num_tokens, hidden]
         # EAGLE-3's auxiliary states: the residual stream entering the chosen layers, as their input
         # norms return it (under tensor parallelism already summed over the ranks: no extra collective)
         aux = [] if self.aux_hidden_state_layers else None

@@ -14,6 +14,8 @@ _MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "baryon.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "baryon.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "baryon.models.gemma3:Gemma3ForConditionalGeneration",
+    "GraniteForCausalLM": "baryon.models.granite:GraniteForCausalLM",
+    "SmolLM3ForCausalLM": "baryon.models.smollm3:SmolLM3ForCausalLM",
     "Qwen2ForCausalLM": "baryon.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "baryon.models.qwen3:Qwen3ForCausalLM",
     "Qwen2MoeForCausalLM": "baryon.models.qwen2_moe:Qwen2MoeForCausalLM",
