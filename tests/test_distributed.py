@@ -106,6 +106,9 @@ PARITY_CASES = {
     # sandwich norms on each rank's reduced block outputs, scaled embeddings, local / global layers
     "gemma3-window": ("gemma3", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                      layer_types=["sliding_attention", "full_attention"]), {}),
+    # q/k norms over all heads: each rank's sum of squares all-reduced (1 KV head: replicated on both)
+    "olmo2-qk-norms": ("olmo2", dict(), {}),
+    "olmo2-1kv-replicated": ("olmo2", dict(num_key_value_heads=1), {}),
     # each rank's block outputs scaled before the all-reduce; logits divided after the gather
     "granite-multipliers": ("granite", dict(embedding_multiplier=6.0, attention_multiplier=0.125,
                                             residual_multiplier=0.3, logits_scaling=4.0), {}),

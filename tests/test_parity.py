@@ -48,6 +48,11 @@ CASES = [
     # LongRoPE within the original 64 positions (the short factors: 5-20-token prompts + 32 new)
     # with max_model_len 64 (see test_longrope_past_the_original_length for the long ones).
     ("phi3-longrope-short", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
+    # OLMo 2 / 3: post-norms, q/k norms over all heads of a token, OLMo 3's windowed layers
+    ("olmo2-gqa-untied", "olmo2", dict()),
+    ("olmo2-mha-tied-headdim32", "olmo2", dict(num_key_value_heads=4, head_dim=32, tie_word_embeddings=True)),
+    ("olmo3-window8", "olmo3", dict(num_hidden_layers=3, sliding_window=8,
+                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
     # Granite: scaled embeddings, softmax scale, block outputs and logits (granite-3.x's values)
     ("granite-multipliers-tied", "granite", dict(embedding_multiplier=12.0, attention_multiplier=0.0078125,
                                                  residual_multiplier=0.22, logits_scaling=8.0,

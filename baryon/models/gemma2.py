@@ -23,7 +23,7 @@ from baryon.layers.linear import QKVParallelLinear, RowParallelLinear, copy_chec
 from baryon.layers.mlp import GatedMLP
 from baryon.layers.norm import RMSNorm, norm_add_norm
 from baryon.layers.rotary import get_rope
-from baryon.models.llama import LlamaForCausalLM, head_dim_of, sliding_window_of
+from baryon.models.llama import LlamaForCausalLM, head_dim_of, layer_type_of, sliding_window_of
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -38,11 +38,6 @@ class GemmaRMSNorm(RMSNorm):
             param.data, (loaded.double() + 1).float())
 
 
-def layer_type(config: Any, layer_idx: int) -> str:
-    layer_types = getattr(config, "layer_types", None)
-    return layer_types[layer_idx] if layer_types else "full_attention"
-
-
 class Gemma2Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -51,7 +46,7 @@ class Gemma2Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=bias)
-        self.rotary_emb = get_rope(config, head_dim, layer_type(config, layer_idx))
+        self.rotary_emb = get_rope(config, head_dim, layer_type_of(config, layer_idx))
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
                               scale=getattr(config, "query_pre_attn_scalar", head_dim) ** -0.5,  # (Gemma 1: head_dim)
                               sliding_window=sliding_window_of(config, layer_idx),

@@ -25,6 +25,13 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_type_of(config: Any, layer_idx: int) -> str:
+    """The layer's kind by `layer_types` (`sliding_attention` / `full_attention`; the RoPE settings of
+    Gemma 3 and OLMo 3 are per kind); full_attention where the config has none."""
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types[layer_idx] if layer_types else "full_attention"
+
+
 def sliding_window_of(config: Any, layer_idx: int) -> int | None:
     """The layer's attention window: none where the config switches windows off
     (`use_sliding_window: false`: Qwen2/3, SmolLM3), else per `layer_types` when the config has
