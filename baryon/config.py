@@ -584,7 +584,8 @@ def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
 
 
 # Image-and-text checkpoints whose language model baryon serves alone (their vision tower unread).
-LANGUAGE_MODEL_ONLY = ("Gemma3ForConditionalGeneration",)
+LANGUAGE_MODEL_ONLY = ("Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                       "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
 def _language_model_config(hf_config: Any) -> Any:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from baryon import LLM, SamplingParams
-from conftest import hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
+from conftest import hf_classes, hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
 
 NUM_NEW = 32
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -248,6 +248,39 @@ def test_gemma3_image_and_text_checkpoint_serves_its_language_model(tmp_path, se
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _assert_follows_transformers("gemma3-vlm", path, prompts, outputs)
+
+
+QWEN_VL_VISION = {
+    "qwen2_5_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                       fullatt_block_indexes=[0], window_size=28, patch_size=14, spatial_merge_size=2),
+    "qwen3_vl": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                     deepstack_visual_indexes=[0], patch_size=16, spatial_merge_size=2, num_position_embeddings=16),
+}
+
+
+@pytest.mark.parametrize("arch", list(QWEN_VL_VISION))
+def test_qwen_vl_checkpoint_serves_its_language_model(tmp_path, seed, arch):
+    """Qwen2.5-VL (`model.layers.*` beside `visual.*`) and Qwen3-VL (`model.language_model.*`
+    beside `model.visual.*`): the language model greedy-decodes text as transformers' whole model
+    does (its multimodal RoPE is plain RoPE on text), the vision tensors unread."""
+    config_cls, model_cls = hf_classes(arch)
+    text = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15, bos_token_id=1,
+                eos_token_id=2, **({"head_dim": 16} if arch == "qwen3_vl" else {
+                    # the t / h / w sections of 16-wide heads' 8 frequencies (the published [16, 24, 24] is for 128)
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}}))
+    config = config_cls(text_config=text, vision_config=QWEN_VL_VISION[arch], image_token_id=150,
+                        video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
+    torch.manual_seed(seed)
+    path = tmp_path / arch
+    model_cls(config).eval().save_pretrained(path)
+    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
+              max_num_batched_tokens=16, kv_cache_memory_gib=0.01)
+    assert llm.config.model.hf_config.num_hidden_layers == 2  # the language model's config
+    prompts = random_prompts(2, 140, 5, 20, seed)  # (ids below the image / video tokens)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _assert_follows_transformers(arch, path, prompts, outputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -415,7 +415,7 @@ def test_registry_and_defaults():
                 "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral", "deepseek_v2": "deepseek_v3",
                 "deepseek_v3": "deepseek_v3",
                 "deepseek_v32": "deepseek_v32", "gpt_oss": "openai", "glm4_moe": "glm45", "kimi_k2": "kimi_k2",
-                "gemma3": None, None: None}
+                "qwen2_5_vl_text": "hermes", "qwen3_vl_text": "hermes", "gemma3": None, None: None}
     assert {model_type: default_tool_parser(model_type) for model_type in expected} == expected
 
 

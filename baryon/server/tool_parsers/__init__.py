@@ -24,6 +24,7 @@ TOOL_PARSERS["harmony"] = HarmonyToolParser
 
 _BY_MODEL_TYPE = {
     "qwen2": "hermes", "qwen2_moe": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes",
+    "qwen2_vl_text": "hermes", "qwen2_5_vl_text": "hermes", "qwen3_vl_text": "hermes",  # (their language models)
     "llama": "llama3_json", "mistral": "mistral", "mixtral": "mistral",
     # DeepSeek-V2.5 / V2-Chat write V3's tool-call markers
     "deepseek_v2": "deepseek_v3", "deepseek_v3": "deepseek_v3", "deepseek_v32": "deepseek_v32", "gpt_oss": "openai",
