@@ -90,6 +90,7 @@ def hf_classes(arch: str):
         "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
         "granite": (tf.GraniteConfig, tf.GraniteForCausalLM),
         "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM),
+        "cohere": (tf.CohereConfig, tf.CohereForCausalLM),
         "olmo3": (tf.Olmo3Config, tf.Olmo3ForCausalLM),
         "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
         "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
@@ -111,7 +112,7 @@ def hf_classes(arch: str):
 ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3", "GemmaForCausalLM": "gemma",
                  "SmolLM3ForCausalLM": "smollm3", "GraniteForCausalLM": "granite",
-                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+                 "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3", "CohereForCausalLM": "cohere",
                  "Gemma2ForCausalLM": "gemma2",
                  "Gemma3ForCausalLM": "gemma3",
                  "Gemma3ForConditionalGeneration": "gemma3_vlm",
@@ -154,7 +155,8 @@ MOE_BASE = {
 TOKEN_IDS = {"phi3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),
              "smollm3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),
              "olmo2": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),
-             "olmo3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)}
+             "olmo3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),
+             "cohere": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)}
 
 
 def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -171,7 +173,7 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.1)
-        if arch.startswith("olmo"):  # ... and OLMo's at one
+        if arch.startswith("olmo") or arch == "cohere":  # ... and OLMo's and Cohere's at one
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.1)

@@ -106,6 +106,8 @@ PARITY_CASES = {
     # sandwich norms on each rank's reduced block outputs, scaled embeddings, local / global layers
     "gemma3-window": ("gemma3", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                      layer_types=["sliding_attention", "full_attention"]), {}),
+    # attention and MLP side by side on one LayerNorm, q / k rows reordered before each rank's slice
+    "cohere-parallel-blocks": ("cohere", dict(logit_scale=0.25), {}),
     # q/k norms over all heads: each rank's sum of squares all-reduced (1 KV head: replicated on both)
     "olmo2-qk-norms": ("olmo2", dict(), {}),
     "olmo2-1kv-replicated": ("olmo2", dict(num_key_value_heads=1), {}),

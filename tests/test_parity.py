@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from baryon import LLM, SamplingParams
-from conftest import hf_classes, hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
+from conftest import BASE_CONFIG, TOKEN_IDS, hf_classes, hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
 
 NUM_NEW = 32
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -48,6 +48,10 @@ CASES = [
     # LongRoPE within the original 64 positions (the short factors: 5-20-token prompts + 32 new)
     # with max_model_len 64 (see test_longrope_past_the_original_length for the long ones).
     ("phi3-longrope-short", "phi3", dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
+    # Cohere: one LayerNorm feeding attention and MLP side by side, interleaved rotary, scaled logits
+    ("cohere-gqa-tied", "cohere", dict(logit_scale=0.0625, tie_word_embeddings=True)),
+    ("cohere-mha-biases-scale", "cohere", dict(num_key_value_heads=4, attention_bias=True, logit_scale=0.3,
+                                               tie_word_embeddings=False)),
     # OLMo 2 / 3: post-norms, q/k norms over all heads of a token, OLMo 3's windowed layers
     ("olmo2-gqa-untied", "olmo2", dict()),
     ("olmo2-mha-tied-headdim32", "olmo2", dict(num_key_value_heads=4, head_dim=32, tie_word_embeddings=True)),
@@ -326,3 +330,21 @@ def test_gemma_legacy_gelu_config_means_the_tanh_approximation(tmp_path, seed):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _assert_follows_transformers("gemma-legacy", path, prompts, outputs)
+
+
+def test_cohere_quantized_q_k_tensors_are_refused(tmp_path, seed):
+    """The q / k rows are reordered as they load (Cohere's interleaved rotary): a quantized layout's
+    codes or scales cannot be, so such a tensor is refused by name, not loaded out of order."""
+    from baryon.loader.names import CheckpointNames
+    from baryon.models.cohere import CohereForCausalLM
+
+    config = hf_classes("cohere")[0](**{**BASE_CONFIG, **TOKEN_IDS["cohere"]})  # heads of 16 features
+    names = CheckpointNames(CohereForCausalLM, config)
+    target = names.target("model.layers.0.self_attn.k_proj.weight")
+    assert target.param == "model.layers.0.self_attn.qkv_proj.weight" and target.shard_id == "k"
+    rows = torch.arange(config.num_key_value_heads * 16, dtype=torch.float32)  # row i holds i
+    assert target.convert(rows)[:16].tolist() == list(range(0, 16, 2)) + list(range(1, 16, 2))  # pairs to halves
+    assert names.target("model.layers.0.self_attn.v_proj.weight").convert is None
+    with pytest.raises(ValueError, match="self_attn.q_proj's rows .* unquantized"):
+        names.target("model.layers.0.self_attn.q_proj.qweight")
+

@@ -65,11 +65,13 @@ class VocabLogits:
     vocab_size, tp_size, rows_per_rank, vocab_start and vocab_end.
 
     The model may set what becomes of the gathered logits, in their dtype as transformers computes
-    it: final_logit_divisor (Granite's logits_scaling) divides them, then final_logit_softcap
+    it: final_logit_multiplier (Cohere's logit_scale) multiplies them, final_logit_divisor
+    (Granite's logits_scaling) divides them, then final_logit_softcap
     (Gemma 2's final_logit_softcapping) caps them to cap * tanh(logits / cap). The greedy argmax
-    reads them so transformed too: in 16 bits the cap maps neighbouring logits to one value, and
+    reads them so transformed too: in 16 bits these map neighbouring logits to one value, and
     the tie then goes to the lowest id, as transformers' argmax gives it."""
 
+    final_logit_multiplier: float | None = None
     final_logit_divisor: float | None = None
     final_logit_softcap: float | None = None
     vocab_size: int
@@ -88,6 +90,8 @@ class VocabLogits:
     def finished_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits [n, columns] divided and soft-capped as the model asks (see above); unchanged
         where it asks for neither."""
+        if self.final_logit_multiplier is not None:
+            logits = logits * self.final_logit_multiplier
         if self.final_logit_divisor is not None:
             logits = logits / self.final_logit_divisor
         return soft_cap(logits, self.final_logit_softcap)
@@ -130,7 +134,7 @@ class ParallelLMHead(VocabLogits, VocabParallelEmbedding):
             torch.mm(hidden_states, self.weight.t(), out=out)
         else:
             out.copy_(self._gathered(torch.mm(hidden_states, self.weight.t())))
-        if self.final_logit_divisor is not None or self.final_logit_softcap is not None:
+        if (self.final_logit_multiplier, self.final_logit_divisor, self.final_logit_softcap) != (None, None, None):
             out.copy_(self.finished_logits(out))
 
     def local_logits_into(self, hidden_states: torch.Tensor, out: torch.Tensor) -> None:

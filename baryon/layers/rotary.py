@@ -190,3 +190,14 @@ def get_identity_rope(hf_config: Any, head_dim: int) -> RotaryEmbedding:
     if table is None:
         table = _TABLES[key] = RotaryEmbedding(identity_table(head_dim, hf_config.max_position_embeddings))
     return table
+
+
+def interleaved_to_halves(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Query / key projection rows whose heads pair their rotary features interleaved (x0, y0,
+    x1, y1, ...: llama.cpp's stored order; Cohere's rotation of pairs (2i, 2i + 1)) reordered into
+    halves (x0, x1, ..., y0, y1, ...), the NeoX pairs (i, i + head_dim / 2) the QKV prologue rotates.
+    The same reorder of queries and keys leaves every score unchanged. weight: [num_heads *
+    head_dim(, in)] -> same shape."""
+    shape = weight.shape
+    # [num_heads, head_dim / 2, 2, *in] -> [num_heads, 2, head_dim / 2, *in]
+    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from gguf import Keys
 
+from baryon.layers.rotary import interleaved_to_halves
+
 # GGUF `general.architecture` -> (transformers model_type, config.json architecture).
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),  # with experts (expert_count > 0): Mixtral
@@ -396,15 +398,6 @@ def checkpoint_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) 
     return None
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's query/key row order. Each head's rows are stored with the rotary pairs
-    interleaved (x0, y0, x1, y1, ...); Hugging Face's layout splits them in halves
-    (x0, x1, ..., y0, y1, ...). weight: [num_heads * head_dim(, in)] -> same shape."""
-    shape = weight.shape
-    # [num_heads, head_dim / 2, 2, *in] -> [num_heads, 2, head_dim / 2, *in]
-    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
-
-
 def _permuted_heads(arch: str, hf_config: Any) -> dict[str, int]:
     """GGUF block tensor kind -> heads of the rows llama.cpp permuted ({} for unpermuted files)."""
     if arch not in _PERMUTED_QK:
@@ -526,7 +519,7 @@ def iterate_gguf_weights(path: str, hf_config: Any,
                             f"in {path}: {type(e).__name__}: {e}") from e
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else None
         if kind in permuted:
-            weight = unpermute_qk(weight, permuted[kind])
+            weight = interleaved_to_halves(weight, permuted[kind])  # undo llama.cpp's query/key row order
         if meta.arch in _SHIFTED_NORMS and tensor.name.rpartition(".")[0].endswith("norm"):
             # the checkpoint's weight, as the model's GemmaRMSNorm loads it: 1 + w taken off in
             # float64, exact, so that its (float64 + 1) gives the file's float32 value back bit for bit

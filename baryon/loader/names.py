@@ -23,7 +23,11 @@ A model class may declare:
 - `only_layers`: the layer indices a model loads, every other tensor skipped (DeepSeek's MTP
   layers loaded as a draft model of their own);
 - `skipped_checkpoint_prefixes`: tensors of parts the model does not hold (an image-and-text
-  checkpoint's vision tower), skipped.
+  checkpoint's vision tower), skipped;
+- `checkpoint_converters(hf_config)`: checkpoint modules whose weight and bias the model takes in
+  another row order (Cohere's q / k rows, for its interleaved rotary): module name (`self_attn.q_proj`)
+  -> a function from the published tensor to the model's, applied before loading; any other tensor
+  of such a module (a quantized layout's codes or scales) is refused.
 
 FP8 KV-cache scales load into the attention layer (`<prefix>.self_attn.attn.k_scale` / `v_scale`)
 under both published names: `self_attn.k_scale` (compressed-tensors' kv_cache_scheme, ModelOpt)
@@ -75,6 +79,8 @@ class CheckpointNames:
         self.skipped_prefixes = tuple(getattr(model, "skipped_checkpoint_prefixes", ()))
         fused = getattr(model, "fused_checkpoint_parts", None)
         self.fused = fused(hf_config) if fused is not None else {}
+        converters = getattr(model, "checkpoint_converters", None)
+        self.converters = converters(hf_config) if converters is not None else {}
 
     def target(self, name: str) -> Target | None:
         """Where checkpoint tensor `name` loads; None for a tensor that is skipped."""
@@ -99,14 +105,26 @@ class CheckpointNames:
             shard = self.projections[expert["projection"]]
             stacked = "w2" if shard == "w2" else "w13"
             return Target(f"{expert['prefix']}.{stacked}_{expert['suffix']}", shard, int(expert["expert"]))
+        convert = self._converter(name)
         for packed, parts in self.packed.items():
             for part, shard_id in parts:
                 if f".{part}." in name:
-                    return Target(name.replace(f".{part}.", f".{packed}."), shard_id)
+                    return Target(name.replace(f".{part}.", f".{packed}."), shard_id, convert=convert)
         for module, parts in self.fused.items():
             if f".{module}." in name:
                 return Target(name, parts=tuple(parts))
-        return Target(name)
+        return Target(name, convert=convert)
+
+    def _converter(self, name: str) -> Callable | None:
+        """The model's converter of tensor `name` (checkpoint_converters), if its module has one."""
+        for module, convert in self.converters.items():
+            if f".{module}." in name:
+                if name.rpartition(".")[2] not in ("weight", "bias"):
+                    raise ValueError(f"tensor {name!r}: the model reorders {module}'s rows as it loads them, "
+                                     f"which a quantized layout's tensors do not allow; use an unquantized "
+                                     f"(bf16 / fp16 / fp32) checkpoint")
+                return convert
+        return None
 
     def checkpoint_prefixes(self, module: str) -> list[str]:
         """The checkpoint module names a model module loads from (q/k/v for a fused qkv_proj)."""

@@ -66,7 +66,8 @@ def _quantize_lm_head(model: nn.Module, quant_config: QuantizationConfig, stored
                     quant_config.name)
         return False
     model.lm_head = QuantizedLMHead(head.vocab_size, head.weight.shape[1], method)
-    model.lm_head.final_logit_divisor, model.lm_head.final_logit_softcap = head.final_logit_divisor, head.final_logit_softcap
+    for finishing in ("final_logit_multiplier", "final_logit_divisor", "final_logit_softcap"):
+        setattr(model.lm_head, finishing, getattr(head, finishing))
     return True
 
 

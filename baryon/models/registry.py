@@ -14,6 +14,7 @@ _MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "baryon.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "baryon.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "baryon.models.gemma3:Gemma3ForConditionalGeneration",
+    "CohereForCausalLM": "baryon.models.cohere:CohereForCausalLM",
     "Olmo2ForCausalLM": "baryon.models.olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "baryon.models.olmo2:Olmo3ForCausalLM",
     "GraniteForCausalLM": "baryon.models.granite:GraniteForCausalLM",
