@@ -88,7 +88,7 @@ class VocabLogits:
         return self.finished_logits(self._gathered(local)).float()
 
     def finished_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits [n, columns] divided and soft-capped as the model asks (see above); unchanged
+        """Logits [n, columns] multiplied, divided and soft-capped as the model asks (see above); unchanged
         where it asks for neither."""
         if self.final_logit_multiplier is not None:
             logits = logits * self.final_logit_multiplier

@@ -2,8 +2,9 @@
 
 Against the Llama decoder: the embeddings scaled by sqrt(hidden_size) (rounded to the model
 dtype, as transformers scales them), RMSNorms that multiply by (1 + weight) (the loader stores
-1 + weight in float32, so the engine's norm kernels apply them as they are, in float32), four norms a layer (after
-attention and after the MLP too, on the block's output before the residual add), the softmax
+1 + weight in float32, so the engine's norm kernels apply them as they are, in float32), four
+norms a layer (after attention and after the MLP too, on the block's output before the residual
+add; each block's output norm, the add and the next block's input norm run as one kernel), the softmax
 scale query_pre_attn_scalar^-0.5, GELU-tanh gating, local / global layers (`layer_types`: a
 sliding window on the first), and logit soft-capping: attention scores capped to
 50 tanh(s / 50) before the softmax (`attn_logit_softcapping`, in the attention kernels) and the
