@@ -18,8 +18,11 @@ import pytest
 
 from test_server import ServerProcess, child_pids, pid_alive
 
-LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
-LONG_COMPLETION = {"prompt": "The little dog", "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+# Eight samples of 500 tokens: a few seconds of work on stories260K, so that a kill or a stop lands
+# while they run (one sample, ~0.2 s, once finished before the engine was killed on a CI machine).
+LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True,
+               "n": 8}
+LONG_COMPLETION = {"prompt": "The little dog", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "n": 8}
 
 
 class StreamReader(threading.Thread):

@@ -323,8 +323,8 @@ def test_a_long_pattern_repeat_compiles(llm, seed):
     assert out.finish_reason in ("stop", "length") and out.token_ids
     if out.finish_reason == "stop":
         jsonschema.validate(json.loads(out.text), schema)
-    else:  # cut by max_tokens inside the string: what there is follows the pattern
-        assert re.fullmatch(r'\{"s": ?"[a-z ]*', out.text), out.text
+    else:  # cut by max_tokens inside the string (what there is follows the pattern), or as it closed
+        assert re.fullmatch(r'\{"s": ?"[a-z ]*("\})?', out.text), out.text
 
 
 def test_a_grammar_that_fails_to_compile_aborts_only_its_request(llm, monkeypatch):
