@@ -1,0 +1,111 @@
+"""Gated DeltaNet's token mixing (the linear-attention layers of Qwen3-Next and Qwen3.5): a short
+causal depthwise convolution and the gated delta rule, over a step's flat batch of sequences,
+each carrying its recurrent state from step to step. Torch references; the Triton kernels are in
+linear_attention_triton.py.
+
+A step lays its tokens out flat, sequence after sequence (`query_start` [B + 1]); sequence i has
+`seq_lens[i]` tokens after this step, the last query_start[i + 1] - query_start[i] of them new.
+Its states live in slot `state_slots[i]` of the state pools:
+
+- the convolution's: `conv_states` [slots, K - 1, C], the last K - 1 inputs of the sequence (K: the
+  kernel width, C: the channels, q | k | v);
+- the delta rule's: `recurrent_states` [slots, Hv, Dk, Dv] float32, one Dk x Dv matrix per value head.
+
+A sequence whose new tokens are all it has (seq_lens == its query length) starts from zero
+states; slot -1 keeps no state (it starts from zeros and stores nothing: profiling runs); a row of
+sequence length 0 is padding (a CUDA graph's): nothing is computed or stored for it.
+
+The delta rule, per value head h (its key head: h // (Hv / Hk)), token by token:
+    q, k = l2_normalize(q), l2_normalize(k);  q = q / sqrt(Dk)
+    g = -exp(A_log[h]) * softplus(a + dt_bias[h]);  beta = sigmoid(b)
+    S = exp(g) * S;  S = S + k (beta (v - k^T S))^T;  out = q^T S
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from baryon.kernels.selector import Kernel
+
+L2_NORM_EPS = 1e-6  # inside the square root, as the published models' FLA kernels
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_NORM_EPS)
+
+
+def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b: [..., Hv] -> (g, the log of the state's decay; beta, the write strength), float32."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
+
+
+def _spans(query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor):
+    """(start, end, slot, has_initial_state) of every sequence that is not padding."""
+    starts, lens, slots = query_start.tolist(), seq_lens.tolist(), state_slots.tolist()
+    for i, (seq_len, slot) in enumerate(zip(lens, slots)):
+        start, end = starts[i], starts[i + 1]
+        if end > start and seq_len > 0:
+            yield start, end, slot, slot >= 0 and seq_len > end - start
+
+
+class TorchCausalConv1d(Kernel):
+    name = "torch"
+    cuda_graph_safe = False  # reads the step's layout on the host
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
+                max_query_len: int) -> torch.Tensor:
+        """x: [T, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_states:
+        [slots, K - 1, C] (updated in place). Returns silu(causal_conv(x)) [T, C] in x's dtype."""
+        width = weight.shape[1]
+        out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # [T, C]
+        for start, end, slot, has_initial in _spans(query_start, seq_lens, state_slots):
+            history = conv_states[slot] if has_initial else x.new_zeros(width - 1, x.shape[1])
+            window = torch.cat((history.to(x.dtype), x[start:end]))  # [K - 1 + n, C]
+            n = end - start
+            y = sum(window[j:j + n].float() * weight[:, j].float() for j in range(width))  # [n, C]
+            if bias is not None:
+                y = y + bias.float()
+            out[start:end] = F.silu(y).to(x.dtype)
+            if slot >= 0:
+                conv_states[slot] = window[n:].to(conv_states.dtype)
+        return out
+
+
+class TorchGatedDeltaRule(Kernel):
+    name = "torch"
+    cuda_graph_safe = False
+
+    @staticmethod
+    def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+                state_slots: torch.Tensor, max_query_len: int, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+        """qkv: [T, 2 Hk Dk + Hv Dv] (queries, keys, values; rows may be strided); a, b: [T, Hv];
+        a_log, dt_bias: [Hv]; recurrent_states: [slots, Hv, Dk, Dv] float32 (updated in place).
+        Returns [T, Hv, Dv] in qkv's dtype."""
+        _, num_v_heads, _, head_v_dim = recurrent_states.shape
+        key_dim = num_k_heads * head_k_dim
+        group = num_v_heads // num_k_heads
+        tokens = qkv.shape[0]
+        q = qkv[:, :key_dim].float().reshape(tokens, num_k_heads, head_k_dim).repeat_interleave(group, dim=1)
+        k = qkv[:, key_dim:2 * key_dim].float().reshape(tokens, num_k_heads, head_k_dim).repeat_interleave(group, dim=1)
+        v = qkv[:, 2 * key_dim:].float().reshape(tokens, num_v_heads, head_v_dim)
+        q, k = l2_normalize(q) * head_k_dim ** -0.5, l2_normalize(k)  # [T, Hv, Dk]
+        g, beta = delta_rule_gates(a, b, a_log, dt_bias)  # [T, Hv]
+        out = torch.zeros(tokens, num_v_heads, head_v_dim, dtype=qkv.dtype, device=qkv.device)
+        for start, end, slot, has_initial in _spans(query_start, seq_lens, state_slots):
+            state = recurrent_states[slot].clone() if has_initial else \
+                torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=qkv.device)
+            for t in range(start, end):
+                state = state * g[t].exp()[:, None, None]
+                remembered = (state * k[t][:, :, None]).sum(dim=1)  # [Hv, Dv]: what the state holds for k
+                delta = (v[t] - remembered) * beta[t][:, None]
+                state = state + k[t][:, :, None] * delta[:, None, :]
+                out[t] = (state * q[t][:, :, None]).sum(dim=1).to(qkv.dtype)
+            if slot >= 0:
+                recurrent_states[slot] = state
+        return out

@@ -1,0 +1,193 @@
+"""Gated DeltaNet's causal convolution and gated delta rule as Triton kernels (the semantics, the
+layouts and the state rules of linear_attention.py: read its docstring).
+
+- The convolution: one program per (sequence, block of BLOCK_T new tokens, block of channels),
+  each token's K taps read from the new tokens or, before the sequence's first new token, from
+  its state; a second, small kernel then stores each sequence's last K - 1 inputs as its state
+  (after every program of the first has read the old one).
+- The delta rule: one program per (sequence, value head, block of BLOCK_V value features), its
+  Dk x BLOCK_V slice of the state in registers across the sequence's new tokens (a decode step
+  reads and writes it once; a prefill chunk walks its tokens in order).
+
+Both read only device tensors, so decode steps are captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baryon.kernels.linear_attention import L2_NORM_EPS
+from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
+
+CONV_BLOCK_T = 16
+CONV_BLOCK_C = 128
+BLOCK_V = 32
+
+if triton is not None:
+
+    @triton.jit
+    def _causal_conv1d_kernel(x, weight, bias, states, out, query_start, seq_lens, slots,
+                              stride_x, stride_out, C, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Grid: (num_seqs, cdiv(max_query_len, BLOCK_T), cdiv(C, BLOCK_C))."""
+        seq = tl.program_id(0)
+        start = tl.load(query_start + seq)
+        n = tl.load(query_start + seq + 1) - start
+        seq_len = tl.load(seq_lens + seq)
+        first = tl.program_id(1) * BLOCK_T
+        if first >= n or seq_len == 0:
+            return
+        slot = tl.load(slots + seq).to(tl.int64)
+        ts = first + tl.arange(0, BLOCK_T)  # [BLOCK_T] positions among the new tokens
+        # (a tensor: the interpreter turns a scalar condition in a mask into int32)
+        has_initial = (ts * 0 + slot >= 0) & (ts * 0 + seq_len > n)
+        cs = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+        t_ok = ts < n
+        c_ok = cs < C
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias + cs, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        for j in tl.static_range(WIDTH):
+            src = ts - (WIDTH - 1) + j  # [BLOCK_T]: < 0 reads the state's row WIDTH - 1 + src
+            in_x = src >= 0
+            xv = tl.load(x + (start + src).to(tl.int64)[:, None] * stride_x + cs[None, :],
+                         mask=(t_ok & in_x)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            hv = tl.load(states + (slot * (WIDTH - 1) + WIDTH - 1 + src)[:, None] * C + cs[None, :],
+                         mask=(t_ok & (src < 0) & has_initial)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(weight + cs * WIDTH + j, mask=c_ok, other=0.0).to(tl.float32)
+            acc += (xv + hv) * w[None, :]
+        y = acc * tl.sigmoid(acc)
+        tl.store(out + (start + ts).to(tl.int64)[:, None] * stride_out + cs[None, :],
+                 y.to(out.dtype.element_ty), mask=t_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _store_conv_state_kernel(x, states, query_start, seq_lens, slots, stride_x, C, WIDTH: tl.constexpr,
+                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Grid: (num_seqs, cdiv(C, BLOCK_C)); ROWS: next_power_of_2(WIDTH - 1). The state's rows
+        are the last WIDTH - 1 of [old state rows, new inputs]."""
+        seq = tl.program_id(0)
+        start = tl.load(query_start + seq)
+        n = tl.load(query_start + seq + 1) - start
+        seq_len = tl.load(seq_lens + seq)
+        slot = tl.load(slots + seq).to(tl.int64)
+        if n == 0 or seq_len == 0 or slot < 0:
+            return
+        cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
+        rows = tl.arange(0, ROWS)  # [ROWS]: the new state's rows
+        has_initial = (rows * 0 + seq_len > n)[:, None]  # (a tensor, as in _causal_conv1d_kernel)
+        ok = (rows < WIDTH - 1)[:, None] & (cs < C)[None, :]
+        index = n + rows  # [ROWS]: where each comes from in [old state (WIDTH - 1 rows), new inputs]
+        from_x = (index >= WIDTH - 1)[:, None]
+        base = states + slot * (WIDTH - 1) * C
+        xv = tl.load(x + (start + index - (WIDTH - 1)).to(tl.int64)[:, None] * stride_x + cs[None, :],
+                     mask=ok & from_x, other=0.0)
+        hv = tl.load(base + index[:, None] * C + cs[None, :], mask=ok & ~from_x & has_initial, other=0.0)
+        new_rows = tl.where(from_x, xv.to(states.dtype.element_ty), hv)  # [ROWS, BLOCK_C]
+        tl.debug_barrier()  # every old row is read before any moves up in place
+        tl.store(base + rows[:, None] * C + cs[None, :], new_rows, mask=ok)
+
+    @triton.jit
+    def _gated_delta_rule_kernel(qkv, a, b, a_log, dt_bias, states, out, query_start, seq_lens, slots,
+                                 stride_qkv, stride_a, stride_b, stride_out, scale, eps,
+                                 NUM_V_HEADS: tl.constexpr, GROUP: tl.constexpr, KEY_DIM: tl.constexpr,
+                                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Grid: (num_seqs, NUM_V_HEADS, cdiv(DV, BLOCK_V))."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        start = tl.load(query_start + seq)
+        end = tl.load(query_start + seq + 1)
+        seq_len = tl.load(seq_lens + seq)
+        if end == start or seq_len == 0:
+            return
+        slot = tl.load(slots + seq).to(tl.int64)
+        dk = tl.arange(0, DK)  # [DK]
+        dv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        v_ok = dv < DV
+        has_initial = (dk * 0 + slot >= 0) & (dk * 0 + seq_len > end - start)  # [DK] (see _causal_conv1d_kernel)
+        state_at = states + ((slot * NUM_V_HEADS + head) * DK + dk[:, None]) * DV + dv[None, :]  # [DK, BLOCK_V]
+        state = tl.load(state_at, mask=has_initial[:, None] & v_ok[None, :], other=0.0)
+        decay_rate = -tl.exp(tl.load(a_log + head).to(tl.float32))
+        bias = tl.load(dt_bias + head).to(tl.float32)
+        q_at = qkv + (head // GROUP) * DK + dk
+        k_at = q_at + KEY_DIM
+        v_at = qkv + 2 * KEY_DIM + head * DV + dv
+        t = start
+        while t < end:
+            row = t.to(tl.int64)
+            q = tl.load(q_at + row * stride_qkv).to(tl.float32)
+            k = tl.load(k_at + row * stride_qkv).to(tl.float32)
+            v = tl.load(v_at + row * stride_qkv, mask=v_ok, other=0.0).to(tl.float32)
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+            x = tl.load(a + row * stride_a + head).to(tl.float32) + bias
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            beta = tl.sigmoid(tl.load(b + row * stride_b + head).to(tl.float32))
+            state = state * tl.exp(decay_rate * softplus)
+            remembered = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]
+            delta = (v - remembered) * beta
+            state = state + k[:, None] * delta[None, :]
+            o = tl.sum(state * q[:, None], axis=0)
+            tl.store(out + row * stride_out + head * DV + dv, o.to(out.dtype.element_ty), mask=v_ok)
+            t += 1
+        if slot >= 0:
+            tl.store(state_at, state, mask=v_ok[None, :])
+
+
+class TritonCausalConv1d(TritonKernel):
+    family = "causal_conv1d"
+    cuda_graph_safe = True
+
+    @classmethod
+    def cannot_implement_reason(cls, **config) -> str | None:
+        return None
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
+                max_query_len: int) -> torch.Tensor:
+        """As TorchCausalConv1d.forward."""
+        tokens, channels = x.shape
+        width = weight.shape[1]
+        out = torch.empty(tokens, channels, dtype=x.dtype, device=x.device)  # [T, C]
+        num_seqs = seq_lens.shape[0]
+        if tokens == 0 or num_seqs == 0:
+            return out
+        channel_blocks = triton.cdiv(channels, CONV_BLOCK_C)
+        _causal_conv1d_kernel[(num_seqs, triton.cdiv(max(max_query_len, 1), CONV_BLOCK_T), channel_blocks)](
+            x, weight, bias if bias is not None else weight, conv_states, out, query_start, seq_lens, state_slots,
+            x.stride(0), out.stride(0), channels, WIDTH=width, HAS_BIAS=bias is not None,
+            BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C)
+        _store_conv_state_kernel[(num_seqs, channel_blocks)](
+            x, conv_states, query_start, seq_lens, state_slots, x.stride(0), channels, WIDTH=width,
+            ROWS=next_power_of_2(width - 1), BLOCK_C=CONV_BLOCK_C)
+        return out
+
+
+class TritonGatedDeltaRule(TritonKernel):
+    family = "gated_delta_rule"
+    cuda_graph_safe = True
+
+    @classmethod
+    def cannot_implement_reason(cls, head_k_dim: int = 128, **config) -> str | None:
+        if head_k_dim != next_power_of_2(head_k_dim):
+            return f"head_k_dim {head_k_dim} is not a power of two"
+        return None
+
+    @staticmethod
+    def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
+                state_slots: torch.Tensor, max_query_len: int, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+        """As TorchGatedDeltaRule.forward."""
+        _, num_v_heads, _, head_v_dim = recurrent_states.shape
+        tokens = qkv.shape[0]
+        out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=qkv.dtype, device=qkv.device)  # [T, Hv, Dv]
+        num_seqs = seq_lens.shape[0]
+        if tokens == 0 or num_seqs == 0:
+            return out
+        block_v = min(BLOCK_V, next_power_of_2(head_v_dim))
+        _gated_delta_rule_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
+            qkv, a, b, a_log, dt_bias, recurrent_states, out, query_start, seq_lens, state_slots,
+            qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), head_k_dim ** -0.5, L2_NORM_EPS,
+            NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
+            DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v)
+        return out

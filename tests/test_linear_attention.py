@@ -1,0 +1,137 @@
+"""Gated DeltaNet's kernels (kernels/linear_attention.py): the torch references against
+transformers' Qwen3-Next functions, and the Triton kernels against the references on a varlen
+batch with states carried over, fresh sequences, a stateless row and padding (on CUDA when
+present, else in Triton's interpreter, set by conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baryon.kernels.linear_attention import TorchCausalConv1d, TorchGatedDeltaRule
+
+hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HK, HV, DK, DV, WIDTH = 2, 4, 16, 8, 4
+KEY_DIM = HK * DK
+CHANNELS = 2 * KEY_DIM + HV * DV
+
+
+def _layer_inputs(gen, tokens):
+    qkv = torch.randn(tokens, CHANNELS + 5, generator=gen)[:, :CHANNELS]  # rows strided, as a slice of a projection
+    a, b = torch.randn(tokens, HV, generator=gen), torch.randn(tokens, HV, generator=gen)
+    a_log = torch.rand(HV, generator=gen) * 2 - 1
+    dt_bias = torch.randn(HV, generator=gen)
+    weight = torch.randn(CHANNELS, WIDTH, generator=gen) * 0.5
+    return qkv, a, b, a_log, dt_bias, weight
+
+
+def _int32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _hf_layer(qkv, a, b, a_log, dt_bias, weight, conv_state=None, recurrent_state=None):
+    """transformers' computation for one sequence: convolution (with the K - 1 inputs before it),
+    then the recurrent gated delta rule from recurrent_state. Returns (out [n, Hv, Dv], state)."""
+    x = qkv.t()[None]  # [1, C, n]
+    if conv_state is not None:
+        x = torch.cat((conv_state.t()[None], x), dim=-1)
+    conv = hf.causal_conv1d_fn(x, weight, None, activation="silu")[:, :, -qkv.shape[0]:][0].t()  # [n, C]
+    q = conv[:, :KEY_DIM].reshape(1, -1, HK, DK)
+    k = conv[:, KEY_DIM:2 * KEY_DIM].reshape(1, -1, HK, DK)
+    v = conv[:, 2 * KEY_DIM:].reshape(1, -1, HV, DV)
+    g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    out, state = hf.torch_recurrent_gated_delta_rule(q, k, v, g=g[None], beta=b.sigmoid()[None],
+                                                     initial_state=recurrent_state, output_final_state=True,
+                                                     use_qk_l2norm_in_kernel=True)
+    return out[0], state
+
+
+def _reference_layer(qkv, a, b, a_log, dt_bias, weight, conv_states, states, query_start, seq_lens, slots):
+    args = (_int32(query_start), _int32(seq_lens), _int32(slots), max(query_start[i + 1] - query_start[i]
+                                                                     for i in range(len(seq_lens))))
+    conv = TorchCausalConv1d.forward(qkv, weight, None, conv_states, *args)
+    return conv, TorchGatedDeltaRule.forward(conv, a, b, a_log, dt_bias, states, *args, HK, DK)
+
+
+def test_references_match_transformers_across_chunks(seed):
+    """One sequence run in chunks of 5, 1 and 7 tokens (its states carried in slot 1) equals
+    transformers' convolution and recurrent rule over all 13 at once; the chunked rule agrees."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv, a, b, a_log, dt_bias, weight = _layer_inputs(gen, 13)
+    expected, expected_state = _hf_layer(qkv, a, b, a_log, dt_bias, weight)
+    conv_states = torch.randn(3, WIDTH - 1, CHANNELS, generator=gen)  # slot 1's garbage is not read at first
+    states = torch.randn(3, HV, DK, DV, generator=gen)
+    outs, done = [], 0
+    for n in (5, 1, 7):
+        rows = slice(done, done + n)
+        _, out = _reference_layer(qkv[rows], a[rows], b[rows], a_log, dt_bias, weight, conv_states, states,
+                                  [0, n], [done + n], [1])
+        outs.append(out)
+        done += n
+    torch.testing.assert_close(torch.cat(outs), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[1], expected_state[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_states[1], qkv[-(WIDTH - 1):])
+    x = qkv.t()[None]
+    conv = hf.causal_conv1d_fn(x, weight, None, activation="silu")[0].t()
+    q, k = conv[:, :KEY_DIM].reshape(1, -1, HK, DK), conv[:, KEY_DIM:2 * KEY_DIM].reshape(1, -1, HK, DK)
+    g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    chunked, _ = hf.torch_chunk_gated_delta_rule(q, k, conv[:, 2 * KEY_DIM:].reshape(1, -1, HV, DV), g=g[None],
+                                                 beta=b.sigmoid()[None], chunk_size=4, use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(chunked[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_reference_batch_keeps_sequences_apart(seed):
+    """A batch of a continued sequence, a fresh one, a stateless one and padding gives each
+    sequence what it gets alone; the stateless and padding rows store nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv, a, b, a_log, dt_bias, weight = _layer_inputs(gen, 12)
+    conv_states = torch.randn(4, WIDTH - 1, CHANNELS, generator=gen)
+    states = torch.randn(4, HV, DK, DV, generator=gen) * 0.1
+    before_conv, before = conv_states.clone(), states.clone()
+    # seq 0: 1 new token after 6 (slot 2); seq 1: 5 fresh tokens (slot 0); seq 2: 6 tokens, no slot; seq 3: padding
+    query_start, seq_lens, slots = [0, 1, 6, 12, 12], [7, 5, 6, 0], [2, 0, -1, 3]
+    _, out = _reference_layer(qkv, a, b, a_log, dt_bias, weight, conv_states, states, query_start, seq_lens, slots)
+    expected0, state0 = _hf_layer(qkv[:1], a[:1], b[:1], a_log, dt_bias, weight, before_conv[2], before[2:3])
+    expected1, state1 = _hf_layer(qkv[1:6], a[1:6], b[1:6], a_log, dt_bias, weight)
+    expected2, _ = _hf_layer(qkv[6:], a[6:], b[6:], a_log, dt_bias, weight)
+    torch.testing.assert_close(out, torch.cat((expected0, expected1, expected2)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[2], state0[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[0], state1[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[[1, 3]], before[[1, 3]], atol=0, rtol=0)
+    torch.testing.assert_close(conv_states[2], torch.cat((before_conv[2, 1:], qkv[:1])))
+    torch.testing.assert_close(conv_states[0], qkv[3:6])
+    torch.testing.assert_close(conv_states[[1, 3]], before_conv[[1, 3]], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_match_references(seed, dtype):
+    lt = pytest.importorskip("baryon.kernels.linear_attention_triton")
+    if lt.triton is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(seed)
+    # decodes with state, a 2-token continuation, a chunk longer than the convolution's token block,
+    # a fresh 1-token prompt, a stateless prefill, padding
+    query_start = [0, 1, 2, 4, 24, 25, 28, 29]
+    seq_lens, slots = [9, 3, 6, 20, 1, 3, 0], [4, 1, 0, 2, 5, -1, 3]
+    tokens = query_start[-1]
+    qkv, a, b, a_log, dt_bias, weight = _layer_inputs(gen, tokens)
+    qkv, a, b, weight = (t.to(dtype) for t in (qkv, a, b, weight))
+    conv_states = torch.randn(6, WIDTH - 1, CHANNELS, generator=gen).to(dtype)
+    states = torch.randn(6, HV, DK, DV, generator=gen) * 0.1
+    args = (_int32(query_start), _int32(seq_lens), _int32(slots), 20)
+    ref_conv_states, ref_states = conv_states.clone(), states.clone()
+    ref_conv = TorchCausalConv1d.forward(qkv, weight, None, ref_conv_states, *args)
+    ref_out = TorchGatedDeltaRule.forward(ref_conv, a, b, a_log, dt_bias, ref_states, *args, HK, DK)
+    dev = [t.to(DEVICE) for t in (qkv, a, b, a_log, dt_bias, weight, conv_states, states)]
+    qkv_d, a_d, b_d, a_log_d, dt_bias_d, weight_d, conv_states_d, states_d = dev
+    args_d = tuple(t.to(DEVICE) for t in args[:3]) + (20,)
+    conv = lt.TritonCausalConv1d.forward(qkv_d, weight_d, None, conv_states_d, *args_d)
+    out = lt.TritonGatedDeltaRule.forward(conv, a_d, b_d, a_log_d, dt_bias_d, states_d, *args_d, HK, DK)
+    real = slice(0, query_start[-2])  # the padding row's output is not defined
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(conv[real].cpu(), ref_conv[real], **tol)
+    torch.testing.assert_close(out[real].cpu(), ref_out[real], **tol)
+    torch.testing.assert_close(states_d.cpu(), ref_states, **tol)
+    torch.testing.assert_close(conv_states_d.cpu(), ref_conv_states, atol=0, rtol=0)
