@@ -1,6 +1,6 @@
 """Time every kernel family's selected implementation on representative shapes.
 
-    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|int4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling|vocab_argmax|dense]
+    python benchmarks/kernels.py [--device cpu|cuda] [--dtype float32|bfloat16] [--small] [--only moe|mxfp4|int4|quant|mla|spec|block_quant|zentorch|token_bitmask|sampling|vocab_argmax|dense|linear_attention]
                                  [--graph-timer]
 
 Prints one JSON line per (kernel, shape) with the median time in microseconds: host-timed single
@@ -558,6 +558,39 @@ def long_context_kernels(record, device: torch.device, dtype: torch.dtype, small
         print(json.dumps({"kernel": f"attention.{attention.name}", "decode_kv": seq_len, "gb_per_s": round(kv_bytes / us / 1e3, 1)}))
 
 
+def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
+    """Gated DeltaNet's token mixing at Qwen3-Next-80B-A3B's widths (16 key heads, 32 value heads
+    of 128, convolution width 4 over 8192 channels), per implementation that runs on `device`:
+    decode batches of 1 and 64 (each a sequence of 1k tokens with its states) and one prefill of
+    4096 new tokens (--small: 64 and 8 heads' worth of shapes stay, the prefill is 128 tokens)."""
+    hk, hv, dim, width = 16, 32, 128, 4
+    channels = 2 * hk * dim + hv * dim
+    for num_seqs, q_len in ((1, 1), (64, 1), (1, 128 if small else 4096)):
+        tokens = num_seqs * q_len
+        qkv = torch.randn(tokens, channels, device=device, dtype=dtype)
+        a = torch.randn(tokens, hv, device=device, dtype=dtype)
+        b = torch.randn(tokens, hv, device=device, dtype=dtype)
+        a_log = torch.zeros(hv, device=device)
+        dt_bias = torch.zeros(hv, device=device)
+        weight = torch.randn(channels, width, device=device, dtype=dtype) * 0.1
+        conv_states = torch.zeros(num_seqs, width - 1, channels, device=device, dtype=dtype)
+        states = torch.zeros(num_seqs, hv, dim, dim, device=device)
+        starts = torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device=device)
+        seq_lens = torch.full((num_seqs,), 1024 if q_len == 1 else q_len, dtype=torch.int32, device=device)
+        slots = torch.arange(num_seqs, dtype=torch.int32, device=device)
+        shape = f"seqs={num_seqs} new_tokens={q_len} heads={hk}/{hv}x{dim} conv={channels}x{width}"
+        for family in ("causal_conv1d", "gated_delta_rule"):
+            for impl in selector.candidates(family):
+                if impl.unsupported_reason(device) is not None or (impl.name == "torch" and q_len > 128):
+                    continue  # (the reference walks a prefill's tokens one by one from the host)
+                if family == "causal_conv1d":
+                    call = lambda: impl.forward(qkv, weight, None, conv_states, starts, seq_lens, slots, q_len)
+                else:
+                    call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
+                                                q_len, hk, dim)
+                record(f"{family}.{impl.name}", shape, call)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -565,7 +598,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="small shapes (fast on a laptop CPU)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=["moe", "mxfp4", "int4", "quant", "mla", "spec", "block_quant", "zentorch",
-                                           "token_bitmask", "long_context", "sampling", "vocab_argmax", "dense"],
+                                           "token_bitmask", "long_context", "sampling", "vocab_argmax", "dense",
+                                           "linear_attention"],
                         help="just these kernel families")
     parser.add_argument("--graph-timer", action="store_true",
                         help="CUDA: time each call replayed from a CUDA graph (no launch overhead)")
@@ -605,6 +639,9 @@ def main() -> None:
         return
     if args.only == "token_bitmask":
         token_bitmask_kernels(record, device, vocab)
+        return
+    if args.only == "linear_attention":
+        linear_attention_kernels(record, device, dtype, args.small)
         return
     if args.only == "sampling":  # a decode step's batch sizes
         for rows in (1, 64, 256):
