@@ -581,8 +581,9 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
         shape = f"seqs={num_seqs} new_tokens={q_len} heads={hk}/{hv}x{dim} conv={channels}x{width}"
         for family in ("causal_conv1d", "gated_delta_rule"):
             for impl in selector.candidates(family):
-                if impl.unsupported_reason(device) is not None or (impl.name == "torch" and q_len > 128):
-                    continue  # (the reference walks a prefill's tokens one by one from the host)
+                if impl.unsupported_reason(device) is not None or (impl.name == "torch" and
+                                                                   (device.type == "cuda" or q_len > 128)):
+                    continue  # (the reference reads the layout on the host and walks a prefill token by token)
                 if family == "causal_conv1d":
                     call = lambda: impl.forward(qkv, weight, None, conv_states, starts, seq_lens, slots, q_len)
                 else:

@@ -38,8 +38,10 @@ def _hf_layer(qkv, a, b, a_log, dt_bias, weight, conv_state=None, recurrent_stat
     if conv_state is not None:
         x = torch.cat((conv_state.t()[None], x), dim=-1)
     conv = hf.causal_conv1d_fn(x, weight, None, activation="silu")[:, :, -qkv.shape[0]:][0].t()  # [n, C]
-    q = conv[:, :KEY_DIM].reshape(1, -1, HK, DK)
-    k = conv[:, KEY_DIM:2 * KEY_DIM].reshape(1, -1, HK, DK)
+    # each key head serves HV / HK consecutive value heads (repeated here: transformers < 5.2x
+    # expects as many key heads as value heads)
+    q = conv[:, :KEY_DIM].reshape(1, -1, HK, DK).repeat_interleave(HV // HK, dim=2)
+    k = conv[:, KEY_DIM:2 * KEY_DIM].reshape(1, -1, HK, DK).repeat_interleave(HV // HK, dim=2)
     v = conv[:, 2 * KEY_DIM:].reshape(1, -1, HV, DV)
     g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
     out, state = hf.torch_recurrent_gated_delta_rule(q, k, v, g=g[None], beta=b.sigmoid()[None],
@@ -75,7 +77,8 @@ def test_references_match_transformers_across_chunks(seed):
     torch.testing.assert_close(conv_states[1], qkv[-(WIDTH - 1):])
     x = qkv.t()[None]
     conv = hf.causal_conv1d_fn(x, weight, None, activation="silu")[0].t()
-    q, k = conv[:, :KEY_DIM].reshape(1, -1, HK, DK), conv[:, KEY_DIM:2 * KEY_DIM].reshape(1, -1, HK, DK)
+    q = conv[:, :KEY_DIM].reshape(1, -1, HK, DK).repeat_interleave(HV // HK, dim=2)
+    k = conv[:, KEY_DIM:2 * KEY_DIM].reshape(1, -1, HK, DK).repeat_interleave(HV // HK, dim=2)
     g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
     chunked, _ = hf.torch_chunk_gated_delta_rule(q, k, conv[:, 2 * KEY_DIM:].reshape(1, -1, HV, DV), g=g[None],
                                                  beta=b.sigmoid()[None], chunk_size=4, use_qk_l2norm_in_kernel=True)
