@@ -108,8 +108,8 @@ def test_reference_batch_keeps_sequences_apart(seed):
     torch.testing.assert_close(conv_states[[1, 3]], before_conv[[1, 3]], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernels_match_references(seed, dtype):
+@pytest.mark.parametrize("dtype,with_bias", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_triton_kernels_match_references(seed, dtype, with_bias):
     lt = pytest.importorskip("baryon.kernels.linear_attention_triton")
     if lt.triton is None:
         pytest.skip("triton is not installed")
@@ -121,16 +121,18 @@ def test_triton_kernels_match_references(seed, dtype):
     tokens = query_start[-1]
     qkv, a, b, a_log, dt_bias, weight = _layer_inputs(gen, tokens)
     qkv, a, b, weight = (t.to(dtype) for t in (qkv, a, b, weight))
+    bias = torch.randn(CHANNELS, generator=gen).to(dtype) if with_bias else None
     conv_states = torch.randn(6, WIDTH - 1, CHANNELS, generator=gen).to(dtype)
     states = torch.randn(6, HV, DK, DV, generator=gen) * 0.1
     args = (_int32(query_start), _int32(seq_lens), _int32(slots), 20)
     ref_conv_states, ref_states = conv_states.clone(), states.clone()
-    ref_conv = TorchCausalConv1d.forward(qkv, weight, None, ref_conv_states, *args)
+    ref_conv = TorchCausalConv1d.forward(qkv, weight, bias, ref_conv_states, *args)
     ref_out = TorchGatedDeltaRule.forward(ref_conv, a, b, a_log, dt_bias, ref_states, *args, HK, DK)
     dev = [t.to(DEVICE) for t in (qkv, a, b, a_log, dt_bias, weight, conv_states, states)]
     qkv_d, a_d, b_d, a_log_d, dt_bias_d, weight_d, conv_states_d, states_d = dev
     args_d = tuple(t.to(DEVICE) for t in args[:3]) + (20,)
-    conv = lt.TritonCausalConv1d.forward(qkv_d, weight_d, None, conv_states_d, *args_d)
+    conv = lt.TritonCausalConv1d.forward(qkv_d, weight_d, None if bias is None else bias.to(DEVICE),
+                                         conv_states_d, *args_d)
     out = lt.TritonGatedDeltaRule.forward(conv, a_d, b_d, a_log_d, dt_bias_d, states_d, *args_d, HK, DK)
     real = slice(0, query_start[-2])  # the padding row's output is not defined
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
