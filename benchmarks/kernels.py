@@ -562,7 +562,7 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
     """Gated DeltaNet's token mixing at Qwen3-Next-80B-A3B's widths (16 key heads, 32 value heads
     of 128, convolution width 4 over 8192 channels), per implementation that runs on `device`:
     decode batches of 1 and 64 (each a sequence of 1k tokens with its states) and one prefill of
-    4096 new tokens (--small: 64 and 8 heads' worth of shapes stay, the prefill is 128 tokens)."""
+    4096 new tokens (--small: 128)."""
     hk, hv, dim, width = 16, 32, 128, 4
     channels = 2 * hk * dim + hv * dim
     for num_seqs, q_len in ((1, 1), (64, 1), (1, 128 if small else 4096)):
@@ -588,7 +588,7 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
                     call = lambda: impl.forward(qkv, weight, None, conv_states, starts, seq_lens, slots, q_len)
                 else:
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
-                                                q_len, hk, dim)
+                                                hk, dim)
                 record(f"{family}.{impl.name}", shape, call)
 
 

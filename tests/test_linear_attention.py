@@ -51,10 +51,10 @@ def _hf_layer(qkv, a, b, a_log, dt_bias, weight, conv_state=None, recurrent_stat
 
 
 def _reference_layer(qkv, a, b, a_log, dt_bias, weight, conv_states, states, query_start, seq_lens, slots):
-    args = (_int32(query_start), _int32(seq_lens), _int32(slots), max(query_start[i + 1] - query_start[i]
-                                                                     for i in range(len(seq_lens))))
-    conv = TorchCausalConv1d.forward(qkv, weight, None, conv_states, *args)
-    return conv, TorchGatedDeltaRule.forward(conv, a, b, a_log, dt_bias, states, *args, HK, DK)
+    layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
+    max_query_len = max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens)))
+    conv = TorchCausalConv1d.forward(qkv, weight, None, conv_states, *layout, max_query_len)
+    return conv, TorchGatedDeltaRule.forward(conv, a, b, a_log, dt_bias, states, *layout, HK, DK)
 
 
 def test_references_match_transformers_across_chunks(seed):
@@ -124,16 +124,16 @@ def test_triton_kernels_match_references(seed, dtype, with_bias):
     bias = torch.randn(CHANNELS, generator=gen).to(dtype) if with_bias else None
     conv_states = torch.randn(6, WIDTH - 1, CHANNELS, generator=gen).to(dtype)
     states = torch.randn(6, HV, DK, DV, generator=gen) * 0.1
-    args = (_int32(query_start), _int32(seq_lens), _int32(slots), 20)
+    layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
     ref_conv_states, ref_states = conv_states.clone(), states.clone()
-    ref_conv = TorchCausalConv1d.forward(qkv, weight, bias, ref_conv_states, *args)
-    ref_out = TorchGatedDeltaRule.forward(ref_conv, a, b, a_log, dt_bias, ref_states, *args, HK, DK)
+    ref_conv = TorchCausalConv1d.forward(qkv, weight, bias, ref_conv_states, *layout, 20)
+    ref_out = TorchGatedDeltaRule.forward(ref_conv, a, b, a_log, dt_bias, ref_states, *layout, HK, DK)
     dev = [t.to(DEVICE) for t in (qkv, a, b, a_log, dt_bias, weight, conv_states, states)]
     qkv_d, a_d, b_d, a_log_d, dt_bias_d, weight_d, conv_states_d, states_d = dev
-    args_d = tuple(t.to(DEVICE) for t in args[:3]) + (20,)
+    layout_d = tuple(t.to(DEVICE) for t in layout)
     conv = lt.TritonCausalConv1d.forward(qkv_d, weight_d, None if bias is None else bias.to(DEVICE),
-                                         conv_states_d, *args_d)
-    out = lt.TritonGatedDeltaRule.forward(conv, a_d, b_d, a_log_d, dt_bias_d, states_d, *args_d, HK, DK)
+                                         conv_states_d, *layout_d, 20)
+    out = lt.TritonGatedDeltaRule.forward(conv, a_d, b_d, a_log_d, dt_bias_d, states_d, *layout_d, HK, DK)
     real = slice(0, query_start[-2])  # the padding row's output is not defined
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(conv[real].cpu(), ref_conv[real], **tol)

@@ -60,7 +60,9 @@ class TorchCausalConv1d(Kernel):
                 query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
                 max_query_len: int) -> torch.Tensor:
         """x: [T, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_states:
-        [slots, K - 1, C] (updated in place). Returns silu(causal_conv(x)) [T, C] in x's dtype."""
+        [slots, K - 1, C] (updated in place); max_query_len: the most new tokens of a sequence (the
+        Triton kernel's grid; this walks the host's layout). Returns silu(causal_conv(x)) [T, C] in
+        x's dtype."""
         width = weight.shape[1]
         out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # [T, C]
         for start, end, slot, has_initial in _spans(query_start, seq_lens, state_slots):
@@ -83,7 +85,7 @@ class TorchGatedDeltaRule(Kernel):
     @staticmethod
     def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                 recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                state_slots: torch.Tensor, max_query_len: int, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
         """qkv: [T, 2 Hk Dk + Hv Dv] (queries, keys, values; rows may be strided); a, b: [T, Hv];
         a_log, dt_bias: [Hv]; recurrent_states: [slots, Hv, Dk, Dv] float32 (updated in place).
         Returns [T, Hv, Dv] in qkv's dtype."""

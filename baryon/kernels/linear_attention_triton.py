@@ -137,10 +137,6 @@ class TritonCausalConv1d(TritonKernel):
     family = "causal_conv1d"
     cuda_graph_safe = True
 
-    @classmethod
-    def cannot_implement_reason(cls, **config) -> str | None:
-        return None
-
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
                 query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
@@ -176,7 +172,7 @@ class TritonGatedDeltaRule(TritonKernel):
     @staticmethod
     def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                 recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                state_slots: torch.Tensor, max_query_len: int, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
         """As TorchGatedDeltaRule.forward."""
         _, num_v_heads, _, head_v_dim = recurrent_states.shape
         tokens = qkv.shape[0]
