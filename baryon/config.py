@@ -181,6 +181,11 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    @property
+    def has_recurrent_state(self) -> bool:
+        """A hybrid model (Qwen3-Next, Qwen3.5): linear-attention layers keep a state per sequence."""
+        return "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
+
 
 @dataclass
 class CacheConfig:
@@ -284,8 +289,14 @@ class EngineConfig:
             trust_remote_code=args.trust_remote_code, max_logprobs=args.max_logprobs,
             quantization=args.quantization,
         )
+        enable_prefix_caching = args.enable_prefix_caching
+        if model.has_recurrent_state and enable_prefix_caching:
+            # A cached prefix's KV blocks would skip tokens whose recurrent state nothing kept.
+            logger.info("%s keeps a recurrent state per sequence (linear attention): prefix caching off",
+                        model.architecture)
+            enable_prefix_caching = False
         cache = CacheConfig(
-            block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+            block_size=args.block_size, enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory_gib=args.kv_cache_memory_gib, num_kv_blocks=args.num_kv_blocks,
             kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, model.dtype, device),
@@ -411,6 +422,9 @@ def _parse_speculative(value: str | dict) -> dict:
 def _resolve_speculative(args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
     if args.speculative_config is None:
         return None
+    if target.has_recurrent_state:
+        raise ValueError(f"speculative_config is not supported for {target.architecture}: its linear-attention "
+                         f"layers' recurrent state cannot roll back rejected draft tokens; drop speculative_config")
     spec = _parse_speculative(args.speculative_config)
     method = spec.get("method")
     if method is None:  # as vLLM: a draft checkpoint means a draft model, else prompt lookup
@@ -585,7 +599,8 @@ def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
 
 # Image-and-text checkpoints whose language model baryon serves alone (their vision tower unread).
 LANGUAGE_MODEL_ONLY = ("Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                       "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+                       "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 def _language_model_config(hf_config: Any) -> Any:

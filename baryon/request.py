@@ -56,6 +56,8 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     grammar: RequestGrammar | None = None  # structured outputs: the output's grammar state
+    # Its recurrent state's slot in linear-attention layers (engine/state_slots.py); -1: none held.
+    state_slot: int = -1
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -106,6 +106,9 @@ def hf_classes(arch: str):
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
         "deepseek_v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
     }[arch]
 
 
@@ -120,7 +123,8 @@ ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral",
                  "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
                  "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
-                 "GptOssForCausalLM": "gpt_oss"}
+                 "GptOssForCausalLM": "gpt_oss", "Qwen3NextForCausalLM": "qwen3_next",
+                 "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
 # Tiny mixtures of experts: few experts of a small intermediate size.
 MOE_BASE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -146,6 +150,17 @@ MOE_BASE = {
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 64,
                                      "rope_theta": 150000.0}),
+    # Hybrid linear attention: Gated DeltaNet (2 key heads of 16, 4 value heads of 8, kernel 4) and
+    # gated full attention (head size 16, RoPE on a quarter of it) per layer_types.
+    "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, head_dim=16, **(LINEAR_ATTENTION := dict(
+                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                           linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                           layer_types=["linear_attention", "full_attention", "linear_attention"],
+                           num_hidden_layers=3))),
+    "qwen3_5": dict(head_dim=16, **LINEAR_ATTENTION),
+    "qwen3_5_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48, head_dim=16, **LINEAR_ATTENTION),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                      first_k_dense_replace=1),
 }
@@ -169,6 +184,12 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
+        if arch.startswith(("qwen3_next", "qwen3_5")):  # norms of (1 + weight) start at zero, Gated
+            for name, param in model.named_parameters():  # DeltaNet's gated norm at one, dt_bias at one
+                if name.endswith("linear_attn.norm.weight"):
+                    param.normal_(1.0, 0.1)
+                elif name.endswith(("norm.weight", "dt_bias")):
+                    param.normal_(0.0, 0.1)
         if arch.startswith("gemma"):  # Gemma's norm weights start at zero (each norm x 1): give them values
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -188,11 +209,24 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     return path
 
 
+# Architectures whose reference runs in float64: transformers' chunked delta rule (linear attention)
+# in float32 strays up to ~2e-4 in logprob from its own float64 result on these random models
+# (the engine's token-by-token rule stays within ~7e-5), more than the tests' tolerance of 1e-4.
+FLOAT64_REFERENCE = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+
+
 def hf_greedy(path: Path, prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:
     """Reference: greedy decoding with full recomputation every step in transformers (eager
-    attention, float32). Returns the new tokens and each one's logprob."""
+    attention, float32; FLOAT64_REFERENCE's in float64). Returns the new tokens and each one's logprob."""
+    import json
+
     _, model_cls = hf_classes_from_path(path)
-    model = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    if architecture in FLOAT64_REFERENCE:  # (torch's grouped matmul of the experts takes no float64)
+        model = model_cls.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                          experts_implementation="eager").eval()
+    else:
+        model = model_cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     ids = list(prompt)
     tokens, logprobs = [], []
     with torch.no_grad():

@@ -121,6 +121,14 @@ CASES = [
     ("deepseekv32-sparse-top6", "deepseek_v32", dict(routed_scaling_factor=2.5, norm_topk_prob=True)),
     ("deepseekv32-top16-yarn", "deepseek_v32", dict(index_topk=16, num_hidden_layers=3, index_n_heads=32,
                                                     rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet layers (conftest MOE_BASE) beside gated full attention; the
+    # recurrent state carried across chunked prefill (16-token steps) and decode.
+    ("qwen3next-moe-linear-full-linear", "qwen3_next", dict()),
+    ("qwen3next-3-to-1-tied-dense-last", "qwen3_next", dict(
+        num_hidden_layers=4, tie_word_embeddings=True, mlp_only_layers=[3], linear_num_value_heads=8,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])),
+    ("qwen3_5-dense-mha-kernel3", "qwen3_5", dict(num_key_value_heads=4, linear_conv_kernel_dim=3)),
+    ("qwen3_5moe-shared-expert", "qwen3_5_moe", dict(linear_num_key_heads=4)),
     # GPT-OSS: sinks, biases, clamped SwiGLU experts; 5-20-token prompts + 32 new against windows of 8 / 4.
     # The published SwiGLU limit (7; older transformers ignore the config's): conftest scales the
     # experts' gate/up weights so that some values are clamped.

@@ -378,9 +378,10 @@ def wait_for_idle_engine(server: ServerProcess, baseline: dict[str, float], time
 
 def test_disconnect_mid_stream_frees_the_request(server):
     baseline = wait_for_idle_engine(server, {"baryon:num_requests_running": 0, "baryon:kv_cache_used_blocks": 0})
-    # Eight samples to the end of the context: ~1 s of work on stories260K, so the disconnect cannot
-    # arrive after the whole request has run (one sample, ~0.1 s, once finished first on a busy CI machine).
-    max_tokens, n = MAX_MODEL_LEN - 10, 8
+    # As many samples as the server runs at once (--max-num-seqs 64), each to the end of the context:
+    # ~16k tokens, so the disconnect cannot arrive after the whole request has run (one sample once
+    # finished first on a busy CI machine, and eight once did too).
+    max_tokens, n = MAX_MODEL_LEN - 10, 64
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "n": n}
     headers = {"Authorization": f"Bearer {API_KEY}"}

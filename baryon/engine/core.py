@@ -18,6 +18,7 @@ from baryon.distributed.parallel_state import destroy_distributed, dp_all_gather
 from baryon.distributed.worker_group import WorkerGroup, WorkerDiedError, backend_for
 from baryon.engine.kv_cache import BlockManager
 from baryon.engine.scheduler import Scheduler
+from baryon.engine.state_slots import StateSlots
 from baryon.logger import get_logger
 from baryon.request import Request, RequestStatus
 from baryon.layers.forward_context import DPStep
@@ -139,7 +140,9 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         spec = config.speculative
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, spec.num_lookahead_slots if spec else 0)
+        state_slots = StateSlots(self.runner.num_state_slots) if self.runner.num_state_slots else None
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, spec.num_lookahead_slots if spec else 0,
+                                   state_slots)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, Request] = {}
         self._prompt_logprobs: dict[str, list[RawLogprobs]] = {}

@@ -3,8 +3,9 @@
 One step has a token budget (`max_num_batched_tokens`). Running requests go first, oldest first:
 a decode takes one token, a prefill takes what is left of its prompt or of the budget (chunked
 prefill), so decodes and prefill chunks share a step. When the KV blocks run out, the newest
-running request is preempted: its blocks are freed and it goes back to the front of the waiting
-queue, to be recomputed later (its prefix may still be in the prefix cache). Waiting requests are
+running request is preempted: its blocks (and its recurrent-state slot, for hybrid models) are
+freed and it goes back to the front of the waiting queue, to be recomputed later (its prefix may
+still be in the prefix cache). Waiting requests are
 admitted in arrival order while budget, blocks and `max_num_seqs` allow (one whose grammar is
 still compiling is passed over), and none while a preemption happened in the step.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 from baryon.config import SchedulerConfig
 from baryon.engine.kv_cache import BlockManager
+from baryon.engine.state_slots import StateSlots
 from baryon.request import Request, RequestStatus
 
 
@@ -35,8 +37,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0,
+                 state_slots: StateSlots | None = None) -> None:
         self.max_num_seqs = config.max_num_seqs
+        # A hybrid model's recurrent-state slots (one per running request); None: the model has none.
+        self.state_slots = state_slots
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.num_lookahead_slots = num_lookahead_slots
@@ -102,6 +107,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
+            if self.state_slots is not None:
+                self.state_slots.take(request)
             self.running.append(request)
             out.scheduled.append((request, num_new))
             budget -= num_new
@@ -112,7 +119,7 @@ class Scheduler:
         return max(min(self.num_lookahead_slots, self.max_model_len - end), 0)
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
+        self._release(request)
         request.spec_token_ids.clear()
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -125,5 +132,10 @@ class Scheduler:
             self.running.remove(request)
         elif not request.status.finished:
             self.waiting.remove(request)
-        self.block_manager.free(request)
+        self._release(request)
         request.status = status
+
+    def _release(self, request: Request) -> None:
+        self.block_manager.free(request)
+        if self.state_slots is not None:
+            self.state_slots.free(request)

@@ -64,6 +64,8 @@ def why_not_fused(layer: nn.Module) -> str | None:
     attn = getattr(attention, "attn", None)
     if not isinstance(attn, Attention) or not hasattr(attention, "qkv_proj") or not hasattr(attention, "rotary_emb"):
         return "not multi-head attention with a fused QKV projection and rotary embedding"
+    if getattr(attention, "output_gate", False):
+        return "its attention output is gated (Qwen3-Next, Qwen3.5)"
     if not (hasattr(mlp, "gate_up_proj") and isinstance(getattr(mlp, "act_fn", None), SiluAndMul)):
         return "not a gated SiLU MLP"
     if (attn.backend.name != "cpu" or attn.prologue.name != "cpu" or attn.backend.sinks is not None

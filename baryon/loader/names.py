@@ -25,9 +25,10 @@ A model class may declare:
 - `skipped_checkpoint_prefixes`: tensors of parts the model does not hold (an image-and-text
   checkpoint's vision tower), skipped;
 - `checkpoint_converters(hf_config)`: checkpoint modules whose weight and bias the model takes in
-  another row order (Cohere's q / k rows, for its interleaved rotary): module name (`self_attn.q_proj`)
-  -> a function from the published tensor to the model's, applied before loading; any other tensor
-  of such a module (a quantized layout's codes or scales) is refused.
+  another row order (Cohere's q / k rows, for its interleaved rotary; Qwen3-Next's projections
+  interleaved per key head): module name (`self_attn.q_proj`) -> a function from the published
+  tensor to the model's, applied before loading (before a fused module is cut into its parts);
+  any other tensor of such a module (a quantized layout's codes or scales) is refused.
 
 FP8 KV-cache scales load into the attention layer (`<prefix>.self_attn.attn.k_scale` / `v_scale`)
 under both published names: `self_attn.k_scale` (compressed-tensors' kv_cache_scheme, ModelOpt)
@@ -112,7 +113,7 @@ class CheckpointNames:
                     return Target(name.replace(f".{part}.", f".{packed}."), shard_id, convert=convert)
         for module, parts in self.fused.items():
             if f".{module}." in name:
-                return Target(name, parts=tuple(parts))
+                return Target(name, convert=convert, parts=tuple(parts))
         return Target(name, convert=convert)
 
     def _converter(self, name: str) -> Callable | None:

@@ -72,12 +72,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module, norm: type[RMSNorm] = RMSNorm) -> None:
+        """norm: the RMSNorm kind (Qwen3-Next's multiplies by 1 + weight)."""
         super().__init__()
-        self.self_attn = attention  # LlamaAttention, or DeepSeek's latent attention
+        self.self_attn = attention  # LlamaAttention, DeepSeek's latent attention, or a linear-attention layer
         self.mlp = mlp  # a GatedMLP, or an MoE block in sparse layers
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         # The whole layer as one call where a kernel covers it (CPU: layers/fused_decoder_layer.py).
         self.fused: Callable | None = None
 
@@ -110,12 +111,12 @@ class LlamaModel(nn.Module):
     aux_hidden_state_layers: tuple[int, ...] = ()
 
     def __init__(self, config: Any, build_attention: Callable[[Any, int], nn.Module],
-                 build_mlp: Callable[[Any, int], nn.Module]) -> None:
+                 build_mlp: Callable[[Any, int], nn.Module], norm: type[RMSNorm] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(config, i), build_mlp(config, i))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, build_attention(config, i), build_mlp(config, i), norm)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
         if tp_world_size() > 1 or dp_world_size() > 1:
             self._reduce_in_norms()
 

@@ -3,7 +3,8 @@
 One graph per batch-size bucket (1, 2, 4, 8, then every 16 up to max_num_seqs, or the configured
 list), captured largest first into one shared memory pool, over static input buffers. A decode
 step of n requests copies its inputs into the buffers, pads to the next captured size (padding
-rows: token 0, slot -1 so nothing is stored, sequence length 0 so nothing is attended) and replays.
+rows: token 0, slot -1 so nothing is stored, sequence length 0 so nothing is attended nor any
+recurrent state touched) and replays.
 Every graph writes its logits (the LM head function's output: the whole vocabulary, or the target's
 vocabulary slice of this rank) into one shared static buffer, so the pool holds no per-graph output;
 with `features` (a draft that reads the target's hidden states) also what that function makes of
@@ -54,6 +55,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.state_slots = torch.full((largest,), -1, dtype=torch.int32, device=device)  # hybrid models'
         self.logits = torch.empty(largest, logits_width, dtype=logits_dtype, device=device)  # [largest, width]
         self.features = torch.empty(largest, features_dim, dtype=logits_dtype, device=device) if features else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -69,7 +71,7 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
             max_seq_len=self.block_tables.shape[1],  # not read by the graph-safe kernels
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.zeros(size, dtype=torch.int32))
+            seq_lens_cpu=torch.zeros(size, dtype=torch.int32), state_slots=self.state_slots[:size])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -121,6 +123,8 @@ class CUDAGraphRunner:
         self.seq_lens[:n].copy_(metadata.seq_lens)
         width = metadata.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(metadata.block_tables)
+        if metadata.state_slots is not None:
+            self.state_slots[:n].copy_(metadata.state_slots)
         if size > n:  # padding rows store nothing and attend to nothing
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()

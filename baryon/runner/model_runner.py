@@ -26,6 +26,7 @@ from baryon.kernels import vocab_argmax
 from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, host_metadata, padding_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
 from baryon.layers.forward_context import DPStep, forward_context
+from baryon.layers.gated_delta_net import RecurrentStateLayer
 from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.layers.fused_decoder_layer import fuse_decoder_layers
 from baryon.loader.model_loader import load_model
@@ -109,10 +110,15 @@ class ModelRunner:
         if self.device.type == "cpu" and config.compilation.level == 0:
             fuse_decoder_layers(self.model, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, PagedKVLayer)]
-        if config.compilation.level > 0 and not all(isinstance(a, Attention) for a in self.attention_layers):
-            raise ValueError(f"compilation_level={config.compilation.level} is not supported with multi-head latent "
-                             f"attention (DeepSeek) yet: use compilation_level=0 (the default; decode steps still "
-                             f"replay CUDA graphs)")
+        # Linear-attention layers (hybrid models): a state per running request, in state slots.
+        self.state_layers = [m for m in self.model.modules() if isinstance(m, RecurrentStateLayer)]
+        self.num_state_slots = config.scheduler.max_num_seqs if self.state_layers else 0
+        if config.compilation.level > 0 and (self.state_layers or
+                                             not all(isinstance(a, Attention) for a in self.attention_layers)):
+            kind = "linear attention (Qwen3-Next, Qwen3.5)" if self.state_layers else \
+                "multi-head latent attention (DeepSeek)"
+            raise ValueError(f"compilation_level={config.compilation.level} is not supported with {kind} yet: use "
+                             f"compilation_level=0 (the default; decode steps still replay CUDA graphs)")
         self.forward = compile_forward(self.model, config.compilation.level)
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
@@ -140,6 +146,8 @@ class ModelRunner:
         self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
         # The last sampling batch built, and the requests it was built for (see _sampling_batch).
         self._last_sampling: tuple[list[Request], SamplingBatch] | None = None
+        for layer in self.state_layers:  # allocated first: the KV cache gets what they leave
+            layer.bind_states(self.num_state_slots, self.device)
         self.num_blocks = choose_num_blocks(config, self)
         self.bind_kv_cache(self.num_blocks)
         self.graph_runner, self.piecewise_runner = self.capture_cuda_graphs(
@@ -157,6 +165,8 @@ class ModelRunner:
         if not uses_cuda_graphs(compilation.level, self.device, compilation.enforce_eager):
             return []
         unsafe = sorted({f"{type(a).__name__} ({a.backend.name})" for a in self.attention_layers
+                         if not a.cuda_graph_safe} |
+                        {f"{type(a).__name__} ({a.conv.name}, {a.rule.name})" for a in self.state_layers
                          if not a.cuda_graph_safe})
         if unsafe:
             logger.info("CUDA graphs off: attention layers %s cannot be captured", unsafe)
@@ -174,7 +184,7 @@ class ModelRunner:
         if (not compilation.piecewise_cuda_graphs or compilation.level != 0
                 or not uses_cuda_graphs(compilation.level, self.device, compilation.enforce_eager)):
             return []
-        if not all(isinstance(a, Attention) for a in self.attention_layers):
+        if not all(isinstance(a, Attention) for a in self.attention_layers) or self.state_layers:
             logger.info("piecewise CUDA graphs off: they cut the forward pass at standard attention layers only")
             return []
         if self.config.parallel.data_parallel_attention:
@@ -412,7 +422,9 @@ class ModelRunner:
         argmax_only = (bool(sampling_requests) and not spans and self.rejection_sampler is None
                        and self.vocab_size < vocab_argmax.MAX_VOCAB
                        and all(_takes_argmax(r) for r in sampling_requests))
+        state_slots = np.array([r.state_slot for r, _ in scheduled], dtype=np.int32).reshape(num_seqs)
         plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
+                        state_slots=state_slots,
                         pending_index=np.array(pending_index, dtype=np.int64),
                         pending_source=np.array(pending_source, dtype=np.int64),
                         logit_rows=np.array(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
@@ -422,7 +434,8 @@ class ModelRunner:
     def _upload(self, plan: StepPlan) -> _Batch:
         """The plan's tensors on the device, pending tokens read from the last launch's samples."""
         layout = batch_layout(plan.block_tables, plan.num_computed, plan.num_new, self.block_size)
-        host = host_metadata(layout, plan.block_tables, plan.per_token)
+        host = host_metadata(layout, plan.block_tables, plan.per_token,
+                             plan.state_slots if self.state_layers else None)
         arrays = host.arrays()
         input_ids, positions, pending_source, pending_index, *on_device = to_device_many(
             [plan.input_ids, layout.positions, plan.pending_source, plan.pending_index, *arrays], self.device)

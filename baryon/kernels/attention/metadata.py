@@ -32,6 +32,9 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # [num_seqs] int32 on host
     # Per-step work a backend derives from this metadata once and reuses in every layer.
     backend_scratch: dict[str, Any] = field(default_factory=dict)
+    # [num_seqs] int32 on device: each sequence's recurrent-state slot in linear-attention layers
+    # (-1: no state kept); None in a model without such layers.
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -72,19 +75,21 @@ class HostMetadata:
     block_tables: np.ndarray  # [num_seqs, width] int32
     slot_mapping: np.ndarray  # [num_tokens] int64
     seq_of_token: np.ndarray | None  # [num_tokens]: per-token sequences' table rows, else None
+    state_slots32: np.ndarray | None = None  # [num_seqs] int32: recurrent-state slots (hybrid models)
 
     def arrays(self) -> list[np.ndarray]:
         """What goes to the device, in the order `on_device` takes it back."""
         arrays = [self.query_start32, self.seq_lens32, self.block_tables, self.slot_mapping]
-        return arrays if self.seq_of_token is None else arrays + [self.seq_of_token]
+        return arrays + [a for a in (self.seq_of_token, self.state_slots32) if a is not None]
 
     def on_device(self, tensors: Sequence[torch.Tensor]) -> AttentionMetadata:
         """tensors: `arrays()` on the device."""
-        query_start, seq_lens, tables, slot_mapping = tensors[:4]
+        query_start, seq_lens, tables, slot_mapping, *rest = tensors
         if self.seq_of_token is not None:
             # Each token's row of its sequence's table, gathered on the device (a row per token of
             # a long context would be megabytes to copy).
-            tables = tables[tensors[4]]
+            tables = tables[rest.pop(0)]
+        state_slots = rest.pop(0) if self.state_slots32 is not None else None
         num_new = np.diff(self.query_start32)
         return AttentionMetadata(
             num_tokens=self.num_tokens,
@@ -96,16 +101,21 @@ class HostMetadata:
             max_seq_len=int(self.seq_lens32.max()) if len(self.seq_lens32) else 0,
             query_start_loc_cpu=torch.from_numpy(self.query_start32),
             seq_lens_cpu=torch.from_numpy(self.seq_lens32),
+            state_slots=state_slots,
         )
 
 
-def host_metadata(layout: BatchLayout, block_tables: np.ndarray, per_token: bool = False) -> HostMetadata:
+def host_metadata(layout: BatchLayout, block_tables: np.ndarray, per_token: bool = False,
+                  state_slots: np.ndarray | None = None) -> HostMetadata:
     """The attention metadata of a step laid out as `layout`, on the host. per_token: every token
     is a sequence of its own (its prefix up to and including itself, same block table), so a step
     of several query tokens per sequence (speculative verification) runs as decodes: the decode
     kernels and the decode CUDA graphs serve it, causality holding since every token's K/V is
-    written before attention reads the cache."""
+    written before attention reads the cache. state_slots: [num_seqs] int32, each sequence's
+    recurrent-state slot (a hybrid model's step; never per token: such models verify no drafts)."""
     if per_token:
+        if state_slots is not None:
+            raise ValueError("a step of per-token sequences cannot carry recurrent-state slots")
         query_start = np.arange(len(layout.positions) + 1, dtype=np.int64)
         seq_lens = layout.positions + 1
     else:
@@ -114,7 +124,8 @@ def host_metadata(layout: BatchLayout, block_tables: np.ndarray, per_token: bool
             np.zeros(0, dtype=np.int64)
     return HostMetadata(num_tokens=len(layout.positions), query_start32=query_start.astype(np.int32),
                         seq_lens32=seq_lens.astype(np.int32), block_tables=np.ascontiguousarray(block_tables),
-                        slot_mapping=layout.slot_mapping, seq_of_token=layout.seq_of_token if per_token else None)
+                        slot_mapping=layout.slot_mapping, seq_of_token=layout.seq_of_token if per_token else None,
+                        state_slots32=None if state_slots is None else state_slots.astype(np.int32))
 
 
 def build_metadata(layout: BatchLayout, block_tables: np.ndarray, device: torch.device,
