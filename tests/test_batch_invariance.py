@@ -1,7 +1,9 @@
 """Batch invariance: a request's greedy tokens do not depend on what it is batched with or on how
 the scheduler cuts the work (chunked prefill, prefix caching, preemption under a tiny cache), for a
 dense model, a mixture of experts, DeepSeek-V3 (latent attention over its compressed cache,
-grouped sigmoid routing) and DeepSeek-V3.2 (sparse attention: index keys cached beside the latent)."""
+grouped sigmoid routing), DeepSeek-V3.2 (sparse attention: index keys cached beside the latent) and
+Qwen3-Next (linear attention: each request's recurrent state in a state slot, taken at admission,
+given back at preemption and at the end, reused by the next request)."""
 
 from __future__ import annotations
 
@@ -94,12 +96,12 @@ def assert_same_as_alone(got: list[list[int]], alone: Alone) -> None:
         assert got[i] == alone.tokens[i], f"request {i}"
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "qwen3_next"])
 def checkpoint(tmp_path_factory, request):
     """A dense model, a mixture of experts (8 experts, top-2, renormalised), DeepSeek-V3 and V3.2:
     routing, latent attention and the sparse key selection, like everything else, must not depend
     on what a request is batched with."""
-    overrides = {"norm_topk_prob": True} if request.param in ("qwen3_moe", "deepseek_v3", "deepseek_v32") else {}
+    overrides = {"norm_topk_prob": True} if request.param != "qwen3" else {}
     return make_checkpoint(tmp_path_factory.mktemp("invariance"), request.param, seed=7, **overrides)
 
 
@@ -157,6 +159,15 @@ def test_batch_of_16_mixed_lengths(default_engine, prompts, alone):
     assert_same_as_alone(_generate(default_engine, prompts), alone)
 
 
+def test_three_sequences_at_a_time(checkpoint, prompts, alone):
+    """Requests wait for a running one to finish (a hybrid model's next one takes its state slot)."""
+    llm = _engine(checkpoint, max_num_seqs=3, max_num_batched_tokens=24)
+    assert_same_as_alone(_generate(llm, prompts), alone)
+    slots = llm.engine.core.scheduler.state_slots
+    if slots is not None:
+        assert slots.num_slots == 3 and slots.num_free == 3  # every slot given back
+
+
 def test_chunked_prefill_forced_small(checkpoint, prompts, alone):
     llm = _engine(checkpoint, max_num_batched_tokens=7)
     assert_same_as_alone(_generate(llm, prompts), alone)
@@ -171,7 +182,9 @@ def test_prefix_caching_on_and_off(checkpoint, prompts, alone, prefix_caching):
     assert_same_as_alone(first, alone)
     assert_same_as_alone([o.outputs[0].token_ids for o in again], alone)
     cached = sum(o.num_cached_tokens for o in again)
-    assert (cached > 0) == prefix_caching
+    hybrid = llm.config.model.has_recurrent_state  # prefix caching is off for it (its state is per token)
+    assert llm.config.cache.enable_prefix_caching == (prefix_caching and not hybrid)
+    assert (cached > 0) == (prefix_caching and not hybrid)
     block_manager = llm.engine.core.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks
 
@@ -191,6 +204,8 @@ def test_preemption_under_tiny_kv_cache(checkpoint, prompts, alone, monkeypatch)
     assert preempted, "the tiny cache was expected to force preemptions"
     block_manager = llm.engine.core.block_manager
     assert block_manager.num_free_blocks == block_manager.num_blocks
+    slots = llm.engine.core.scheduler.state_slots
+    assert slots is None or slots.num_free == slots.num_slots
 
 
 def test_seeded_sampling_is_batch_invariant(default_engine, prompts, choice_gaps):

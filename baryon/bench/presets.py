@@ -114,6 +114,21 @@ PRESETS: dict[str, dict] = {
                       "rope_type": "yarn", "truncate": False},
         rope_theta=150000, router_aux_loss_coef=0.9, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False,
         torch_dtype="bfloat16", use_cache=True, vocab_size=201088),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct: 48 layers, three Gated DeltaNet layers (16 key heads, 32
+    # value heads of 128) to one gated full attention layer (16 heads of 256, 2 KV heads, RoPE on a
+    # quarter), each with 512 experts (top-10, renormalised) + a gated shared expert. 160 GB in bf16:
+    # one H200 runs it with --hf-overrides '{"num_hidden_layers": 24}'.
+    "qwen3-next-80b-a3b": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", attention_bias=False, attention_dropout=0.0,
+        bos_token_id=151643, decoder_sparse_step=1, eos_token_id=151645, full_attention_interval=4, head_dim=256,
+        hidden_act="silu", hidden_size=2048, initializer_range=0.02, intermediate_size=5120,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_value_head_dim=128, max_position_embeddings=262144, mlp_only_layers=[], moe_intermediate_size=512,
+        norm_topk_prob=True, num_attention_heads=16, num_experts=512, num_experts_per_tok=10, num_hidden_layers=48,
+        num_key_value_heads=2, output_router_logits=False, partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+        rope_scaling=None, rope_theta=10000000, router_aux_loss_coef=0.001, shared_expert_intermediate_size=512,
+        tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, use_sliding_window=False,
+        vocab_size=151936),
 }
 
 
