@@ -559,8 +559,9 @@ def long_context_kernels(record, device: torch.device, dtype: torch.dtype, small
 
 
 def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, small: bool) -> None:
-    """Gated DeltaNet's token mixing at Qwen3-Next-80B-A3B's widths (16 key heads, 32 value heads
-    of 128, convolution width 4 over 8192 channels), per implementation that runs on `device`:
+    """Gated DeltaNet's token mixing and its gated output norm at Qwen3-Next-80B-A3B's widths (16
+    key heads, 32 value heads of 128, convolution width 4 over 8192 channels), per implementation
+    that runs on `device`:
     decode batches of 1 and 64 (each a sequence of 1k tokens with its states) and one prefill of
     4096 new tokens (--small: 128)."""
     hk, hv, dim, width = 16, 32, 128, 4
@@ -579,13 +580,18 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
         seq_lens = torch.full((num_seqs,), 1024 if q_len == 1 else q_len, dtype=torch.int32, device=device)
         slots = torch.arange(num_seqs, dtype=torch.int32, device=device)
         shape = f"seqs={num_seqs} new_tokens={q_len} heads={hk}/{hv}x{dim} conv={channels}x{width}"
-        for family in ("causal_conv1d", "gated_delta_rule"):
+        core = torch.randn(tokens, hv, dim, device=device, dtype=dtype)  # the rule's output [T, Hv, Dv]
+        gate = qkv[:, :hv * dim].view(tokens, hv, dim)  # (strided, as z in its projection)
+        norm_weight = torch.ones(dim, device=device, dtype=dtype)
+        for family in ("causal_conv1d", "gated_delta_rule", "gated_rms_norm"):
             for impl in selector.candidates(family):
-                if impl.unsupported_reason(device) is not None or (impl.name == "torch" and
-                                                                   (device.type == "cuda" or q_len > 128)):
+                host_bound = impl.name == "torch" and family != "gated_rms_norm"
+                if impl.unsupported_reason(device) is not None or (host_bound and (device.type == "cuda" or q_len > 128)):
                     continue  # (the reference reads the layout on the host and walks a prefill token by token)
                 if family == "causal_conv1d":
                     call = lambda: impl.forward(qkv, weight, None, conv_states, starts, seq_lens, slots, q_len)
+                elif family == "gated_rms_norm":
+                    call = lambda: impl.forward(core, gate, norm_weight, 1e-6)
                 else:
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
                                                 hk, dim)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baryon.kernels.linear_attention import TorchCausalConv1d, TorchGatedDeltaRule
+from baryon.kernels.linear_attention import TorchCausalConv1d, TorchGatedDeltaRule, TorchGatedRMSNorm
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -140,3 +140,36 @@ def test_triton_kernels_match_references(seed, dtype, with_bias):
     torch.testing.assert_close(out[real].cpu(), ref_out[real], **tol)
     torch.testing.assert_close(states_d.cpu(), ref_states, **tol)
     torch.testing.assert_close(conv_states_d.cpu(), ref_conv_states, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gated_rms_norm_reference_is_transformers(seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(7, HV, DV, generator=gen) * 3).to(dtype)
+    gate = torch.randn(7, HV, DV + 3, generator=gen)[..., :DV].to(dtype)  # strided, as a slice of a projection
+    norm = hf.Qwen3NextRMSNormGated(DV, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(DV, generator=gen) * 0.5 + 1)
+        expected = norm(x.reshape(-1, DV), gate.reshape(-1, DV)).reshape(x.shape)
+    got = TorchGatedRMSNorm.forward(x, gate, norm.weight.detach(), 1e-6)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [8, 128, 96])
+def test_triton_gated_rms_norm_matches_reference(seed, dtype, dim):
+    lt = pytest.importorskip("baryon.kernels.linear_attention_triton")
+    if lt.triton is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(seed)
+    tokens, heads = 5, 3
+    x = (torch.randn(tokens, heads, dim, generator=gen) * 2).to(dtype)
+    gate = torch.randn(tokens, heads * dim + 7, generator=gen)[:, :heads * dim].to(dtype).view(tokens, heads, dim)
+    weight = (torch.randn(dim, generator=gen) * 0.5 + 1).to(dtype)
+    expected = TorchGatedRMSNorm.forward(x, gate, weight, 1e-6)
+    got = lt.TritonGatedRMSNorm.forward(x.to(DEVICE), gate.to(DEVICE), weight.to(DEVICE), 1e-6).cpu()
+    # The same roundings; float32's sums and exp may differ in their last bits (one 16-bit ulp on a
+    # GPU; Triton's interpreter truncates its bf16 conversions, which two roundings make ~3 ulps).
+    bf16_rtol = 8e-3 if DEVICE == "cuda" else 3e-2
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=bf16_rtol, rtol=bf16_rtol)
+    torch.testing.assert_close(got, expected, **tol)

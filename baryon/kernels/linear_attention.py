@@ -15,6 +15,9 @@ A sequence whose new tokens are all it has (seq_lens == its query length) starts
 states; slot -1 keeps no state (it starts from zeros and stores nothing: profiling runs); a row of
 sequence length 0 is padding (a CUDA graph's): nothing is computed or stored for it.
 
+The block's output (`gated_rms_norm`): each value head's output normalised, times the weight, times
+silu(z) of its gate.
+
 The delta rule, per value head h (its key head: h // (Hv / Hk)), token by token:
     q, k = l2_normalize(q), l2_normalize(k);  q = q / sqrt(Dk)
     g = -exp(A_log[h]) * softplus(a + dt_bias[h]);  beta = sigmoid(b)
@@ -111,3 +114,16 @@ class TorchGatedDeltaRule(Kernel):
             if slot >= 0:
                 recurrent_states[slot] = state
         return out
+
+
+class TorchGatedRMSNorm(Kernel):
+    name = "torch"
+
+    @staticmethod
+    def forward(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x, gate: [T, H, D] (rows may be strided); weight: [D] in x's dtype -> rms_norm(x) * weight
+        * silu(gate) [T, H, D], as transformers computes it: the normalised values rounded to x's
+        dtype before the weight, the weighted values rounded again, the gate's product in float32."""
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return ((weight * normed).float() * F.silu(gate.float())).to(x.dtype)

@@ -5,6 +5,8 @@ layouts and the state rules of linear_attention.py: read its docstring).
   each token's K taps read from the new tokens or, before the sequence's first new token, from
   its state; a second, small kernel then stores each sequence's last K - 1 inputs as its state
   (after every program of the first has read the old one).
+- The gated RMSNorm: one program per block of (token, value head) rows, each row's D features
+  whole in registers.
 - The delta rule: one program per (sequence, value head, block of BLOCK_V value features), its
   Dk x BLOCK_V slice of the state in registers across the sequence's new tokens (a decode step
   reads and writes it once; a prefill chunk walks its tokens in order).
@@ -131,6 +133,45 @@ if triton is not None:
             t += 1
         if slot >= 0:
             tl.store(state_at, state, mask=v_ok[None, :])
+
+
+    @triton.jit
+    def _gated_rms_norm_kernel(x, gate, weight, out, rows, heads, stride_xt, stride_xh, stride_gt, stride_gh, eps,
+                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        row = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]: (token, head) rows
+        cols = tl.arange(0, BLOCK_D)
+        mask = (row < rows)[:, None] & (cols < D)[None, :]
+        token, head = (row // heads).to(tl.int64), row % heads
+        x_rows = x + token[:, None] * stride_xt + head[:, None] * stride_xh + cols[None, :]
+        values = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_D]
+        inv_rms = tl.rsqrt(tl.sum(values * values, axis=1) / D + eps)
+        dtype = out.dtype.element_ty
+        normed = (values * inv_rms[:, None]).to(dtype).to(tl.float32)
+        w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
+        weighted = (normed * w[None, :]).to(dtype).to(tl.float32)  # a product of two 16-bit values: exact in float32
+        g = tl.load(gate + token[:, None] * stride_gt + head[:, None] * stride_gh + cols[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        result = weighted * (g / (1.0 + tl.exp(-g)))
+        tl.store(out + row.to(tl.int64)[:, None] * D + cols[None, :], result.to(dtype), mask=mask)
+
+
+class TritonGatedRMSNorm(TritonKernel):
+    family = "gated_rms_norm"
+
+    @staticmethod
+    def forward(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """As TorchGatedRMSNorm.forward (x's and gate's last dimension contiguous)."""
+        tokens, heads, dim = x.shape
+        out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)  # [T, H, D]
+        rows = tokens * heads
+        if rows == 0:
+            return out
+        block_d = next_power_of_2(dim)
+        block_r = max(1, min(16, 4096 // block_d))
+        _gated_rms_norm_kernel[(triton.cdiv(rows, block_r),)](
+            x, gate, weight, out, rows, heads, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), eps,
+            D=dim, BLOCK_D=block_d, BLOCK_R=block_r)
+        return out
 
 
 class TritonCausalConv1d(TritonKernel):

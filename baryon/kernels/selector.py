@@ -82,6 +82,8 @@ _REGISTRY: dict[str, list[str]] = {
                       "baryon.kernels.linear_attention:TorchCausalConv1d"],
     "gated_delta_rule": ["baryon.kernels.linear_attention_triton:TritonGatedDeltaRule",
                          "baryon.kernels.linear_attention:TorchGatedDeltaRule"],
+    "gated_rms_norm": ["baryon.kernels.linear_attention_triton:TritonGatedRMSNorm",
+                       "baryon.kernels.linear_attention:TorchGatedRMSNorm"],
     "moe_routing": ["baryon.kernels.moe.routing:TritonRouting", "baryon.kernels.moe.routing:TorchRouting"],
     "fused_moe": ["baryon.kernels.moe.experts_triton:TritonFusedExperts",
                   "baryon.kernels.moe.experts_grouped_mm:GroupedMMFusedExperts",

@@ -4,7 +4,8 @@ Per token: one projection gives queries and keys (Hk heads of Dk), values and th
 (Hv heads of Dv), and the delta rule's gate inputs b and a (Hv each); queries | keys | values go
 through a short causal depthwise convolution (SiLU), then the gated delta rule
 (kernels/linear_attention.py) mixes them with the sequence's recurrent state; a gated RMSNorm
-(each head normalised, times the weight, times silu(z)) and the output projection end the block.
+(each head normalised, times the weight, times silu(z): the same file) and the output projection
+end the block.
 
 Each sequence keeps two states per layer, in the slot the scheduler gave its request
 (engine/state_slots.py; `AttentionMetadata.state_slots`): the convolution's last K - 1 inputs
@@ -19,7 +20,6 @@ rank's heads; the output projection is row-parallel.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baryon.distributed.parallel_state import divide, tp_rank, tp_world_size
@@ -46,14 +46,6 @@ class RecurrentStateLayer(nn.Module):
     @property
     def cuda_graph_safe(self) -> bool:
         raise NotImplementedError
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, gate: [..., D] -> rms_norm(x) * weight * silu(gate), as transformers computes it: the
-    normalised values rounded to x's dtype before the weight, the gate's product in float32."""
-    x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((weight * normed).float() * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(RecurrentStateLayer):
@@ -88,6 +80,7 @@ class GatedDeltaNet(RecurrentStateLayer):
         device = torch.get_default_device()
         self.conv = select("causal_conv1d", device)
         self.rule = select("gated_delta_rule", device, head_k_dim=head_k_dim)
+        self.gated_norm = select("gated_rms_norm", device)
 
     def _head_parameter(self) -> nn.Parameter:
         """[Hv] float32 of this rank's value heads, loaded from the checkpoint's [Hv_total]."""
@@ -134,5 +127,5 @@ class GatedDeltaNet(RecurrentStateLayer):
         core = self.rule.forward(mixed, a, b, self.A_log, self.dt_bias, recurrent_states, metadata.query_start_loc,
                                  metadata.seq_lens, slots, self.num_k_heads, self.head_k_dim)  # [T, Hv, Dv]
         gate = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
-        out = gated_rms_norm(core, gate, self.norm_weight, self.eps)  # [T, Hv, Dv]
+        out = self.gated_norm.forward(core, gate, self.norm_weight, self.eps)  # [T, Hv, Dv]
         return self.out_proj(out.reshape(tokens, self.value_dim))
