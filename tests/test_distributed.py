@@ -117,6 +117,10 @@ PARITY_CASES = {
     # soft-capped scores per rank's heads, the final cap on the gathered vocabulary
     "gemma2-softcaps": ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
                                        attn_logit_softcapping=2.0, final_logit_softcapping=3.0), {}),
+    # Gated DeltaNet: each rank's key heads with their value heads, their conv channels of q / k / v,
+    # A_log / dt_bias and state slots; the interleaved projections de-interleaved before the slices
+    "qwen3_next-linear-attention": ("qwen3_next", {}, {}),
+    "qwen3_5-projections-apart": ("qwen3_5", {}, {}),
 }
 
 

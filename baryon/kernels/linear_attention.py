@@ -91,7 +91,12 @@ class TorchGatedDeltaRule(Kernel):
                 state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
         """qkv: [T, 2 Hk Dk + Hv Dv] (queries, keys, values; rows may be strided); a, b: [T, Hv];
         a_log, dt_bias: [Hv]; recurrent_states: [slots, Hv, Dk, Dv] float32 (updated in place).
-        Returns [T, Hv, Dv] in qkv's dtype."""
+        Returns [T, Hv, Dv] in qkv's dtype.
+
+        Token by token, each sequence's state updated in place in its slot (2 MB at Qwen3-Next's
+        widths: cache-sized), the rule rewritten so that the old state is read once a token: with
+        qS, kS = q^T S, k^T S and d = exp(g),
+            delta = beta (v - d kS);  out = d qS + (q . k) delta;  S = d S + k delta^T."""
         _, num_v_heads, _, head_v_dim = recurrent_states.shape
         key_dim = num_k_heads * head_k_dim
         group = num_v_heads // num_k_heads
@@ -100,19 +105,23 @@ class TorchGatedDeltaRule(Kernel):
         k = qkv[:, key_dim:2 * key_dim].float().reshape(tokens, num_k_heads, head_k_dim).repeat_interleave(group, dim=1)
         v = qkv[:, 2 * key_dim:].float().reshape(tokens, num_v_heads, head_v_dim)
         q, k = l2_normalize(q) * head_k_dim ** -0.5, l2_normalize(k)  # [T, Hv, Dk]
+        qk = torch.stack((q, k), dim=2)  # [T, Hv, 2, Dk]
+        q_dot_k = (q * k).sum(dim=-1, keepdim=True)  # [T, Hv, 1]
         g, beta = delta_rule_gates(a, b, a_log, dt_bias)  # [T, Hv]
+        decay, beta = g.exp()[:, :, None], beta[:, :, None]  # [T, Hv, 1]
         out = torch.zeros(tokens, num_v_heads, head_v_dim, dtype=qkv.dtype, device=qkv.device)
         for start, end, slot, has_initial in _spans(query_start, seq_lens, state_slots):
-            state = recurrent_states[slot].clone() if has_initial else \
-                torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=qkv.device)
-            for t in range(start, end):
-                state = state * g[t].exp()[:, None, None]
-                remembered = (state * k[t][:, :, None]).sum(dim=1)  # [Hv, Dv]: what the state holds for k
-                delta = (v[t] - remembered) * beta[t][:, None]
-                state = state + k[t][:, :, None] * delta[:, None, :]
-                out[t] = (state * q[t][:, :, None]).sum(dim=1).to(qkv.dtype)
             if slot >= 0:
-                recurrent_states[slot] = state
+                state = recurrent_states[slot]  # [Hv, Dk, Dv], a view: updated in place
+                if not has_initial:
+                    state.zero_()
+            else:
+                state = torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=qkv.device)
+            for t in range(start, end):
+                q_state, k_state = torch.bmm(qk[t], state).unbind(dim=1)  # [Hv, Dv] each
+                delta = beta[t] * (v[t] - decay[t] * k_state)
+                out[t] = (decay[t] * q_state + q_dot_k[t] * delta).to(qkv.dtype)
+                state.mul_(decay[t][:, :, None]).baddbmm_(k[t][:, :, None], delta[:, None, :])
         return out
 
 
