@@ -595,15 +595,6 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
                 else:
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
                                                 hk, dim)
-                if family == "gated_delta_rule" and impl.name == "triton" and q_len > 1:
-                    import baryon.kernels.linear_attention_triton as lt  # the prefill's chunk size, swept
-
-                    chosen = lt.DELTA_CHUNK
-                    for chunk in (0, 16, 32, 64):
-                        lt.DELTA_CHUNK = chunk
-                        record(f"{family}.{impl.name}.chunk{chunk}", shape, call)
-                    lt.DELTA_CHUNK = chosen
-                    continue
                 record(f"{family}.{impl.name}", shape, call)
 
 

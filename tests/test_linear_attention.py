@@ -173,36 +173,3 @@ def test_triton_gated_rms_norm_matches_reference(seed, dtype, dim):
     bf16_rtol = 8e-3 if DEVICE == "cuda" else 3e-2
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=bf16_rtol, rtol=bf16_rtol)
     torch.testing.assert_close(got, expected, **tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_chunked_rule_matches_reference(seed, dtype):
-    """Value heads of 16 features: prefills of whole chunks (DELTA_CHUNK tokens at a time as matrix
-    products) and a remainder walked token by token, continuing a state or fresh, beside decodes."""
-    lt = pytest.importorskip("baryon.kernels.linear_attention_triton")
-    if lt.triton is None:
-        pytest.skip("triton is not installed")
-    gen = torch.Generator().manual_seed(seed)
-    hk, hv, dk, dv = 2, 4, 16, 16
-    chunk = lt.DELTA_CHUNK
-    # continued prefill of 2 chunks + 5, a decode, a fresh prefill of 1 chunk + 3, a stateless exact chunk
-    lengths = [2 * chunk + 5, 1, chunk + 3, chunk]
-    seq_lens, slots = [2 * chunk + 5 + 7, 9, chunk + 3, chunk], [2, 0, 3, -1]
-    query_start = [0]
-    for n in lengths:
-        query_start.append(query_start[-1] + n)
-    tokens = query_start[-1]
-    channels = 2 * hk * dk + hv * dv
-    qkv = torch.randn(tokens, channels + 3, generator=gen)[:, :channels].to(dtype)
-    a, b = torch.randn(tokens, hv, generator=gen).to(dtype), torch.randn(tokens, hv, generator=gen).to(dtype)
-    a_log, dt_bias = torch.rand(hv, generator=gen) * 2 - 1, torch.randn(hv, generator=gen)
-    states = torch.randn(4, hv, dk, dv, generator=gen) * 0.1
-    layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
-    expected_states = states.clone()
-    expected = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, expected_states, *layout, hk, dk)
-    got_states = states.to(DEVICE)
-    got = lt.TritonGatedDeltaRule.forward(*(t.to(DEVICE) for t in (qkv, a, b, a_log, dt_bias)), got_states,
-                                          *(t.to(DEVICE) for t in layout), hk, dk)
-    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got.cpu(), expected, **tol)
-    torch.testing.assert_close(got_states.cpu(), expected_states, atol=2e-5, rtol=2e-5)

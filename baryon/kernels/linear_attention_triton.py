@@ -9,9 +9,7 @@ layouts and the state rules of linear_attention.py: read its docstring).
   whole in registers.
 - The delta rule: one program per (sequence, value head, block of BLOCK_V value features), its
   Dk x BLOCK_V slice of the state in registers across the sequence's new tokens (a decode step
-  reads and writes it once). A prefill takes its tokens DELTA_CHUNK at a time as small matrix
-  products (the chunked form of the rule: `_delta_rule_chunk`), the tokens past its last whole
-  chunk one at a time.
+  reads and writes it once; a prefill chunk walks its tokens in order).
 
 Both read only device tensors, so decode steps are captured in CUDA graphs.
 """
@@ -26,7 +24,6 @@ from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, trito
 CONV_BLOCK_T = 16
 CONV_BLOCK_C = 128
 BLOCK_V = 32
-DELTA_CHUNK = 16  # a prefill's tokens taken this many at a time by the delta rule (0: one at a time)
 
 if triton is not None:
 
@@ -92,54 +89,11 @@ if triton is not None:
         tl.store(base + rows[:, None] * C + cs[None, :], new_rows, mask=ok)
 
     @triton.jit
-    def _delta_rule_chunk(state, t0, q_at, k_at, v_at, v_ok, a, b, out, head, decay_rate, bias,
-                          stride_qkv, stride_a, stride_b, stride_out, scale, eps,
-                          DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr):
-        """The CHUNK tokens from t0 at once (state [DK, BLOCK_V] in, the state after them out); with
-        G the decay's running log-sum over the chunk and S the state before it:
-            A[t, i] = beta_t exp(G_t - G_i) k_t . k_i (i < t),  T = (I + A)^-1 (forward substitution)
-            delta = T (beta v) - T (beta exp(G) k) S       (each token's write, as the walk computes it)
-            out = exp(G) q S + [i <= t] exp(G_t - G_i) (q_t . k_i) delta
-            S' = exp(G_last) S + (exp(G_last - G) k)^T delta."""
-        rows = tl.arange(0, CHUNK)
-        at = (t0 + rows).to(tl.int64)  # [CHUNK]
-        q = tl.load(q_at[None, :] + at[:, None] * stride_qkv).to(tl.float32)  # [CHUNK, DK]
-        k = tl.load(k_at[None, :] + at[:, None] * stride_qkv).to(tl.float32)
-        v = tl.load(v_at[None, :] + at[:, None] * stride_qkv, mask=v_ok[None, :], other=0.0).to(tl.float32)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + eps) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + eps)[:, None]
-        x = tl.load(a + at * stride_a + head).to(tl.float32) + bias
-        g = decay_rate * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # [CHUNK]
-        beta = tl.sigmoid(tl.load(b + at * stride_b + head).to(tl.float32))
-        big_g = tl.cumsum(g, axis=0)  # [CHUNK]: log of the decay from the chunk's start through each token
-        causal = rows[:, None] >= rows[None, :]
-        gamma = tl.exp(tl.where(causal, big_g[:, None] - big_g[None, :], 0.0))  # [CHUNK, CHUNK]
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-        strict = rows[:, None] > rows[None, :]
-        lower = tl.where(strict, beta[:, None] * gamma * kk, 0.0)  # A
-        inverse = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)  # T, row r final once r is done
-        for r in tl.range(1, CHUNK):
-            a_row = tl.sum(tl.where(rows[:, None] == r, lower, 0.0), axis=0)  # [CHUNK]: A[r, :]
-            inverse -= tl.where(rows[:, None] == r, tl.sum(a_row[:, None] * inverse, axis=0)[None, :], 0.0)
-        u = tl.dot(inverse, beta[:, None] * v, input_precision="ieee")  # [CHUNK, BLOCK_V]
-        w = tl.dot(inverse, (beta * tl.exp(big_g))[:, None] * k, input_precision="ieee")  # [CHUNK, DK]
-        delta = u - tl.dot(w, state, input_precision="ieee")
-        qk = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="ieee") * gamma, 0.0)
-        o = tl.exp(big_g)[:, None] * tl.dot(q, state, input_precision="ieee") + \
-            tl.dot(qk, delta, input_precision="ieee")  # [CHUNK, BLOCK_V]
-        dv = tl.arange(0, BLOCK_V)
-        out_at = out + at[:, None] * stride_out + head * DV + (tl.program_id(2) * BLOCK_V + dv)[None, :]
-        tl.store(out_at, o.to(out.dtype.element_ty), mask=v_ok[None, :])
-        last = tl.sum(tl.where(rows == CHUNK - 1, big_g, 0.0), axis=0)
-        carried = tl.trans(k * tl.exp(last - big_g)[:, None])  # [DK, CHUNK]
-        return state * tl.exp(last) + tl.dot(carried, delta, input_precision="ieee")
-
-    @triton.jit
     def _gated_delta_rule_kernel(qkv, a, b, a_log, dt_bias, states, out, query_start, seq_lens, slots,
                                  stride_qkv, stride_a, stride_b, stride_out, scale, eps,
                                  NUM_V_HEADS: tl.constexpr, GROUP: tl.constexpr, KEY_DIM: tl.constexpr,
-                                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr):
-        """Grid: (num_seqs, NUM_V_HEADS, cdiv(DV, BLOCK_V)). CHUNK 0: every token walked."""
+                                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Grid: (num_seqs, NUM_V_HEADS, cdiv(DV, BLOCK_V))."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
         start = tl.load(query_start + seq)
@@ -160,13 +114,7 @@ if triton is not None:
         k_at = q_at + KEY_DIM
         v_at = qkv + 2 * KEY_DIM + head * DV + dv
         t = start
-        if CHUNK > 0:
-            while t + CHUNK <= end:  # whole chunks of a prefill: small matrix products
-                state = _delta_rule_chunk(state, t, q_at, k_at, v_at, v_ok, a, b, out, head, decay_rate, bias,
-                                          stride_qkv, stride_a, stride_b, stride_out, scale, eps,
-                                          DK=DK, DV=DV, BLOCK_V=BLOCK_V, CHUNK=CHUNK)
-                t += CHUNK
-        while t < end:  # a decode's token, a prefill's last tokens
+        while t < end:
             row = t.to(tl.int64)
             q = tl.load(q_at + row * stride_qkv).to(tl.float32)
             k = tl.load(k_at + row * stride_qkv).to(tl.float32)
@@ -274,11 +222,9 @@ class TritonGatedDeltaRule(TritonKernel):
         if tokens == 0 or num_seqs == 0:
             return out
         block_v = min(BLOCK_V, next_power_of_2(head_v_dim))
-        # Chunks need matrix products of at least 16 x 16 (tl.dot): else every token is walked.
-        chunk = DELTA_CHUNK if head_k_dim >= 16 and block_v >= 16 else 0
         _gated_delta_rule_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
             qkv, a, b, a_log, dt_bias, recurrent_states, out, query_start, seq_lens, state_slots,
             qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), head_k_dim ** -0.5, L2_NORM_EPS,
             NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
-            DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, CHUNK=chunk)
+            DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v)
         return out
