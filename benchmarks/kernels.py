@@ -562,11 +562,11 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
     """Gated DeltaNet's token mixing and its gated output norm at Qwen3-Next-80B-A3B's widths (16
     key heads, 32 value heads of 128, convolution width 4 over 8192 channels), per implementation
     that runs on `device`:
-    decode batches of 1 and 64 (each a sequence of 1k tokens with its states) and one prefill of
-    4096 new tokens (--small: 128)."""
+    decode batches of 1 and 64 (each a sequence of 1k tokens with its states), one prefill of 4096
+    new tokens and eight of 2048 (the prefill workload's step; --small: 128 each)."""
     hk, hv, dim, width = 16, 32, 128, 4
     channels = 2 * hk * dim + hv * dim
-    for num_seqs, q_len in ((1, 1), (64, 1), (1, 128 if small else 4096)):
+    for num_seqs, q_len in ((1, 1), (64, 1), (1, 128 if small else 4096), (8, 128 if small else 2048)):
         tokens = num_seqs * q_len
         qkv = torch.randn(tokens, channels, device=device, dtype=dtype)
         a = torch.randn(tokens, hv, device=device, dtype=dtype)
@@ -595,6 +595,15 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
                 else:
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
                                                 hk, dim)
+                if family == "gated_delta_rule" and impl.name == "triton":
+                    import baryon.kernels.linear_attention_triton as lt  # the value block, swept
+
+                    chosen = lt.BLOCK_V
+                    for block_v in (16, 32, 64):
+                        lt.BLOCK_V = block_v
+                        record(f"{family}.{impl.name}.block_v{block_v}", shape, call)
+                    lt.BLOCK_V = chosen
+                    continue
                 record(f"{family}.{impl.name}", shape, call)
 
 
