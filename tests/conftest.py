@@ -109,6 +109,7 @@ def hf_classes(arch: str):
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
         "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+        "qwen3_5_vlm": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),
     }[arch]
 
 
@@ -124,7 +125,8 @@ ARCH_OF_CLASS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
                  "Glm4MoeForCausalLM": "glm4_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
                  "DeepseekV3ForCausalLM": "deepseek_v3", "DeepseekV32ForCausalLM": "deepseek_v32",
                  "GptOssForCausalLM": "gpt_oss", "Qwen3NextForCausalLM": "qwen3_next",
-                 "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe"}
+                 "Qwen3_5ForCausalLM": "qwen3_5", "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+                 "Qwen3_5ForConditionalGeneration": "qwen3_5_vlm"}
 # Tiny mixtures of experts: few experts of a small intermediate size.
 MOE_BASE = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
@@ -212,7 +214,8 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
 # Architectures whose reference runs in float64: transformers' chunked delta rule (linear attention)
 # in float32 strays up to ~2e-4 in logprob from its own float64 result on these random models
 # (the engine's token-by-token rule stays within ~7e-5), more than the tests' tolerance of 1e-4.
-FLOAT64_REFERENCE = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+FLOAT64_REFERENCE = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                     "Qwen3_5ForConditionalGeneration")
 
 
 def hf_greedy(path: Path, prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from baryon import LLM, SamplingParams
-from conftest import BASE_CONFIG, TOKEN_IDS, hf_classes, hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
+from conftest import BASE_CONFIG, MOE_BASE, TOKEN_IDS, hf_classes, hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
 
 NUM_NEW = 32
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -295,6 +295,36 @@ def test_qwen_vl_checkpoint_serves_its_language_model(tmp_path, seed, arch):
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _assert_follows_transformers(arch, path, prompts, outputs)
+
+
+def test_qwen3_5_image_text_checkpoint_serves_its_language_model(tmp_path, seed):
+    """Qwen3.5's image-and-text checkpoint (`model.language_model.*` beside `model.visual.*`): its
+    hybrid language model greedy-decodes text as transformers' whole model does, the vision tower
+    unread (Qwen3-VL's multimodal RoPE, plain RoPE on text)."""
+    config_cls, model_cls = hf_classes("qwen3_5_vlm")
+    text = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+                **MOE_BASE["qwen3_5"])  # (its linear-attention layers: conftest)
+    config = config_cls(text_config=text, vision_config=QWEN_VL_VISION["qwen3_vl"], image_token_id=150,
+                        video_token_id=151, vision_start_token_id=152, vision_end_token_id=153)
+    torch.manual_seed(seed)
+    path = tmp_path / "qwen3_5_vlm"
+    model = model_cls(config).eval()
+    with torch.no_grad():  # norms of (1 + weight) start at zero, the gated norm at one
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith(("norm.weight", "dt_bias")) and "visual" not in name:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
+              max_num_batched_tokens=16, kv_cache_memory_gib=0.01)
+    assert llm.config.model.hf_config.architectures == ["Qwen3_5ForConditionalGeneration"]
+    assert llm.config.model.has_recurrent_state and llm.config.model.hf_config.num_hidden_layers == 3
+    prompts = random_prompts(2, 140, 5, 20, seed)  # (ids below the image / video tokens)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _assert_follows_transformers("qwen3_5-vlm", path, prompts, outputs)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
