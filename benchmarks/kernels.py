@@ -596,13 +596,14 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
                                                 hk, dim)
                 if family == "gated_delta_rule" and impl.name == "triton":
-                    import baryon.kernels.linear_attention_triton as lt  # the value block, swept
+                    import baryon.kernels.linear_attention_triton as lt  # its tiles, swept
 
-                    chosen = lt.BLOCK_V
-                    for block_v in (16, 32, 64):
-                        lt.BLOCK_V = block_v
-                        record(f"{family}.{impl.name}.block_v{block_v}", shape, call)
-                    lt.BLOCK_V = chosen
+                    chosen = lt.delta_rule_tiles
+                    record(f"{family}.{impl.name}", shape, call)  # its own choice of tiles
+                    for block_v, warps in ((16, 1), (32, 1), (32, 4), (64, 2)):
+                        lt.delta_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
+                        record(f"{family}.{impl.name}.block_v{block_v}.warps{warps}", shape, call)
+                    lt.delta_rule_tiles = chosen
                     continue
                 record(f"{family}.{impl.name}", shape, call)
 

@@ -9,7 +9,7 @@ layouts and the state rules of linear_attention.py: read its docstring).
   whole in registers.
 - The delta rule: one program per (sequence, value head, block of BLOCK_V value features), its
   Dk x BLOCK_V slice of the state in registers across the sequence's new tokens (a decode step
-  reads and writes it once; a prefill chunk walks its tokens in order).
+  reads and writes it once; a prefill chunk walks its tokens in order); `delta_rule_tiles`.
 
 Both read only device tensors, so decode steps are captured in CUDA graphs.
 """
@@ -23,7 +23,16 @@ from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, trito
 
 CONV_BLOCK_T = 16
 CONV_BLOCK_C = 128
-BLOCK_V = 32
+
+
+def delta_rule_tiles(num_seqs: int, num_v_heads: int, head_v_dim: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the delta rule: one warp a program, so that each thread holds whole
+    Dk columns of its state slice and the per-token sums over Dk stay in its registers; 32 value
+    features a program once the batch has 256 (sequence, head) pairs to spread, else 16 (twice the
+    programs for a lone sequence). Measured on an H200 at Qwen3-Next's widths (BENCHMARKS.md)."""
+    block_v = 32 if num_seqs * num_v_heads >= 256 else 16
+    return min(block_v, next_power_of_2(head_v_dim)), 1
+
 
 if triton is not None:
 
@@ -221,10 +230,10 @@ class TritonGatedDeltaRule(TritonKernel):
         num_seqs = seq_lens.shape[0]
         if tokens == 0 or num_seqs == 0:
             return out
-        block_v = min(BLOCK_V, next_power_of_2(head_v_dim))
+        block_v, warps = delta_rule_tiles(num_seqs, num_v_heads, head_v_dim)
         _gated_delta_rule_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
             qkv, a, b, a_log, dt_bias, recurrent_states, out, query_start, seq_lens, state_slots,
             qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), head_k_dim ** -0.5, L2_NORM_EPS,
             NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
-            DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v)
+            DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, num_warps=warps)
         return out
