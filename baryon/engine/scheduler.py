@@ -3,11 +3,11 @@
 One step has a token budget (`max_num_batched_tokens`). Running requests go first, oldest first:
 a decode takes one token, a prefill takes what is left of its prompt or of the budget (chunked
 prefill), so decodes and prefill chunks share a step. When the KV blocks run out, the newest
-running request is preempted: its blocks (and its recurrent-state slot, for hybrid models) are
-freed and it goes back to the front of the waiting queue, to be recomputed later (its prefix may
-still be in the prefix cache). Waiting requests are
-admitted in arrival order while budget, blocks and `max_num_seqs` allow (one whose grammar is
-still compiling is passed over), and none while a preemption happened in the step.
+running request is preempted: its blocks (and a hybrid model's recurrent-state slot) are freed
+and it goes back to the front of the waiting queue, to be recomputed later (its prefix may still
+be in the prefix cache). Waiting requests are admitted in arrival order while budget, blocks and
+`max_num_seqs` allow (one whose grammar is still compiling is passed over), and none while a
+preemption happened in the step; an admitted request of a hybrid model takes a state slot.
 
 With speculative decoding a decoding request also computes its draft tokens (`spec_token_ids`,
 trimmed to the budget), and gets KV slots `num_lookahead_slots` past them, where a draft model's

@@ -4,9 +4,9 @@ A hybrid model (Qwen3-Next, Qwen3.5: Gated DeltaNet layers beside full attention
 sequence and per linear-attention layer, a fixed-size state (the convolution's last inputs and the
 delta rule's matrix) instead of KV blocks that grow with the context. The runner allocates
 `max_num_seqs` such slots per layer; a request holds one slot index from admission until it
-finishes or is preempted. A slot is never cleared: a sequence that starts from its first token
-starts from zeros (the kernels read a slot's state only for a sequence with tokens before this
-step's), so a preempted request recomputed later simply takes any free slot.
+finishes or is preempted. The engine never clears a slot: a sequence that starts from its first
+token starts from zeros (the kernels read a slot's state only for a sequence with tokens before
+this step's), so a preempted request recomputed later simply takes any free slot.
 """
 
 from __future__ import annotations
