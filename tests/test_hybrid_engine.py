@@ -78,3 +78,27 @@ def test_dense_models_keep_no_state_slots(tmp_path):
     assert not config.model.has_recurrent_state and config.cache.enable_prefix_caching
     llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", kv_cache_memory_gib=0.01)
     assert llm.engine.core.scheduler.state_slots is None and llm.engine.core.runner.state_layers == []
+
+
+def test_aborted_requests_give_their_slots_back(hybrid, seed):
+    """Requests aborted while running (slots held) or waiting (none yet): every slot comes back, and
+    a request run afterwards in a reused slot decodes as it does alone."""
+    llm = LLM(str(hybrid), skip_tokenizer_init=True, device="cpu", dtype="float32", max_num_seqs=3,
+              kv_cache_memory_gib=0.01)
+    core = llm.engine.core
+    prompts = random_prompts(5, 128, 6, 14, seed)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params, frozenset())
+    for _ in range(3):
+        core.step()
+    slots = core.scheduler.state_slots
+    assert slots.num_free == 0  # three running (12 tokens each to go), two waiting
+    assert [core.requests[f"r{i}"].state_slot >= 0 for i in range(5)] == [True] * 3 + [False] * 2
+    core.abort_requests(["r0", "r3", "r4"])  # one running, both waiting
+    while core.has_unfinished_requests():
+        core.step()
+    assert slots.num_free == slots.num_slots
+    again = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
