@@ -173,3 +173,27 @@ def test_triton_gated_rms_norm_matches_reference(seed, dtype, dim):
     bf16_rtol = 8e-3 if DEVICE == "cuda" else 3e-2
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=bf16_rtol, rtol=bf16_rtol)
     torch.testing.assert_close(got, expected, **tol)
+
+
+def test_reference_chunks_match_the_token_walk(seed, monkeypatch):
+    """The torch rule's chunked form (a prefill's whole chunks as matrix products) against the same
+    rule walked token by token: a continued prefill of two chunks and a remainder, a fresh exact
+    chunk, a decode, in one batch."""
+    import baryon.kernels.linear_attention as la
+
+    gen = torch.Generator().manual_seed(seed)
+    chunk = la.CHUNK
+    lengths = [2 * chunk + 20, chunk, 1]
+    query_start = [0, lengths[0], lengths[0] + lengths[1], sum(lengths)]
+    seq_lens, slots = [lengths[0] + 9, chunk, 30], [1, 0, 2]
+    qkv, a, b, a_log, dt_bias, _ = _layer_inputs(gen, sum(lengths))
+    a = a - 2.0  # slower decay than the default inputs' (so the chunk's early tokens still count)
+    states = torch.randn(3, HV, DK, DV, generator=gen) * 0.1
+    layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
+    chunked_states = states.clone()
+    chunked = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, chunked_states, *layout, HK, DK)
+    monkeypatch.setattr(la, "CHUNK", 10**9)  # every token walked
+    walked_states = states.clone()
+    walked = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, walked_states, *layout, HK, DK)
+    torch.testing.assert_close(chunked, walked, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(chunked_states, walked_states, atol=2e-5, rtol=2e-5)

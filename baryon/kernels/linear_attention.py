@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from baryon.kernels.selector import Kernel
 
 L2_NORM_EPS = 1e-6  # inside the square root, as the published models' FLA kernels
+CHUNK = 16  # the torch delta rule takes a prefill's tokens this many at a time (the chunked form)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +94,9 @@ class TorchGatedDeltaRule(Kernel):
         a_log, dt_bias: [Hv]; recurrent_states: [slots, Hv, Dk, Dv] float32 (updated in place).
         Returns [T, Hv, Dv] in qkv's dtype.
 
-        Token by token, each sequence's state updated in place in its slot (2 MB at Qwen3-Next's
-        widths: cache-sized), the rule rewritten so that the old state is read once a token: with
+        Each sequence's state is updated in place in its slot (2 MB at Qwen3-Next's widths: cache-
+        sized): a prefill's whole chunks of CHUNK tokens as matrix products (`_rule_chunk`), the
+        other tokens one at a time, rewritten so that the old state is read once a token: with
         qS, kS = q^T S, k^T S and d = exp(g),
             delta = beta (v - d kS);  out = d qS + (q . k) delta;  S = d S + k delta^T."""
         _, num_v_heads, _, head_v_dim = recurrent_states.shape
@@ -117,12 +119,44 @@ class TorchGatedDeltaRule(Kernel):
                     state.zero_()
             else:
                 state = torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=qkv.device)
-            for t in range(start, end):
+            t = start
+            while t + CHUNK <= end:  # a prefill's whole chunks as matrix products
+                rows = slice(t, t + CHUNK)
+                out[rows] = _rule_chunk(state, q[rows], k[rows], v[rows], g[rows], beta[rows, :, 0]).to(qkv.dtype)
+                t += CHUNK
+            for t in range(t, end):  # a decode's token, a prefill's last ones
                 q_state, k_state = torch.bmm(qk[t], state).unbind(dim=1)  # [Hv, Dv] each
                 delta = beta[t] * (v[t] - decay[t] * k_state)
                 out[t] = (decay[t] * q_state + q_dot_k[t] * delta).to(qkv.dtype)
                 state.mul_(decay[t][:, :, None]).baddbmm_(k[t][:, :, None], delta[:, None, :])
         return out
+
+
+def _rule_chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor:
+    """The delta rule over C tokens at once (the chunked form; every head in one batch): q, k [C, Hv,
+    Dk] (normalised, q scaled), v [C, Hv, Dv], g, beta [C, Hv]; state [Hv, Dk, Dv] (updated in
+    place: the state after the chunk). Returns [C, Hv, Dv] float32. With G the running sum of g over
+    the chunk and S the state before it:
+        A[t, i] = beta_t exp(G_t - G_i) k_t . k_i  (i < t);  (I + A) W = beta exp(G) k;  (I + A) U = beta v
+        delta = U - W S   (each token's write, as the token walk computes it)
+        out = exp(G) q S + [i <= t] exp(G_t - G_i) (q_t . k_i) delta
+        S' = exp(G_last) S + (exp(G_last - G) k)^T delta"""
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hv, C, D]
+    big_g, beta = g.t().cumsum(dim=-1), beta.t()  # [Hv, C]
+    chunk = big_g.shape[-1]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    gaps = (big_g[:, :, None] - big_g[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # [Hv, C, C]
+    strict = (beta[:, :, None] * gaps * (k @ k.transpose(-1, -2))).tril(diagonal=-1)  # A
+    unit = strict + torch.eye(chunk, device=q.device)  # I + A, unit lower-triangular
+    u = torch.linalg.solve_triangular(unit, beta[:, :, None] * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(unit, (beta * big_g.exp())[:, :, None] * k, upper=False,
+                                      unitriangular=True)
+    delta = u - w @ state  # [Hv, C, Dv]
+    out = big_g.exp()[:, :, None] * (q @ state) + (gaps * (q @ k.transpose(-1, -2))) @ delta
+    last = big_g[:, -1:]  # [Hv, 1]
+    state.mul_(last.exp()[:, :, None]).add_((k * (last - big_g).exp()[:, :, None]).transpose(-1, -2) @ delta)
+    return out.transpose(0, 1)
 
 
 class TorchGatedRMSNorm(Kernel):
