@@ -176,6 +176,17 @@ TOKEN_IDS = {"phi3": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0),
              "cohere": dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)}
 
 
+def spread_hybrid_norms(model) -> None:
+    """Qwen3-Next / Qwen3.5: their norms of (1 + weight) start at zero, the Gated DeltaNet's gated
+    norm and dt_bias at one: give them values (the vision tower's, if any, left as they are)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith(("norm.weight", "dt_bias")) and "visual" not in name:
+                param.normal_(0.0, 0.1)
+
+
 def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a randomly initialised transformers model of `arch` to `path` (float32 safetensors)."""
     config_cls, model_cls = hf_classes(arch)
@@ -186,12 +197,8 @@ def make_checkpoint(path: Path, arch: str = "llama", seed: int = 0, **overrides)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
-        if arch.startswith(("qwen3_next", "qwen3_5")):  # norms of (1 + weight) start at zero, Gated
-            for name, param in model.named_parameters():  # DeltaNet's gated norm at one, dt_bias at one
-                if name.endswith("linear_attn.norm.weight"):
-                    param.normal_(1.0, 0.1)
-                elif name.endswith(("norm.weight", "dt_bias")):
-                    param.normal_(0.0, 0.1)
+        if arch.startswith(("qwen3_next", "qwen3_5")):
+            spread_hybrid_norms(model)
         if arch.startswith("gemma"):  # Gemma's norm weights start at zero (each norm x 1): give them values
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

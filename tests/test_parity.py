@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from baryon import LLM, SamplingParams
-from conftest import BASE_CONFIG, MOE_BASE, TOKEN_IDS, hf_classes, hf_classes_from_path, hf_greedy, make_checkpoint, random_prompts
+from conftest import (BASE_CONFIG, MOE_BASE, TOKEN_IDS, hf_classes, hf_classes_from_path, hf_greedy, make_checkpoint,
+                      random_prompts, spread_hybrid_norms)
 
 NUM_NEW = 32
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
@@ -310,12 +311,7 @@ def test_qwen3_5_image_text_checkpoint_serves_its_language_model(tmp_path, seed)
     torch.manual_seed(seed)
     path = tmp_path / "qwen3_5_vlm"
     model = model_cls(config).eval()
-    with torch.no_grad():  # norms of (1 + weight) start at zero, the gated norm at one
-        for name, param in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                param.normal_(1.0, 0.1)
-            elif name.endswith(("norm.weight", "dt_bias")) and "visual" not in name:
-                param.normal_(0.0, 0.1)
+    spread_hybrid_norms(model)
     model.save_pretrained(path)
     llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
               max_num_batched_tokens=16, kv_cache_memory_gib=0.01)

@@ -11,7 +11,7 @@ layouts and the state rules of linear_attention.py: read its docstring).
   Dk x BLOCK_V slice of the state in registers across the sequence's new tokens (a decode step
   reads and writes it once; a prefill chunk walks its tokens in order); `delta_rule_tiles`.
 
-Both read only device tensors, so decode steps are captured in CUDA graphs.
+All of them read only device tensors, so decode steps are captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -142,7 +142,6 @@ if triton is not None:
             t += 1
         if slot >= 0:
             tl.store(state_at, state, mask=v_ok[None, :])
-
 
     @triton.jit
     def _gated_rms_norm_kernel(x, gate, weight, out, rows, heads, stride_xt, stride_xh, stride_gt, stride_gh, eps,

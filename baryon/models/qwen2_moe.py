@@ -8,9 +8,17 @@ from typing import Any
 from torch import nn
 
 from baryon.layers.fused_moe.block import GatedSharedExpertMoeBlock
+from baryon.layers.fused_moe.router import Router
 from baryon.layers.mlp import GatedMLP
 from baryon.models.qwen2 import Qwen2ForCausalLM
 from baryon.models.qwen3_moe import GATE_UP_DOWN, is_sparse_layer, routed_experts, softmax_router
+
+
+def shared_expert_block(config: Any, router: Router) -> GatedSharedExpertMoeBlock:
+    """The routed experts beside a shared expert of `shared_expert_intermediate_size`, scaled by
+    sigmoid(shared_expert_gate(x)) (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
+    shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, reduce_results=False)
+    return GatedSharedExpertMoeBlock(router, routed_experts(config), shared)
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -23,6 +31,5 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     @classmethod
     def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
         if is_sparse_layer(config, layer_idx):
-            shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, reduce_results=False)
-            return GatedSharedExpertMoeBlock(softmax_router(config), routed_experts(config), shared)
+            return shared_expert_block(config, softmax_router(config))
         return GatedMLP(config.hidden_size, config.intermediate_size)

@@ -24,7 +24,6 @@ from torch import nn
 
 from baryon.kernels.moe.routing import RoutingConfig
 from baryon.layers.attention import Attention
-from baryon.layers.fused_moe.block import GatedSharedExpertMoeBlock
 from baryon.layers.fused_moe.router import Router
 from baryon.layers.gated_delta_net import GatedDeltaNet
 from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -32,7 +31,8 @@ from baryon.layers.mlp import GatedMLP
 from baryon.layers.rotary import get_rope
 from baryon.models.gemma2 import GemmaRMSNorm
 from baryon.models.llama import LlamaForCausalLM, LlamaModel, head_dim_of, layer_type_of
-from baryon.models.qwen3_moe import GATE_UP_DOWN, is_sparse_layer, routed_experts, softmax_router
+from baryon.models.qwen2_moe import shared_expert_block
+from baryon.models.qwen3_moe import GATE_UP_DOWN, is_sparse_layer, softmax_router
 
 # The linear-attention layers' tensors load into the decoder layer's token mixer (`self_attn`).
 _LINEAR_ATTENTION_NAMES = {".linear_attn.conv1d.weight": ".self_attn.conv_weight",
@@ -118,11 +118,14 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
             return linear_attention(config)
         return GatedAttention(config, layer_idx)
 
+    @staticmethod
+    def router(config: Any) -> Router:
+        return softmax_router(config)
+
     @classmethod
     def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
-        if getattr(config, "num_experts", 0) and is_sparse_layer(config, layer_idx):
-            shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, reduce_results=False)
-            return GatedSharedExpertMoeBlock(softmax_router(config), routed_experts(config), shared)
+        if getattr(config, "num_experts", 0) and is_sparse_layer(config, layer_idx):  # (Qwen3.5 has no num_experts)
+            return shared_expert_block(config, cls.router(config))
         return GatedMLP(config.hidden_size, config.intermediate_size)
 
 
@@ -149,12 +152,10 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):  # noqa: N801 (the checkpoint's 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):  # noqa: N801
     """Qwen3.5-MoE: its router always renormalises the top-k probabilities (no norm_topk_prob)."""
 
-    @classmethod
-    def build_mlp(cls, config: Any, layer_idx: int) -> nn.Module:
-        shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size, reduce_results=False)
-        router = Router(config.hidden_size, RoutingConfig(config.num_experts, config.num_experts_per_tok,
-                                                          renormalize=True))
-        return GatedSharedExpertMoeBlock(router, routed_experts(config), shared)
+    @staticmethod
+    def router(config: Any) -> Router:
+        return Router(config.hidden_size, RoutingConfig(config.num_experts, config.num_experts_per_tok,
+                                                        renormalize=True))
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):  # noqa: N801
