@@ -1,7 +1,7 @@
 """Greedy parity with Hugging Face transformers on tiny random checkpoints (float32, CPU).
 
 Every architecture baryon supports, in several configurations, must produce the same greedy
-tokens as transformers for 32 new tokens, with the chosen tokens' logprobs within 1e-4.
+tokens as transformers for 32 new tokens, with the chosen tokens' logprobs within 1e-4 (LOGPROB_TOL: the one exception).
 """
 
 from __future__ import annotations
@@ -125,10 +125,9 @@ CASES = [
     # Qwen3-Next / Qwen3.5: Gated DeltaNet layers (conftest MOE_BASE) beside gated full attention; the
     # recurrent state carried across chunked prefill (16-token steps) and decode.
     ("qwen3next-moe-linear-full-linear", "qwen3_next", dict()),
-    # (four value heads per key head through four layers: at the default init scale float32 itself
-    # strays ~2e-4 from float64 now and then, transformers' as much as ours; 0.1 keeps it under 1e-4)
+    # (four value heads per key head through four layers: LOGPROB_TOL)
     ("qwen3next-3-to-1-tied-dense-last", "qwen3_next", dict(
-        num_hidden_layers=4, tie_word_embeddings=True, mlp_only_layers=[3], linear_num_value_heads=8, initializer_range=0.1,
+        num_hidden_layers=4, tie_word_embeddings=True, mlp_only_layers=[3], linear_num_value_heads=8,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])),
     ("qwen3_5-dense-mha-kernel3", "qwen3_5", dict(num_key_value_heads=4, linear_conv_kernel_dim=3)),
     ("qwen3_5moe-shared-expert", "qwen3_5_moe", dict(linear_num_key_heads=4)),
@@ -141,6 +140,11 @@ CASES = [
         num_key_value_heads=1, layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
 ]
 
+
+# The chosen tokens' logprobs agree within 1e-4, except where float32 itself cannot: on this case's
+# random draws float32 strays from the float64 reference by up to 2.1e-4 in transformers and 1.3e-4
+# in the engine (seen: seeds 8 and 4185015 of the session seed), so it is held to 3e-4.
+LOGPROB_TOL = {"qwen3next-3-to-1-tied-dense-last": 3e-4}
 
 # Engine arguments a case needs beyond the defaults.
 ENGINE_ARGS = {"phi3-longrope-short": dict(max_model_len=64)}
@@ -167,10 +171,11 @@ def _assert_follows_transformers(name, path, prompts, outputs) -> None:
         sample = output.outputs[0]
         got = [entry[token].logprob for entry, token in zip(sample.logprobs, sample.token_ids)]
         worst = max(abs(a - b) for a, b in zip(got, expected_logprobs))
-        if (sample.token_ids != expected_tokens or worst >= 1e-4) and _router_tie(path, prompt + expected_tokens):
+        tolerance = LOGPROB_TOL.get(name, 1e-4)
+        if (sample.token_ids != expected_tokens or worst >= tolerance) and _router_tie(path, prompt + expected_tokens):
             continue  # two experts' float32 scores equal at the top-k boundary: either choice is right
         assert sample.token_ids == expected_tokens, f"{name}: greedy tokens differ from transformers"
-        assert worst < 1e-4, f"{name}: chosen-token logprobs differ by {worst:.2e}"
+        assert worst < tolerance, f"{name}: chosen-token logprobs differ by {worst:.2e}"
         assert sample.finish_reason == "length"
 
 
