@@ -594,18 +594,36 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
                     call = lambda: impl.forward(core, gate, norm_weight, 1e-6)
                 else:
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
-                                                hk, dim)
+                                                hk, dim, q_len)
                 if family == "gated_delta_rule" and impl.name == "triton":
-                    import baryon.kernels.linear_attention_triton as lt  # its tiles, swept
-
-                    chosen = lt.delta_rule_tiles
-                    record(f"{family}.{impl.name}", shape, call)  # its own choice of tiles
-                    for block_v, warps in ((16, 1), (32, 1), (32, 4), (64, 2)):
-                        lt.delta_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
-                        record(f"{family}.{impl.name}.block_v{block_v}.warps{warps}", shape, call)
-                    lt.delta_rule_tiles = chosen
+                    sweep_delta_rule_tiles(record, f"{family}.{impl.name}", shape, call, q_len)
                     continue
                 record(f"{family}.{impl.name}", shape, call)
+
+
+def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int) -> None:
+    """The Triton delta rule with its own choice of form and tiles, then each form's tiles swept
+    (the token walk's at every batch; the chunked form's, and the walk for comparison, at prefills)."""
+    import baryon.kernels.delta_rule_chunked_triton as chunked
+    import baryon.kernels.linear_attention_triton as lt
+
+    chosen = lt.delta_rule_tiles, chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN
+    record(name, shape, call)
+    lt.CHUNKED_MIN_QUERY_LEN = 1 << 30  # the token walk
+    for block_v, warps in ((16, 1), (32, 1), (32, 4), (64, 2)):
+        lt.delta_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
+        record(f"{name}.walk.block_v{block_v}.warps{warps}", shape, call)
+    lt.delta_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN = chosen[0], 1
+    if q_len > 1:
+        for block_v, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+            chunked.chunked_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
+            record(f"{name}.chunked.block_v{block_v}.warps{warps}", shape, call)
+        chunked.chunked_rule_tiles = chosen[1]
+        for warps in (2, 8):
+            chunked.INVERSE_WARPS = warps
+            record(f"{name}.chunked.inverse_warps{warps}", shape, call)
+        chunked.INVERSE_WARPS = 4
+    chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN = chosen[1], chosen[2]
 
 
 def main() -> None:

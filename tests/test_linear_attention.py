@@ -54,7 +54,7 @@ def _reference_layer(qkv, a, b, a_log, dt_bias, weight, conv_states, states, que
     layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
     max_query_len = max(query_start[i + 1] - query_start[i] for i in range(len(seq_lens)))
     conv = TorchCausalConv1d.forward(qkv, weight, None, conv_states, *layout, max_query_len)
-    return conv, TorchGatedDeltaRule.forward(conv, a, b, a_log, dt_bias, states, *layout, HK, DK)
+    return conv, TorchGatedDeltaRule.forward(conv, a, b, a_log, dt_bias, states, *layout, HK, DK, max_query_len)
 
 
 def test_references_match_transformers_across_chunks(seed):
@@ -127,13 +127,13 @@ def test_triton_kernels_match_references(seed, dtype, with_bias):
     layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
     ref_conv_states, ref_states = conv_states.clone(), states.clone()
     ref_conv = TorchCausalConv1d.forward(qkv, weight, bias, ref_conv_states, *layout, 20)
-    ref_out = TorchGatedDeltaRule.forward(ref_conv, a, b, a_log, dt_bias, ref_states, *layout, HK, DK)
+    ref_out = TorchGatedDeltaRule.forward(ref_conv, a, b, a_log, dt_bias, ref_states, *layout, HK, DK, 20)
     dev = [t.to(DEVICE) for t in (qkv, a, b, a_log, dt_bias, weight, conv_states, states)]
     qkv_d, a_d, b_d, a_log_d, dt_bias_d, weight_d, conv_states_d, states_d = dev
     layout_d = tuple(t.to(DEVICE) for t in layout)
     conv = lt.TritonCausalConv1d.forward(qkv_d, weight_d, None if bias is None else bias.to(DEVICE),
                                          conv_states_d, *layout_d, 20)
-    out = lt.TritonGatedDeltaRule.forward(conv, a_d, b_d, a_log_d, dt_bias_d, states_d, *layout_d, HK, DK)
+    out = lt.TritonGatedDeltaRule.forward(conv, a_d, b_d, a_log_d, dt_bias_d, states_d, *layout_d, HK, DK, 20)
     real = slice(0, query_start[-2])  # the padding row's output is not defined
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(conv[real].cpu(), ref_conv[real], **tol)
@@ -191,9 +191,49 @@ def test_reference_chunks_match_the_token_walk(seed, monkeypatch):
     states = torch.randn(3, HV, DK, DV, generator=gen) * 0.1
     layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
     chunked_states = states.clone()
-    chunked = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, chunked_states, *layout, HK, DK)
+    chunked = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, chunked_states, *layout, HK, DK, lengths[0])
     monkeypatch.setattr(la, "CHUNK", 10**9)  # every token walked
     walked_states = states.clone()
-    walked = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, walked_states, *layout, HK, DK)
+    walked = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, walked_states, *layout, HK, DK, lengths[0])
     torch.testing.assert_close(chunked, walked, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(chunked_states, walked_states, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_chunked_rule_matches_reference(seed, dtype):
+    """The Triton rule's chunked form (a step with a long span) against the torch reference, in one
+    batch: a continued prefill of two chunks and a remainder, a fresh exact chunk, a decode with
+    state, a fresh 1-token prompt, a stateless span, padding."""
+    lt = pytest.importorskip("baryon.kernels.linear_attention_triton")
+    if lt.triton is None:
+        pytest.skip("triton is not installed")
+    import baryon.kernels.delta_rule_chunked_triton as chunked
+
+    gen = torch.Generator().manual_seed(seed)
+    chunk = chunked.CHUNK
+    lengths = [2 * chunk + 23, chunk, 1, 1, 40, 0]
+    query_start = [0]
+    for n in lengths:
+        query_start.append(query_start[-1] + n)
+    seq_lens, slots = [lengths[0] + 11, chunk, 17, 1, 40, 0], [3, 0, 1, 4, -1, 2]
+    tokens = query_start[-1]
+    qkv, a, b, a_log, dt_bias, _ = _layer_inputs(gen, tokens)
+    a = a - 2.0  # slow decay, so that a chunk's early tokens and the carried state still count
+    # the first span's keys close to one direction: (I + A)'s inverse then needs its high powers
+    keys = qkv[:lengths[0], KEY_DIM:2 * KEY_DIM].view(-1, HK, DK)
+    keys += 4 * torch.randn(HK, DK, generator=gen)
+    qkv, a, b = (t.to(dtype) for t in (qkv, a, b))
+    states = torch.randn(5, HV, DK, DV, generator=gen) * 0.1
+    layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
+    max_query_len = max(lengths)
+    assert max_query_len >= lt.CHUNKED_MIN_QUERY_LEN
+    ref_states = states.clone()
+    ref_out = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, ref_states, *layout, HK, DK, max_query_len)
+    states_d = states.to(DEVICE)
+    out = lt.TritonGatedDeltaRule.forward(qkv.to(DEVICE), a.to(DEVICE), b.to(DEVICE), a_log.to(DEVICE),
+                                          dt_bias.to(DEVICE), states_d, *(t.to(DEVICE) for t in layout), HK, DK,
+                                          max_query_len).cpu()
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref_out, **tol)
+    torch.testing.assert_close(states_d.cpu(), ref_states, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(states_d[2].cpu(), states[2], atol=0, rtol=0)  # the padding row's slot

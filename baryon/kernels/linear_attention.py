@@ -89,10 +89,11 @@ class TorchGatedDeltaRule(Kernel):
     @staticmethod
     def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                 recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int, max_query_len: int) -> torch.Tensor:
         """qkv: [T, 2 Hk Dk + Hv Dv] (queries, keys, values; rows may be strided); a, b: [T, Hv];
-        a_log, dt_bias: [Hv]; recurrent_states: [slots, Hv, Dk, Dv] float32 (updated in place).
-        Returns [T, Hv, Dv] in qkv's dtype.
+        a_log, dt_bias: [Hv]; recurrent_states: [slots, Hv, Dk, Dv] float32 (updated in place);
+        max_query_len: the most new tokens of a sequence (the Triton kernels' choice of form; this
+        walks the host's layout). Returns [T, Hv, Dv] in qkv's dtype.
 
         Each sequence's state is updated in place in its slot (2 MB at Qwen3-Next's widths: cache-
         sized): a prefill's whole chunks of CHUNK tokens as matrix products (`_rule_chunk`), the

@@ -9,7 +9,8 @@ layouts and the state rules of linear_attention.py: read its docstring).
   whole in registers.
 - The delta rule: one program per (sequence, value head, block of BLOCK_V value features), its
   Dk x BLOCK_V slice of the state in registers across the sequence's new tokens (a decode step
-  reads and writes it once; a prefill chunk walks its tokens in order); `delta_rule_tiles`.
+  reads and writes it once; a prefill chunk walks its tokens in order); `delta_rule_tiles`. A step
+  with long new-token spans runs the chunked form instead (delta_rule_chunked_triton.py).
 
 All of them read only device tensors, so decode steps are captured in CUDA graphs.
 """
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from baryon.kernels.delta_rule_chunked_triton import chunked_delta_rule
 from baryon.kernels.linear_attention import L2_NORM_EPS
 from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, triton
 
 CONV_BLOCK_T = 16
 CONV_BLOCK_C = 128
+CHUNKED_MIN_QUERY_LEN = 64  # the delta rule in chunks once a sequence has this many new tokens
 
 
 def delta_rule_tiles(num_seqs: int, num_v_heads: int, head_v_dim: int) -> tuple[int, int]:
@@ -221,14 +224,18 @@ class TritonGatedDeltaRule(TritonKernel):
     @staticmethod
     def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                 recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int) -> torch.Tensor:
-        """As TorchGatedDeltaRule.forward."""
+                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int, max_query_len: int) -> torch.Tensor:
+        """As TorchGatedDeltaRule.forward: a step with a span of CHUNKED_MIN_QUERY_LEN new tokens or
+        more in chunks (delta_rule_chunked_triton.py), else token by token."""
         _, num_v_heads, _, head_v_dim = recurrent_states.shape
         tokens = qkv.shape[0]
         out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=qkv.dtype, device=qkv.device)  # [T, Hv, Dv]
         num_seqs = seq_lens.shape[0]
         if tokens == 0 or num_seqs == 0:
             return out
+        if max_query_len >= CHUNKED_MIN_QUERY_LEN and head_k_dim >= 16:
+            return chunked_delta_rule(qkv, a, b, a_log, dt_bias, recurrent_states, query_start, seq_lens,
+                                      state_slots, num_k_heads, head_k_dim, max_query_len, out)
         block_v, warps = delta_rule_tiles(num_seqs, num_v_heads, head_v_dim)
         _gated_delta_rule_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
             qkv, a, b, a_log, dt_bias, recurrent_states, out, query_start, seq_lens, state_slots,

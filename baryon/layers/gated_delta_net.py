@@ -125,7 +125,8 @@ class GatedDeltaNet(RecurrentStateLayer):
         mixed = self.conv.forward(qkv, self.conv_weight, None, conv_states, metadata.query_start_loc,
                                   metadata.seq_lens, slots, metadata.max_query_len)  # [T, C]
         core = self.rule.forward(mixed, a, b, self.A_log, self.dt_bias, recurrent_states, metadata.query_start_loc,
-                                 metadata.seq_lens, slots, self.num_k_heads, self.head_k_dim)  # [T, Hv, Dv]
+                                 metadata.seq_lens, slots, self.num_k_heads, self.head_k_dim,
+                                 metadata.max_query_len)  # [T, Hv, Dv]
         gate = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
         out = self.gated_norm.forward(core, gate, self.norm_weight, self.eps)  # [T, Hv, Dv]
         return self.out_proj(out.reshape(tokens, self.value_dim))
