@@ -51,10 +51,11 @@ FP8_MAX = 448.0
 QUANTIZED_LINEAR = re.compile(  # (DeepSeek: the latent-attention projections and shared experts too;
     # V3.2's indexer: its query and key projections, not weights_proj, as the published FP8 checkpoint)
     r"^model\.layers\.\d+\.(self_attn\.([qkvo]_proj|qkv_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj"
-    r"|indexer\.(wq_b|wk))|mlp\.((experts\.\d+|shared_experts)\.)?(gate|up|down|gate_up)_proj)\.weight$")
+    r"|indexer\.(wq_b|wk))|linear_attn\.(in_proj_qkvz|in_proj_ba|out_proj)"  # (Qwen3-Next's Gated DeltaNet)
+    r"|mlp\.((experts\.\d+|shared_experts?)\.)?(gate|up|down|gate_up)_proj)\.weight$")
 # (Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: each quantized as one module.)
-# Linear modules that stay float: the LM head and MoE routers.
-FLOAT_LINEAR = re.compile(r"^(lm_head|model\.layers\.\d+\.mlp\.gate)\.weight$")
+# Linear modules that stay float: the LM head, MoE routers and shared-expert gates.
+FLOAT_LINEAR = re.compile(r"^(lm_head|model\.layers\.\d+\.mlp\.(gate|shared_expert_gate))\.weight$")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
@@ -486,7 +487,7 @@ def input_key(module: str) -> str:
 
 def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bool = False, sym: bool = True,
          seed: int = 0, shared_order: bool = True, static_groups: bool = False, v2: bool = False,
-         lm_head: bool = False) -> QuantizedCheckpoint:
+         lm_head: bool = False, not_convert: tuple[str, ...] = ()) -> QuantizedCheckpoint:
     """AutoGPTQ / GPTQModel checkpoint_format "gptq" (v1): qweight, qzeros (zero - 1), scales fp16,
     g_idx; desc_act: columns grouped in a random order (g_idx[k] = position(k) // group_size), one
     order per input (GPTQ's order sorts the diagonal of the input's Hessian, so q/k/v share one,
@@ -495,12 +496,13 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
     static_groups (with desc_act): the groups are fixed before the columns are reordered, so g_idx
     stays k // group_size (GPTQModel's static_groups=True). v2: checkpoint_format "gptq_v2"
     (GPTQModel's), whose qzeros hold the zeros themselves. lm_head: the LM head quantized too
-    (GPTQModel's lm_head=True, written in the config)."""
+    (GPTQModel's lm_head=True, written in the config). not_convert: decoder modules left float
+    (modules_to_not_convert)."""
     assert bits in (4, 8)
     state = load_float(src)
     gen = torch.Generator().manual_seed(seed)
     out, deq, tensors, perms = {}, {}, {}, {}
-    modules = linear_names(state) + (["lm_head"] if lm_head else [])
+    modules = linear_names(state, skip=not_convert) + (["lm_head"] if lm_head else [])
     for name, t in state.items():
         module = name[: -len(".weight")]
         if module not in modules:
@@ -524,9 +526,11 @@ def gptq(src: Path, dst: Path, bits: int = 4, group_size: int = 32, desc_act: bo
               "checkpoint_format": "gptq_v2" if v2 else "gptq", "damp_percent": 0.01, "true_sequential": True,
               "static_groups": static_groups, "lm_head": lm_head, "model_name_or_path": None,
               "model_file_base_name": "model"}
+    if not_convert:
+        config["modules_to_not_convert"] = list(not_convert)
     path = write_checkpoint(src, dst, out, config)
     (path / "quantize_config.json").write_text(json.dumps(config, indent=2))
-    float_linears = [m for m in float_linear_names(state) if m not in modules]
+    float_linears = [*(m for m in float_linear_names(state) if m not in modules), *not_convert]
     return QuantizedCheckpoint(path, _float_reference(out, deq), modules, float_linears, config, tensors)
 
 
@@ -587,12 +591,12 @@ def gptq_dequantize(qweight, qzeros, scales, g_idx, bits) -> torch.Tensor:
 
 # -- AWQ --------------------------------------------------------------------------------------
 
-def awq(src: Path, dst: Path, group_size: int = 32) -> QuantizedCheckpoint:
+def awq(src: Path, dst: Path, group_size: int = 32, not_convert: tuple[str, ...] = ()) -> QuantizedCheckpoint:
     """AutoAWQ GEMM (version "gemm", 4 bits, zero points): qweight [K, N/8], qzeros [G, N/8]
-    packed in AWQ's order, scales float16 [G, N]."""
+    packed in AWQ's order, scales float16 [G, N]. not_convert: decoder modules left float."""
     state = load_float(src)
     out, deq, tensors = {}, {}, {}
-    modules = linear_names(state)
+    modules = linear_names(state, skip=not_convert)
     for name, t in state.items():
         module = name[: -len(".weight")]
         if module not in modules:
@@ -614,9 +618,9 @@ def awq(src: Path, dst: Path, group_size: int = 32) -> QuantizedCheckpoint:
         deq[module] = awq_dequantize(out[f"{module}.qweight"], out[f"{module}.qzeros"], out[f"{module}.scales"],
                                      group_size)
     config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
-              "modules_to_not_convert": None}
+              "modules_to_not_convert": list(not_convert) or None}
     path = write_checkpoint(src, dst, out, config)
-    float_linears = float_linear_names(state)
+    float_linears = [*float_linear_names(state), *not_convert]
     return QuantizedCheckpoint(path, _float_reference(out, deq), modules, float_linears, config, tensors)
 
 
@@ -630,12 +634,14 @@ def awq_dequantize(qweight, qzeros, scales, group_size) -> torch.Tensor:
 
 # -- what the engine holds -------------------------------------------------------------------
 
-def engine_layout(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | tuple]:
+def engine_layout(reference: dict[str, torch.Tensor], converters: dict | None = None) -> dict[str, torch.Tensor | tuple]:
     """The reference weights fused the way the engine holds them: module name -> weight
     (qkv_proj = cat(q, k, v), gate_up_proj = cat(gate, up), o_proj, down_proj; DeepSeek's latent
-    projections and shared experts as they are, gate/up fused) and, for
+    projections and shared experts as they are, gate/up fused; Qwen3-Next's linear attention under
+    self_attn, its rows reordered by the model's `converters` (checkpoint_converters)) and, for
     `...mlp.experts`, (w13 [E, 2I, H] = gate rows then up rows, w2 [E, H, I])."""
     layout: dict = {}
+    converters = converters or {}
     layers = sorted({int(m.group(1)) for k in reference if (m := re.match(r"model\.layers\.(\d+)\.", k))})
     for i in layers:
         p = f"model.layers.{i}"
@@ -651,7 +657,13 @@ def engine_layout(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor 
         if f"{p}.mlp.gate_up_proj.weight" in reference:  # (Phi-3: fused in the checkpoint)
             layout[f"{p}.mlp.gate_up_proj"] = reference[f"{p}.mlp.gate_up_proj.weight"]
             layout[f"{p}.mlp.down_proj"] = reference[f"{p}.mlp.down_proj.weight"]
-        for mlp in ("mlp", "mlp.shared_experts"):
+        for name in ("in_proj_qkvz", "in_proj_ba", "out_proj"):
+            if f"{p}.linear_attn.{name}.weight" in reference:
+                weight = reference[f"{p}.linear_attn.{name}.weight"]
+                layout[f"{p}.self_attn.{name}"] = converters[name](weight) if name in converters else weight
+        if f"{p}.mlp.shared_expert_gate.weight" in reference:
+            layout[f"{p}.mlp.shared_expert_gate"] = reference[f"{p}.mlp.shared_expert_gate.weight"]
+        for mlp in ("mlp", "mlp.shared_experts", "mlp.shared_expert"):
             if f"{p}.{mlp}.gate_proj.weight" in reference:
                 layout[f"{p}.{mlp}.gate_up_proj"] = torch.cat([reference[f"{p}.{mlp}.gate_proj.weight"],
                                                                reference[f"{p}.{mlp}.up_proj.weight"]])

@@ -180,7 +180,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
         try:
             with torch.no_grad():
                 if target.convert is not None:
-                    tensor = target.convert(tensor)
+                    tensor = reordered_rows(param, tensor, target.convert, target.parts)
                 if target.parts:
                     for shard_id, part in fused_parts(param, tensor, target.parts):
                         param.weight_loader(param, part, shard_id)
@@ -200,6 +200,34 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
         raise WeightLoadError(f"the checkpoint has no tensor for {len(missing)} parameter(s) of "
                               f"{type(model).__name__}: {', '.join(missing[:10])}"
                               + (" ..." if len(missing) > 10 else ""))
+
+
+def reordered_rows(param: nn.Parameter, tensor: torch.Tensor, convert, parts: tuple[tuple[Any, int], ...] | None
+                   ) -> torch.Tensor:
+    """A checkpoint tensor in the model's row order. `convert` (checkpoint_converters) reorders the
+    rows of a [rows, ...] tensor; it is applied to the row indices, and the order they take is
+    applied to the tensor at its own granularity along the parameter's output dimension: a row
+    each for weights and per-channel scales, an entry of `output_block` rows for block scales and
+    packed codes (each entry's rows must then come from one entry of the checkpoint's)."""
+    dim = param.output_dim
+    if dim is None or param.per_shard or tensor.dim() <= dim:
+        return tensor  # no output rows (a per-tensor scale): nothing to reorder
+    block = param.output_block
+    rows = sum(count for _, count in parts) if parts else tensor.shape[dim] * block
+    if tensor.shape[dim] != -(-rows // block):
+        raise ValueError(f"shape {tuple(tensor.shape)} does not hold the module's {rows} output rows along dim {dim}")
+    order = convert(torch.arange(rows).unsqueeze(1)).squeeze(1)  # [rows]: each model row's checkpoint row
+    if block > 1:
+        source = order // block
+        entries = source[::block]  # [ceil(rows / block)]: each entry's checkpoint entry
+        if not torch.equal(source, entries.repeat_interleave(block)[:rows]):
+            raise ValueError(f"the model reorders this module's rows as it loads them, which would split the "
+                             f"{block}-row entries of this tensor (shape {tuple(tensor.shape)}); a checkpoint "
+                             f"quantized with entries of whole heads (or this module left unquantized) loads")
+        order = entries
+    if tensor.dtype.itemsize == 1:  # (float8 codes: index_select through their bytes)
+        return tensor.view(torch.uint8).index_select(dim, order).view(tensor.dtype)
+    return tensor.index_select(dim, order)
 
 
 def fused_parts(param: nn.Parameter, tensor: torch.Tensor, parts: tuple[tuple[Any, int], ...]
@@ -233,7 +261,9 @@ def _missing_description(name: str, param: nn.Parameter, loaded: set, names: Che
         return f"{name} ({', '.join(tensors[:4])}{' ...' if len(tensors) > 4 else ''})"
     if len(param.expected_shards) > 1 and loaded:
         return f"{name} (missing shards {sorted(map(str, absent))})"
-    return name
+    module, _, tensor = name.rpartition(".")
+    published = [f"{prefix}.{tensor}" for prefix in names.checkpoint_prefixes(module)]
+    return name if published == [name] else f"{name} (from {' + '.join(published)})"
 
 
 @torch.no_grad()

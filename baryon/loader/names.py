@@ -26,9 +26,10 @@ A model class may declare:
   checkpoint's vision tower), skipped;
 - `checkpoint_converters(hf_config)`: checkpoint modules whose weight and bias the model takes in
   another row order (Cohere's q / k rows, for its interleaved rotary; Qwen3-Next's projections
-  interleaved per key head): module name (`self_attn.q_proj`) -> a function from the published
-  tensor to the model's, applied before loading (before a fused module is cut into its parts);
-  any other tensor of such a module (a quantized layout's codes or scales) is refused.
+  interleaved per key head): module name (`self_attn.q_proj`) -> a function reordering the rows of
+  a [rows, ...] tensor from the published order to the model's, applied before loading (before a
+  fused module is cut into its parts) to every tensor of the module at its granularity along the
+  output rows (model_loader.reordered_rows: a quantized layout's scales and codes too).
 
 FP8 KV-cache scales load into the attention layer (`<prefix>.self_attn.attn.k_scale` / `v_scale`)
 under both published names: `self_attn.k_scale` (compressed-tensors' kv_cache_scheme, ModelOpt)
@@ -120,10 +121,6 @@ class CheckpointNames:
         """The model's converter of tensor `name` (checkpoint_converters), if its module has one."""
         for module, convert in self.converters.items():
             if f".{module}." in name:
-                if name.rpartition(".")[2] not in ("weight", "bias"):
-                    raise ValueError(f"tensor {name!r}: the model reorders {module}'s rows as it loads them, "
-                                     f"which a quantized layout's tensors do not allow; use an unquantized "
-                                     f"(bf16 / fp16 / fp32) checkpoint")
                 return convert
         return None
 

@@ -73,6 +73,7 @@ class GatedSharedExpertMoeBlock(nn.Module):
         super().__init__()
         self.gate, self.experts, self.shared_expert = gate, experts, shared_expert
         self.shared_expert_gate = ReplicatedLinear(experts.hidden_size, 1, bias=False)
+        self.shared_expert_gate.quantizable = False  # one row: float in the published quantized checkpoints
         self.reduce_results = True  # False: the norm after the block adds the ranks' (replicas') parts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
