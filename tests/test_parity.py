@@ -373,19 +373,36 @@ def test_gemma_legacy_gelu_config_means_the_tanh_approximation(tmp_path, seed):
     _assert_follows_transformers("gemma-legacy", path, prompts, outputs)
 
 
-def test_cohere_quantized_q_k_tensors_are_refused(tmp_path, seed):
-    """The q / k rows are reordered as they load (Cohere's interleaved rotary): a quantized layout's
-    codes or scales cannot be, so such a tensor is refused by name, not loaded out of order."""
+def test_cohere_q_k_rows_reorder_at_each_tensors_granularity(tmp_path, seed):
+    """The q / k rows are reordered as they load (Cohere's interleaved rotary pairs into halves),
+    every tensor of the module at its granularity along the output rows: a weight's or a
+    per-channel scale's rows, a block scale's entries (a head's rows stay in its block), and a
+    layout whose entries the reorder would split (int4 codes packed 8 rows to a word) is refused."""
+    from baryon.loader.model_loader import reordered_rows
     from baryon.loader.names import CheckpointNames
     from baryon.models.cohere import CohereForCausalLM
+    from baryon.quantization.base import checkpoint_param
 
     config = hf_classes("cohere")[0](**{**BASE_CONFIG, **TOKEN_IDS["cohere"]})  # heads of 16 features
     names = CheckpointNames(CohereForCausalLM, config)
     target = names.target("model.layers.0.self_attn.k_proj.weight")
     assert target.param == "model.layers.0.self_attn.qkv_proj.weight" and target.shard_id == "k"
-    rows = torch.arange(config.num_key_value_heads * 16, dtype=torch.float32)  # row i holds i
-    assert target.convert(rows)[:16].tolist() == list(range(0, 16, 2)) + list(range(1, 16, 2))  # pairs to halves
     assert names.target("model.layers.0.self_attn.v_proj.weight").convert is None
-    with pytest.raises(ValueError, match="self_attn.q_proj's rows .* unquantized"):
-        names.target("model.layers.0.self_attn.q_proj.qweight")
+    rows = config.num_key_value_heads * 16
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, 8, generator=gen)
+    per_row = checkpoint_param((rows, 8))
+    halves = list(range(0, 16, 2)) + list(range(1, 16, 2))  # each head's pairs to halves
+    want = weight[[16 * h + i for h in range(rows // 16) for i in halves]]
+    assert torch.equal(reordered_rows(per_row, weight, target.convert, None), want)
+    codes = weight.to(torch.float8_e4m3fn)  # (1-byte codes reorder through their bytes)
+    assert torch.equal(reordered_rows(per_row, codes, target.convert, None).float(), want.to(torch.float8_e4m3fn).float())
+    blocks = torch.randn(rows // 16, 2, generator=gen)  # one entry per head of 16 rows
+    assert torch.equal(reordered_rows(checkpoint_param((rows // 16, 2), output_block=16), blocks, target.convert,
+                                      None), blocks)
+    packed = torch.randint(0, 2**31, (rows // 8, 2), generator=gen, dtype=torch.int32)
+    with pytest.raises(ValueError, match="would split the 8-row entries"):
+        reordered_rows(checkpoint_param((rows // 8, 2), torch.int32, output_block=8), packed, target.convert, None)
+    with pytest.raises(ValueError, match="does not hold the module's"):
+        reordered_rows(per_row, weight[:-1], target.convert, None)
 

@@ -216,7 +216,11 @@ def reordered_rows(param: nn.Parameter, tensor: torch.Tensor, convert, parts: tu
     rows = sum(count for _, count in parts) if parts else tensor.shape[dim] * block
     if tensor.shape[dim] != -(-rows // block):
         raise ValueError(f"shape {tuple(tensor.shape)} does not hold the module's {rows} output rows along dim {dim}")
-    order = convert(torch.arange(rows).unsqueeze(1)).squeeze(1)  # [rows]: each model row's checkpoint row
+    try:
+        order = convert(torch.arange(rows).unsqueeze(1)).squeeze(1)  # [rows]: each model row's checkpoint row
+    except RuntimeError as e:  # (the converter's reshape into heads)
+        raise ValueError(f"shape {tuple(tensor.shape)} does not hold the module's rows in the layout the model "
+                         f"reorders: {e}") from e
     if block > 1:
         source = order // block
         entries = source[::block]  # [ceil(rows / block)]: each entry's checkpoint entry
