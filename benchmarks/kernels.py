@@ -596,14 +596,18 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
                                                 hk, dim, q_len)
                 if family == "gated_delta_rule" and impl.name == "triton":
-                    sweep_delta_rule_tiles(record, f"{family}.{impl.name}", shape, call, q_len)
+                    from baryon.kernels.delta_rule_chunked_triton import chunk_inverses
+
+                    inverses = lambda: chunk_inverses(qkv, a, b, a_log, dt_bias, starts, seq_lens, hk, hv, dim, q_len)
+                    sweep_delta_rule_tiles(record, f"{family}.{impl.name}", shape, call, q_len, inverses)
                     continue
                 record(f"{family}.{impl.name}", shape, call)
 
 
-def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int) -> None:
+def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int, inverses) -> None:
     """The Triton delta rule with its own choice of form and tiles, then each form's tiles swept
-    (the token walk's at every batch; the chunked form's, and the walk for comparison, at prefills)."""
+    (the token walk's at every batch; the chunked form's, and the walk for comparison, at prefills;
+    `inverses`: the chunked form's first kernel alone)."""
     import baryon.kernels.delta_rule_chunked_triton as chunked
     import baryon.kernels.linear_attention_triton as lt
 
@@ -615,7 +619,7 @@ def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int) -> N
         record(f"{name}.walk.block_v{block_v}.warps{warps}", shape, call)
     lt.delta_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN = chosen[0], 1
     if q_len > 1:
-        for block_v, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+        for block_v, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
             chunked.chunked_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
             record(f"{name}.chunked.block_v{block_v}.warps{warps}", shape, call)
         chunked.chunked_rule_tiles = chosen[1]

@@ -14,8 +14,9 @@ Two kernels:
       W = T (beta exp(G) k);  U = T (beta v);  delta = U - W S
       out = exp(G) q S + ([i <= t] exp(G_t - G_i) q_t . k_i) delta
       S = exp(G_last) S + (exp(G_last - G) k)^T delta
-Float32 operands; the products in TF32 with a correction pass ("tf32x3", close to float32) for
-16-bit models, in full float32 for float32 models.
+The walk's products take their operands in the model's dtype (bf16 / fp16, as FLA's kernels; float32
+accumulation, the state kept in float32); the inverse's k k^T in TF32 with a correction pass
+("tf32x3", close to float32) and its substitution in float32. Float32 models: float32 throughout.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from baryon.kernels.linear_attention import L2_NORM_EPS
-from baryon.kernels.triton_utils import next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton
 
 CHUNK = 64  # tokens a chunk (FLA's choice too)
 INVERSE_WARPS = 4
@@ -44,6 +45,15 @@ if triton is not None:
         g = tl.where(ok, decay_rate * softplus, 0.0)
         beta = tl.where(ok, tl.sigmoid(tl.load(b + rows * stride_b + head, mask=ok, other=0.0).to(tl.float32)), 0.0)
         return g, beta
+
+    @triton.jit
+    def _dot(x, y, PRECISION: tl.constexpr, DTYPE: tl.constexpr, EMULATED: tl.constexpr):
+        """x @ y with float32 accumulation, the operands rounded to DTYPE (the model's). EMULATED:
+        the rounded operands multiplied in float32 (Triton 3.6's interpreter multiplies bf16
+        operands wrongly)."""
+        if EMULATED:
+            return tl.dot(x.to(DTYPE).to(tl.float32), y.to(DTYPE).to(tl.float32), input_precision="ieee")
+        return tl.dot(x.to(DTYPE), y.to(DTYPE), input_precision=PRECISION)
 
     @triton.jit
     def _load_normalised(at, rows, ok, stride, dk, eps):
@@ -89,7 +99,7 @@ if triton is not None:
                              stride_qkv, stride_a, stride_b, stride_out, scale, eps,
                              NUM_V_HEADS: tl.constexpr, GROUP: tl.constexpr, KEY_DIM: tl.constexpr,
                              DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             PRECISION: tl.constexpr, EMULATED: tl.constexpr):
         """Grid: (num_seqs, NUM_V_HEADS, cdiv(DV, BLOCK_V))."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -122,21 +132,34 @@ if triton is not None:
             big_g = tl.cumsum(g, axis=0)
             inv = tl.load(inverse + (rows[:, None] * NUM_V_HEADS + head) * C + i[None, :], mask=ok[:, None],
                           other=0.0)  # [C, C]
-            w = tl.dot(inv, k * (beta * tl.exp(big_g))[:, None], input_precision=PRECISION)  # [C, DK]
-            u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)  # [C, BLOCK_V]
-            delta = u - tl.dot(w, state, input_precision=PRECISION)
+            w = _dot(inv, k * (beta * tl.exp(big_g))[:, None], PRECISION, qkv.dtype.element_ty, EMULATED)  # [C, DK]
+            u = _dot(inv, v * beta[:, None], PRECISION, qkv.dtype.element_ty, EMULATED)  # [C, BLOCK_V]
+            delta = u - _dot(w, state, PRECISION, qkv.dtype.element_ty, EMULATED)
             gaps = tl.where(causal, tl.exp(tl.where(causal, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * gaps  # [C, C]
-            o = tl.exp(big_g)[:, None] * tl.dot(q, state, input_precision=PRECISION)
-            o += tl.dot(scores, delta, input_precision=PRECISION)
+            scores = _dot(q, tl.trans(k), PRECISION, qkv.dtype.element_ty, EMULATED) * gaps  # [C, C]
+            o = tl.exp(big_g)[:, None] * _dot(q, state, PRECISION, qkv.dtype.element_ty, EMULATED)
+            o += _dot(scores, delta, PRECISION, qkv.dtype.element_ty, EMULATED)
             tl.store(out + rows[:, None] * stride_out + head * DV + dv[None, :], o.to(out.dtype.element_ty),
                      mask=ok[:, None] & v_ok[None, :])
             last = tl.sum(g, axis=0)  # G at the chunk's last token (g is 0 past the span)
             decayed_k = k * tl.exp(last - big_g)[:, None]
-            state = state * tl.exp(last) + tl.dot(tl.trans(decayed_k), delta, input_precision=PRECISION)
+            state = state * tl.exp(last) + _dot(tl.trans(decayed_k), delta, PRECISION, qkv.dtype.element_ty, EMULATED)
             first += C
         if slot >= 0:
             tl.store(state_at, state, mask=v_ok[None, :])
+
+
+def chunk_inverses(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                   query_start: torch.Tensor, seq_lens: torch.Tensor, num_k_heads: int, num_v_heads: int,
+                   head_k_dim: int, max_query_len: int) -> torch.Tensor:
+    """Each chunk's (I + A)^-1, its rows by token: [T, Hv, CHUNK] float32."""
+    inverse = torch.empty(qkv.shape[0], num_v_heads, CHUNK, dtype=torch.float32, device=qkv.device)
+    _chunk_inverse_kernel[(seq_lens.shape[0], triton.cdiv(max_query_len, CHUNK), num_v_heads)](
+        qkv, a, b, a_log, dt_bias, inverse, query_start, seq_lens, qkv.stride(0), a.stride(0), b.stride(0),
+        L2_NORM_EPS, NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
+        DK=head_k_dim, C=CHUNK, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32x3",
+        num_warps=INVERSE_WARPS)
+    return inverse
 
 
 def chunked_delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
@@ -145,18 +168,14 @@ def chunked_delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_lo
                        max_query_len: int, out: torch.Tensor) -> torch.Tensor:
     """As TorchGatedDeltaRule.forward, into `out` [T, Hv, Dv] (head_k_dim a power of two >= 16)."""
     _, num_v_heads, _, head_v_dim = recurrent_states.shape
-    tokens = qkv.shape[0]
     num_seqs = seq_lens.shape[0]
-    precision = "ieee" if qkv.dtype == torch.float32 else "tf32x3"
-    inverse = torch.empty(tokens, num_v_heads, CHUNK, dtype=torch.float32, device=qkv.device)  # [T, Hv, C]
-    shape = dict(NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
-                 DK=head_k_dim, C=CHUNK, PRECISION=precision)
-    _chunk_inverse_kernel[(num_seqs, triton.cdiv(max_query_len, CHUNK), num_v_heads)](
-        qkv, a, b, a_log, dt_bias, inverse, query_start, seq_lens, qkv.stride(0), a.stride(0), b.stride(0),
-        L2_NORM_EPS, num_warps=INVERSE_WARPS, **shape)
+    inverse = chunk_inverses(qkv, a, b, a_log, dt_bias, query_start, seq_lens, num_k_heads, num_v_heads, head_k_dim,
+                             max_query_len)
     block_v, warps = chunked_rule_tiles(num_seqs, num_v_heads, head_v_dim)
     _chunked_rule_kernel[(num_seqs, num_v_heads, triton.cdiv(head_v_dim, block_v))](
         qkv, a, b, a_log, dt_bias, inverse, recurrent_states, out, query_start, seq_lens, state_slots,
         qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), head_k_dim ** -0.5, L2_NORM_EPS,
-        DV=head_v_dim, BLOCK_V=block_v, num_warps=warps, **shape)
+        NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
+        DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, C=CHUNK, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        EMULATED=INTERPRETED and qkv.dtype == torch.bfloat16, num_warps=warps)
     return out
