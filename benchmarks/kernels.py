@@ -611,13 +611,13 @@ def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int, inve
     import baryon.kernels.delta_rule_chunked_triton as chunked
     import baryon.kernels.linear_attention_triton as lt
 
-    chosen = lt.delta_rule_tiles, chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN
+    chosen = lt.delta_rule_tiles, chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS
     record(name, shape, call)
     lt.CHUNKED_MIN_QUERY_LEN = 1 << 30  # the token walk
     for block_v, warps in ((16, 1), (32, 1), (32, 4), (64, 2)):
         lt.delta_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
         record(f"{name}.walk.block_v{block_v}.warps{warps}", shape, call)
-    lt.delta_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN = chosen[0], 1
+    lt.delta_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS = chosen[0], 1, 1 << 30
     if q_len > 1:
         for block_v, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
             chunked.chunked_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
@@ -627,7 +627,7 @@ def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int, inve
             chunked.INVERSE_WARPS = warps
             record(f"{name}.chunked.inverse_warps{warps}", shape, call)
         chunked.INVERSE_WARPS = 4
-    chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN = chosen[1], chosen[2]
+    chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS = chosen[1], chosen[2], chosen[3]
 
 
 def main() -> None:

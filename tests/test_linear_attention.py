@@ -226,7 +226,7 @@ def test_triton_chunked_rule_matches_reference(seed, dtype):
     states = torch.randn(5, HV, DK, DV, generator=gen) * 0.1
     layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
     max_query_len = max(lengths)
-    assert max_query_len >= lt.CHUNKED_MIN_QUERY_LEN
+    assert lt.uses_chunked_rule(len(lengths), HV, DK, max_query_len)
     ref_states = states.clone()
     ref_out = TorchGatedDeltaRule.forward(qkv, a, b, a_log, dt_bias, ref_states, *layout, HK, DK, max_query_len)
     states_d = states.to(DEVICE)

@@ -25,7 +25,15 @@ from baryon.kernels.triton_utils import TritonKernel, next_power_of_2, tl, trito
 
 CONV_BLOCK_T = 16
 CONV_BLOCK_C = 128
-CHUNKED_MIN_QUERY_LEN = 64  # the delta rule in chunks once a sequence has this many new tokens
+CHUNKED_MIN_QUERY_LEN = 64  # the delta rule in chunks once a sequence has this many new tokens ...
+CHUNKED_MAX_PAIRS = 256  # ... and the step fewer (sequence, value head) pairs than this
+
+
+def uses_chunked_rule(num_seqs: int, num_v_heads: int, head_k_dim: int, max_query_len: int) -> bool:
+    """Whether a step's delta rule runs in chunks: a long span among few sequences, where the token
+    walk has too few programs to fill the GPU (1 x 4096 tokens at Qwen3-Next's widths on an H200:
+    2.5 ms against the walk's 6.3; 8 x 2048: 9.9 ms against 4.8, BENCHMARKS.md)."""
+    return max_query_len >= CHUNKED_MIN_QUERY_LEN and num_seqs * num_v_heads < CHUNKED_MAX_PAIRS and head_k_dim >= 16
 
 
 def delta_rule_tiles(num_seqs: int, num_v_heads: int, head_v_dim: int) -> tuple[int, int]:
@@ -225,15 +233,15 @@ class TritonGatedDeltaRule(TritonKernel):
     def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                 recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
                 state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int, max_query_len: int) -> torch.Tensor:
-        """As TorchGatedDeltaRule.forward: a step with a span of CHUNKED_MIN_QUERY_LEN new tokens or
-        more in chunks (delta_rule_chunked_triton.py), else token by token."""
+        """As TorchGatedDeltaRule.forward: in chunks (delta_rule_chunked_triton.py) where
+        `uses_chunked_rule`, else token by token."""
         _, num_v_heads, _, head_v_dim = recurrent_states.shape
         tokens = qkv.shape[0]
         out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=qkv.dtype, device=qkv.device)  # [T, Hv, Dv]
         num_seqs = seq_lens.shape[0]
         if tokens == 0 or num_seqs == 0:
             return out
-        if max_query_len >= CHUNKED_MIN_QUERY_LEN and head_k_dim >= 16:
+        if uses_chunked_rule(num_seqs, num_v_heads, head_k_dim, max_query_len):
             return chunked_delta_rule(qkv, a, b, a_log, dt_bias, recurrent_states, query_start, seq_lens,
                                       state_slots, num_k_heads, head_k_dim, max_query_len, out)
         block_v, warps = delta_rule_tiles(num_seqs, num_v_heads, head_v_dim)
