@@ -14,9 +14,9 @@ Two kernels:
       W = T (beta exp(G) k);  U = T (beta v);  delta = U - W S
       out = exp(G) q S + ([i <= t] exp(G_t - G_i) q_t . k_i) delta
       S = exp(G_last) S + (exp(G_last - G) k)^T delta
-The walk's products take their operands in the model's dtype (bf16 / fp16, as FLA's kernels; float32
-accumulation, the state kept in float32); the inverse's k k^T in TF32 with a correction pass
-("tf32x3", close to float32) and its substitution in float32. Float32 models: float32 throughout.
+The products take float32 operands in TF32 with a correction pass ("tf32x3", close to float32) for
+16-bit models (bf16 operands, as FLA's kernels, hit an illegal memory access at Qwen3-Next's widths
+on the H200: not yet understood), float32 throughout for float32 models; `_dot` can round them.
 """
 
 from __future__ import annotations
@@ -132,18 +132,18 @@ if triton is not None:
             big_g = tl.cumsum(g, axis=0)
             inv = tl.load(inverse + (rows[:, None] * NUM_V_HEADS + head) * C + i[None, :], mask=ok[:, None],
                           other=0.0)  # [C, C]
-            w = _dot(inv, k * (beta * tl.exp(big_g))[:, None], PRECISION, qkv.dtype.element_ty, EMULATED)  # [C, DK]
-            u = _dot(inv, v * beta[:, None], PRECISION, qkv.dtype.element_ty, EMULATED)  # [C, BLOCK_V]
-            delta = u - _dot(w, state, PRECISION, qkv.dtype.element_ty, EMULATED)
+            w = _dot(inv, k * (beta * tl.exp(big_g))[:, None], PRECISION, tl.float32, EMULATED)  # [C, DK]
+            u = _dot(inv, v * beta[:, None], PRECISION, tl.float32, EMULATED)  # [C, BLOCK_V]
+            delta = u - _dot(w, state, PRECISION, tl.float32, EMULATED)
             gaps = tl.where(causal, tl.exp(tl.where(causal, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
-            scores = _dot(q, tl.trans(k), PRECISION, qkv.dtype.element_ty, EMULATED) * gaps  # [C, C]
-            o = tl.exp(big_g)[:, None] * _dot(q, state, PRECISION, qkv.dtype.element_ty, EMULATED)
-            o += _dot(scores, delta, PRECISION, qkv.dtype.element_ty, EMULATED)
+            scores = _dot(q, tl.trans(k), PRECISION, tl.float32, EMULATED) * gaps  # [C, C]
+            o = tl.exp(big_g)[:, None] * _dot(q, state, PRECISION, tl.float32, EMULATED)
+            o += _dot(scores, delta, PRECISION, tl.float32, EMULATED)
             tl.store(out + rows[:, None] * stride_out + head * DV + dv[None, :], o.to(out.dtype.element_ty),
                      mask=ok[:, None] & v_ok[None, :])
             last = tl.sum(g, axis=0)  # G at the chunk's last token (g is 0 past the span)
             decayed_k = k * tl.exp(last - big_g)[:, None]
-            state = state * tl.exp(last) + _dot(tl.trans(decayed_k), delta, PRECISION, qkv.dtype.element_ty, EMULATED)
+            state = state * tl.exp(last) + _dot(tl.trans(decayed_k), delta, PRECISION, tl.float32, EMULATED)
             first += C
         if slot >= 0:
             tl.store(state_at, state, mask=v_ok[None, :])
@@ -176,6 +176,6 @@ def chunked_delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_lo
         qkv, a, b, a_log, dt_bias, inverse, recurrent_states, out, query_start, seq_lens, state_slots,
         qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), head_k_dim ** -0.5, L2_NORM_EPS,
         NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
-        DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, C=CHUNK, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, C=CHUNK, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32x3",
         EMULATED=INTERPRETED and qkv.dtype == torch.bfloat16, num_warps=warps)
     return out
