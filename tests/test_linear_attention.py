@@ -233,8 +233,7 @@ def test_triton_chunked_rule_matches_reference(seed, dtype):
     out = lt.TritonGatedDeltaRule.forward(qkv.to(DEVICE), a.to(DEVICE), b.to(DEVICE), a_log.to(DEVICE),
                                           dt_bias.to(DEVICE), states_d, *(t.to(DEVICE) for t in layout), HK, DK,
                                           max_query_len).cpu()
-    # (16-bit models: the chunk walk's products take bf16 operands, as FLA's kernels)
-    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # (bf16 outputs)
     torch.testing.assert_close(out, ref_out, **tol)
-    torch.testing.assert_close(states_d.cpu(), ref_states, **tol)
+    torch.testing.assert_close(states_d.cpu(), ref_states, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(states_d[2].cpu(), states[2], atol=0, rtol=0)  # the padding row's slot

@@ -16,7 +16,7 @@ Two kernels:
       S = exp(G_last) S + (exp(G_last - G) k)^T delta
 The products take float32 operands in TF32 with a correction pass ("tf32x3", close to float32) for
 16-bit models (bf16 operands, as FLA's kernels, hit an illegal memory access at Qwen3-Next's widths
-on the H200: not yet understood), float32 throughout for float32 models; `_dot` can round them.
+on the H200: not yet understood), float32 throughout for float32 models.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from baryon.kernels.linear_attention import L2_NORM_EPS
-from baryon.kernels.triton_utils import INTERPRETED, next_power_of_2, tl, triton
+from baryon.kernels.triton_utils import next_power_of_2, tl, triton
 
 CHUNK = 64  # tokens a chunk (FLA's choice too)
 INVERSE_WARPS = 4
@@ -45,15 +45,6 @@ if triton is not None:
         g = tl.where(ok, decay_rate * softplus, 0.0)
         beta = tl.where(ok, tl.sigmoid(tl.load(b + rows * stride_b + head, mask=ok, other=0.0).to(tl.float32)), 0.0)
         return g, beta
-
-    @triton.jit
-    def _dot(x, y, PRECISION: tl.constexpr, DTYPE: tl.constexpr, EMULATED: tl.constexpr):
-        """x @ y with float32 accumulation, the operands rounded to DTYPE (the model's). EMULATED:
-        the rounded operands multiplied in float32 (Triton 3.6's interpreter multiplies bf16
-        operands wrongly)."""
-        if EMULATED:
-            return tl.dot(x.to(DTYPE).to(tl.float32), y.to(DTYPE).to(tl.float32), input_precision="ieee")
-        return tl.dot(x.to(DTYPE), y.to(DTYPE), input_precision=PRECISION)
 
     @triton.jit
     def _load_normalised(at, rows, ok, stride, dk, eps):
@@ -99,7 +90,7 @@ if triton is not None:
                              stride_qkv, stride_a, stride_b, stride_out, scale, eps,
                              NUM_V_HEADS: tl.constexpr, GROUP: tl.constexpr, KEY_DIM: tl.constexpr,
                              DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
-                             PRECISION: tl.constexpr, EMULATED: tl.constexpr):
+                             PRECISION: tl.constexpr):
         """Grid: (num_seqs, NUM_V_HEADS, cdiv(DV, BLOCK_V))."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -132,18 +123,18 @@ if triton is not None:
             big_g = tl.cumsum(g, axis=0)
             inv = tl.load(inverse + (rows[:, None] * NUM_V_HEADS + head) * C + i[None, :], mask=ok[:, None],
                           other=0.0)  # [C, C]
-            w = _dot(inv, k * (beta * tl.exp(big_g))[:, None], PRECISION, tl.float32, EMULATED)  # [C, DK]
-            u = _dot(inv, v * beta[:, None], PRECISION, tl.float32, EMULATED)  # [C, BLOCK_V]
-            delta = u - _dot(w, state, PRECISION, tl.float32, EMULATED)
+            w = tl.dot(inv, k * (beta * tl.exp(big_g))[:, None], input_precision=PRECISION)  # [C, DK]
+            u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)  # [C, BLOCK_V]
+            delta = u - tl.dot(w, state, input_precision=PRECISION)
             gaps = tl.where(causal, tl.exp(tl.where(causal, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
-            scores = _dot(q, tl.trans(k), PRECISION, tl.float32, EMULATED) * gaps  # [C, C]
-            o = tl.exp(big_g)[:, None] * _dot(q, state, PRECISION, tl.float32, EMULATED)
-            o += _dot(scores, delta, PRECISION, tl.float32, EMULATED)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * gaps  # [C, C]
+            o = tl.exp(big_g)[:, None] * tl.dot(q, state, input_precision=PRECISION)
+            o += tl.dot(scores, delta, input_precision=PRECISION)
             tl.store(out + rows[:, None] * stride_out + head * DV + dv[None, :], o.to(out.dtype.element_ty),
                      mask=ok[:, None] & v_ok[None, :])
             last = tl.sum(g, axis=0)  # G at the chunk's last token (g is 0 past the span)
             decayed_k = k * tl.exp(last - big_g)[:, None]
-            state = state * tl.exp(last) + _dot(tl.trans(decayed_k), delta, PRECISION, tl.float32, EMULATED)
+            state = state * tl.exp(last) + tl.dot(tl.trans(decayed_k), delta, input_precision=PRECISION)
             first += C
         if slot >= 0:
             tl.store(state_at, state, mask=v_ok[None, :])
@@ -177,5 +168,5 @@ def chunked_delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_lo
         qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), head_k_dim ** -0.5, L2_NORM_EPS,
         NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, KEY_DIM=num_k_heads * head_k_dim,
         DK=head_k_dim, DV=head_v_dim, BLOCK_V=block_v, C=CHUNK, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32x3",
-        EMULATED=INTERPRETED and qkv.dtype == torch.bfloat16, num_warps=warps)
+        num_warps=warps)
     return out
