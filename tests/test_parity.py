@@ -387,22 +387,22 @@ def test_cohere_q_k_rows_reorder_at_each_tensors_granularity(tmp_path, seed):
     names = CheckpointNames(CohereForCausalLM, config)
     target = names.target("model.layers.0.self_attn.k_proj.weight")
     assert target.param == "model.layers.0.self_attn.qkv_proj.weight" and target.shard_id == "k"
-    assert names.target("model.layers.0.self_attn.v_proj.weight").convert is None
+    assert names.target("model.layers.0.self_attn.v_proj.weight").row_order is None
     rows = config.num_key_value_heads * 16
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(rows, 8, generator=gen)
     per_row = checkpoint_param((rows, 8))
     halves = list(range(0, 16, 2)) + list(range(1, 16, 2))  # each head's pairs to halves
     want = weight[[16 * h + i for h in range(rows // 16) for i in halves]]
-    assert torch.equal(reordered_rows(per_row, weight, target.convert, None), want)
+    assert torch.equal(reordered_rows(per_row, weight, target.row_order, None), want)
     codes = weight.to(torch.float8_e4m3fn)  # (1-byte codes reorder through their bytes)
-    assert torch.equal(reordered_rows(per_row, codes, target.convert, None).float(), want.to(torch.float8_e4m3fn).float())
+    assert torch.equal(reordered_rows(per_row, codes, target.row_order, None).float(), want.to(torch.float8_e4m3fn).float())
     blocks = torch.randn(rows // 16, 2, generator=gen)  # one entry per head of 16 rows
-    assert torch.equal(reordered_rows(checkpoint_param((rows // 16, 2), output_block=16), blocks, target.convert,
+    assert torch.equal(reordered_rows(checkpoint_param((rows // 16, 2), output_block=16), blocks, target.row_order,
                                       None), blocks)
     packed = torch.randint(0, 2**31, (rows // 8, 2), generator=gen, dtype=torch.int32)
     with pytest.raises(ValueError, match="would split the 8-row entries"):
-        reordered_rows(checkpoint_param((rows // 8, 2), torch.int32, output_block=8), packed, target.convert, None)
+        reordered_rows(checkpoint_param((rows // 8, 2), torch.int32, output_block=8), packed, target.row_order, None)
     with pytest.raises(ValueError, match="does not hold the module's"):
-        reordered_rows(per_row, weight[:-1], target.convert, None)
+        reordered_rows(per_row, weight[:-1], target.row_order, None)
 

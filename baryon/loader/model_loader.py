@@ -179,10 +179,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor, st
             raise WeightLoadError(f"tensor {name!r} in {file} is loaded twice")
         try:
             with torch.no_grad():
-                if target.convert is not None and target.all_experts:  # (a stacked experts tensor's own layout)
+                if target.convert is not None:
                     tensor = target.convert(tensor)
-                elif target.convert is not None:
-                    tensor = reordered_rows(param, tensor, target.convert, target.parts)
+                if target.row_order is not None:
+                    tensor = reordered_rows(param, tensor, target.row_order, target.parts)
                 if target.parts:
                     for shard_id, part in fused_parts(param, tensor, target.parts):
                         param.weight_loader(param, part, shard_id)

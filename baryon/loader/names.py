@@ -57,7 +57,8 @@ class Target:
     shard_id: Any = None  # which part of a fused parameter (None: all of it)
     expert_id: int | None = None  # expert parameters: the global expert id
     all_experts: bool = False  # a tensor of every expert of a layer (shard_id "w13" or "w2")
-    convert: Callable | None = None  # published layout -> the parameter's, before loading
+    convert: Callable | None = None  # a stacked experts tensor: published layout -> the parameter's
+    row_order: Callable | None = None  # checkpoint_converters: reorders a [rows, ...] tensor's rows
     parts: tuple[tuple[Any, int], ...] = ()  # a fused checkpoint tensor: (shard id, output rows) in order
 
     @property
@@ -107,15 +108,15 @@ class CheckpointNames:
             shard = self.projections[expert["projection"]]
             stacked = "w2" if shard == "w2" else "w13"
             return Target(f"{expert['prefix']}.{stacked}_{expert['suffix']}", shard, int(expert["expert"]))
-        convert = self._converter(name)
+        row_order = self._converter(name)
         for packed, parts in self.packed.items():
             for part, shard_id in parts:
                 if f".{part}." in name:
-                    return Target(name.replace(f".{part}.", f".{packed}."), shard_id, convert=convert)
+                    return Target(name.replace(f".{part}.", f".{packed}."), shard_id, row_order=row_order)
         for module, parts in self.fused.items():
             if f".{module}." in name:
-                return Target(name, convert=convert, parts=tuple(parts))
-        return Target(name, convert=convert)
+                return Target(name, row_order=row_order, parts=tuple(parts))
+        return Target(name, row_order=row_order)
 
     def _converter(self, name: str) -> Callable | None:
         """The model's converter of tensor `name` (checkpoint_converters), if its module has one."""
