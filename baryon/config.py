@@ -597,7 +597,9 @@ def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
     return _language_model_config(hf_config)
 
 
-# Image-and-text checkpoints whose language model baryon serves alone (their vision tower unread).
+# Image-and-text checkpoints: the language model's config is their text_config; those in
+# WITH_VISION also run their vision tower (its settings set beside), the others serve text alone.
+WITH_VISION = ("Qwen3VLForConditionalGeneration",)
 LANGUAGE_MODEL_ONLY = ("Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                        "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -613,7 +615,13 @@ def _language_model_config(hf_config: Any) -> Any:
     text = copy.deepcopy(hf_config.text_config)
     text.architectures = [architecture]
     text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", True))
-    logger.info("%s: serving its language model; images are not read (its vision tower is not loaded)", architecture)
+    if architecture in WITH_VISION:
+        for name in ("vision_config", "image_token_id", "vision_start_token_id", "vision_end_token_id"):
+            setattr(text, name, getattr(hf_config, name))
+        logger.info("%s: its language model and vision tower (images in prompts)", architecture)
+    else:
+        logger.info("%s: serving its language model; images are not read (its vision tower is not loaded)",
+                    architecture)
     return text
 
 

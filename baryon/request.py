@@ -15,6 +15,7 @@ import torch
 from baryon.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from baryon.multimodal.inputs import RequestImages
     from baryon.structured_output.matcher import RequestGrammar
 
 
@@ -58,6 +59,7 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: the output's grammar state
     # Its recurrent state's slot in linear-attention layers (engine/state_slots.py); -1: none held.
     state_slot: int = -1
+    images: RequestImages | None = None  # the prompt's images (image-and-text models)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -20,6 +20,7 @@ from baryon.engine.kv_cache import BlockManager
 from baryon.engine.scheduler import Scheduler
 from baryon.engine.state_slots import StateSlots
 from baryon.logger import get_logger
+from baryon.multimodal.inputs import MultiModalInputs, RequestImages
 from baryon.request import Request, RequestStatus
 from baryon.layers.forward_context import DPStep
 from baryon.runner.model_runner import LaunchedStep, ModelRunner, RawLogprobs
@@ -154,13 +155,16 @@ class EngineCore:
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: frozenset[int]) -> None:
+                    eos_token_ids: frozenset[int], multimodal: MultiModalInputs | None = None) -> None:
+        """multimodal: the prompt's images, their placeholder tokens expanded in prompt_token_ids."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
         room = self.config.model.max_model_len - len(prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params, eos_token_ids,
                           max_tokens=room if params.max_tokens is None else min(params.max_tokens, room))
+        if multimodal is not None:
+            request.images = self._request_images(prompt_token_ids, multimodal)
         if params.seed is not None:
             request.generator = torch.Generator(self.config.device).manual_seed(params.seed)
         if params.structured_outputs is not None:
@@ -168,6 +172,15 @@ class EngineCore:
                                              params.structured_outputs.reasoning_end)
         self.requests[request_id] = request
         self.scheduler.add(request)
+
+    def _request_images(self, prompt_token_ids: list[int], multimodal: MultiModalInputs) -> RequestImages:
+        if self.runner.images is None:
+            raise ValueError(f"{self.config.model.hf_config.architectures[0]} does not read images; image "
+                             f"prompts need an image-and-text model (Qwen3VLForConditionalGeneration)")
+        if self.workers is not None:
+            raise ValueError("image prompts need tensor_parallel_size=1 (the vision tower runs on one rank)")
+        multimodal.check(prompt_token_ids, self.config.model.hf_config.image_token_id)
+        return RequestImages(multimodal, len(prompt_token_ids))
 
     def _grammars(self) -> GrammarCompiler:
         if self._grammar_compiler is None:

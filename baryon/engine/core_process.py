@@ -111,7 +111,7 @@ class EngineCoreLoop:
     def _add(self, request) -> None:
         try:
             self.core.add_request(request.request_id, request.prompt_token_ids, request.sampling_params,
-                                  request.eos_token_ids)
+                                  request.eos_token_ids, request.multimodal)
         except ValueError as e:
             self.rejected[request.request_id] = str(e)
 

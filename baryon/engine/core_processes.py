@@ -26,6 +26,7 @@ from baryon.engine.core_client import EngineProcess
 from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreRequest, EngineFailed, EngineOutputs,
                                     EngineReady, EngineStats, Shutdown, total_stats)
 from baryon.engine.replica_load import ReplicaLoad, request_tokens
+from baryon.multimodal.inputs import MultiModalInputs
 from baryon.sampling_params import SamplingParams
 
 _POLL_MS = 100  # how often a wait for outputs checks that the replicas are alive
@@ -86,14 +87,14 @@ class EngineCoreProcesses:
         check_prompt(self.config, prompt_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: frozenset[int]) -> None:
+                    eos_token_ids: frozenset[int], multimodal: MultiModalInputs | None = None) -> None:
         if request_id in self.load:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
         index = self.load.assign(request_id, request_tokens(len(prompt_token_ids), params,
                                                             self.config.model.max_model_len))
         self._outbox.setdefault(index, []).append(
-            EngineCoreRequest(request_id, list(prompt_token_ids), params, eos_token_ids))
+            EngineCoreRequest(request_id, list(prompt_token_ids), params, eos_token_ids, multimodal))
 
     def _send_added(self) -> None:
         for index, requests in self._outbox.items():

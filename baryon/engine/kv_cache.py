@@ -56,7 +56,10 @@ class BlockManager:
         """Extend request.block_hashes to cover every full block in its first num_tokens tokens."""
         tokens = request.all_token_ids
         for i in range(len(request.block_hashes), num_tokens // self.block_size):
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            # (an image prompt's first block chains from its images' digest: equal placeholder
+            # tokens of other pixels are another prefix)
+            parent = request.block_hashes[-1] if request.block_hashes else \
+                (request.images.digest if request.images is not None else None)
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             request.block_hashes.append(chain_hash(parent, chunk))
 

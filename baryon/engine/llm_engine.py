@@ -10,12 +10,15 @@ from baryon.engine.core import EngineCore
 from baryon.engine.core_client import EngineProcess
 from baryon.engine.core_processes import EngineCoreProcesses
 from baryon.engine.output_processor import OutputProcessor
+from baryon.multimodal.inputs import MultiModalInputs
+from baryon.multimodal.processor import ImageProcessor
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.structured_output.grammar import check_spec
 from baryon.tokenizer import eos_token_ids, load_tokenizer, unpaired_surrogate
 
-# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [ids]}.
+# A prompt: text, {"prompt": text}, or {"prompt_token_ids": [ids]}; a dict may add
+# "multi_modal_data": {"image": image(s)} (image-and-text models).
 PromptType = str | dict[str, Any]
 
 
@@ -63,13 +66,41 @@ class LLMEngine:
             raise
         self.core = core
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.image_processor: ImageProcessor | None = None  # loaded at the first image prompt
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids), validated."""
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        """(prompt text or None, prompt token ids, its images or None), validated. A dict prompt
+        may carry `multi_modal_data`: {"image": an image or a list of them}, one image
+        placeholder token in the prompt for each."""
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+            text, ids, _ = self.process_prompt(rest)
+            ids, multimodal = self.process_images(ids, prompt["multi_modal_data"])
+            self.core.check_prompt(ids)
+            return text, ids, multimodal
+        return (*self._process_text_prompt(prompt), None)
+
+    def process_images(self, prompt_token_ids: list[int], data: Any, allow_local_files: bool = True
+                       ) -> tuple[list[int], MultiModalInputs]:
+        """The prompt with its image placeholders expanded, and its images' inputs."""
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            raise ValueError(f"multi_modal_data must be {{'image': an image or a list of images}}; got "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        if self.image_processor is None:
+            hf_config = self.config.model.hf_config
+            if getattr(hf_config, "vision_config", None) is None:
+                raise ValueError(f"{hf_config.architectures[0]} does not read images; image prompts need an "
+                                 f"image-and-text model (Qwen3VLForConditionalGeneration)")
+            self.image_processor = ImageProcessor(self.config.model.model_path, hf_config)
+        images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
+        return self.image_processor.expand(prompt_token_ids, self.image_processor.process(images, allow_local_files))
+
+    def _process_text_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown or len(prompt) != 1:
-                raise ValueError(f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}")
+                raise ValueError(f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids' (and may have "
+                                 f"'multi_modal_data'); got keys {sorted(prompt)}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -99,13 +130,13 @@ class LLMEngine:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.process_prompt(prompt)
+        text, ids, multimodal = self.process_prompt(prompt)
         self.check_params(params)
         core_ids = self.output_processor.add_request(request_id, text, ids, params)
         try:
             for i, core_id in enumerate(core_ids):
                 self.core.add_request(core_id, ids, params.for_sample(i) if params.n > 1 else params,
-                                      self.eos_token_ids)
+                                      self.eos_token_ids, multimodal)
         except Exception:
             self.abort_request([request_id])  # all or nothing: no sample of a refused request stays
             raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from baryon.engine.core import EngineCoreOutput
+from baryon.multimodal.inputs import MultiModalInputs
 from baryon.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class EngineCoreRequest(msgspec.Struct):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    multimodal: MultiModalInputs | None = None  # the prompt's images
 
 
 class AddRequests(msgspec.Struct, tag=True):

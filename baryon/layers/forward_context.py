@@ -1,11 +1,14 @@
 """The per-step context the runner sets and the layers read (without importing the runner): the
-attention metadata, and with DP attention the token count every replica pads its MoE input to."""
+attention metadata, with DP attention the token count every replica pads its MoE input to, and in
+a step with image prompts their positions and vision embeddings."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from baryon.kernels.attention.metadata import AttentionMetadata
 
@@ -51,3 +54,31 @@ def current_dp_padded_tokens(num_tokens: int) -> int:
     if _dp_padded_tokens < num_tokens:
         raise RuntimeError(f"the replicas agreed on {_dp_padded_tokens} MoE rows for a step of {num_tokens} tokens")
     return _dp_padded_tokens
+
+
+@dataclass
+class MultiModalStep:
+    """A step that computes prompt tokens of image requests (Qwen3-VL): their multimodal-RoPE
+    positions and the vision tower's outputs for the image tokens among them."""
+
+    positions: torch.Tensor  # [3, num_tokens] int64: every token's (t, h, w) position
+    rows: torch.Tensor  # [n] int64: the step's image tokens (indices into its tokens)
+    embeddings: torch.Tensor  # [n, hidden]: what replaces their token embeddings
+    deepstack: torch.Tensor  # [k, n, hidden]: added at those rows after language-model layers 0 .. k-1
+
+
+_multimodal_step: MultiModalStep | None = None
+
+
+@contextmanager
+def multimodal_context(step: MultiModalStep | None) -> Iterator[None]:
+    global _multimodal_step
+    previous, _multimodal_step = _multimodal_step, step
+    try:
+        yield
+    finally:
+        _multimodal_step = previous
+
+
+def current_multimodal_step() -> MultiModalStep | None:
+    return _multimodal_step

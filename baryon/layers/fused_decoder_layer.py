@@ -125,11 +125,12 @@ class FusedDecoderLayer:
             return self.layer.forward_modules(positions, hidden_states, residual)
         if self.weights is None:
             self.weights = self._weights()
-            self.rotary_args = (self.rotary.cos_sin_cache, None if self.q_norm is None else self.q_norm.weight,
+            self.rotary_args = (None if self.q_norm is None else self.q_norm.weight,
                                 None if self.k_norm is None else self.k_norm.weight,
                                 0.0 if self.q_norm is None else self.q_norm.eps)
         return torch.ops.baryon_cpu.decoder_layer(
-            hidden_states, residual, *self.weights, positions, *self.rotary_args,
+            # (the table read each call: a multimodal-RoPE step swaps in rows of its own, layers/mrope.py)
+            hidden_states, residual, *self.weights, positions, self.rotary.cos_sin_cache, *self.rotary_args,
             attn.kv_cache, metadata.slot_mapping, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
             *self.attention_args)
 

@@ -41,7 +41,7 @@ def uses_long_factors(params: dict[str, Any], max_model_len: int) -> bool:
     return max_model_len > params["original_max_position_embeddings"]
 
 
-def _inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(rotary_dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
     """Returns inv_freq [rotary_dim // 2] float32 and the factor applied to cos/sin. `freq_factors`
     (a GGUF file's `rope_freqs`, llama.cpp's form of Llama 3.1-style scaling): each frequency of
     the rope type's divided by its factor."""
@@ -137,7 +137,7 @@ def _longrope(dim: int, base: float, params: dict[str, Any], max_position: int) 
 def rotary_table(rotary_dim: int, max_position: int, params: dict[str, Any]) -> torch.Tensor:
     """The cos/sin table of NeoX-style rotary embedding over the first `rotary_dim` features of each
     head: [max_position, rotary_dim] float32 (cos half | sin half), whatever the model dtype."""
-    inv_freq, scaling = _inverse_frequencies(rotary_dim, params, max_position)
+    inv_freq, scaling = inverse_frequencies(rotary_dim, params, max_position)
     positions = torch.arange(max_position, dtype=torch.float32)
     freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim // 2]
     return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)

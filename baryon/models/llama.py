@@ -150,8 +150,13 @@ class LlamaModel(nn.Module):
         """input_ids [num_tokens] -> the first layer's input [num_tokens, hidden] (Granite scales it)."""
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed(input_ids), None  # [num_tokens, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, embeddings: torch.Tensor | None = None,
+                additions: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """embeddings: the first layer's input [num_tokens, hidden] in place of embed(input_ids)
+        (an image prompt's, with its images' embeddings); additions: (rows [n], features [k, n,
+        hidden]) added at those rows to the residual stream after layers 0 .. k-1 (Qwen3-VL's
+        DeepStack)."""
+        hidden_states, residual = self.embed(input_ids) if embeddings is None else embeddings, None
         # EAGLE-3's auxiliary states: the residual stream entering the chosen layers, as their input
         # norms return it (under tensor parallelism already summed over the ranks: no extra collective)
         aux = [] if self.aux_hidden_state_layers else None
@@ -160,6 +165,8 @@ class LlamaModel(nn.Module):
                 hidden_states, residual = layer.forward_modules(positions, hidden_states, residual, aux)
             else:
                 hidden_states, residual = layer(positions, hidden_states, residual)
+            if additions is not None and i < len(additions[1]):
+                hidden_states = hidden_states.index_add(0, additions[0], additions[1][i].to(hidden_states.dtype))
         hidden_states, stream = self.norm(hidden_states, residual)
         if aux is not None:
             if len(self.layers) in self.aux_hidden_state_layers:

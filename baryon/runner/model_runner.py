@@ -25,7 +25,7 @@ from baryon.request import Request
 from baryon.kernels import vocab_argmax
 from baryon.kernels.attention.metadata import AttentionMetadata, batch_layout, host_metadata, padding_metadata
 from baryon.layers.attention import Attention, PagedKVLayer
-from baryon.layers.forward_context import DPStep, forward_context
+from baryon.layers.forward_context import DPStep, MultiModalStep, forward_context, multimodal_context
 from baryon.layers.gated_delta_net import RecurrentStateLayer
 from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.layers.fused_decoder_layer import fuse_decoder_layers
@@ -33,6 +33,7 @@ from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
 from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
 from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
+from baryon.runner.image_inputs import ImageEncoder, rope_positions
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
 from baryon.runner.propose_plan import ProposePlan, ProposeReceiver, ProposeSender
@@ -120,6 +121,8 @@ class ModelRunner:
             raise ValueError(f"compilation_level={config.compilation.level} is not supported with {kind} yet: use "
                              f"compilation_level=0 (the default; decode steps still replay CUDA graphs)")
         self.forward = compile_forward(self.model, config.compilation.level)
+        # Image prompts (Qwen3-VL): the vision tower's runs and outputs (rank 0: images need one rank).
+        self.images = ImageEncoder(self.model, self.device) if getattr(self.model, "accepts_images", False) else None
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
         self.step_masks = StepMasks(self.vocab_size, self.device)  # structured outputs' logits masks
@@ -264,7 +267,8 @@ class ModelRunner:
         plan, sampling = self._plan(scheduled)
         if self.workers is not None:
             self.workers.send_step(plan.encode())
-        return self._launch(plan, scheduled, sampling, dp_step)
+        images = self.images.step(scheduled) if self.images is not None else None
+        return self._launch(plan, scheduled, sampling, dp_step, images)
 
     def dp_graph_size(self, num_seqs: int) -> int | None:
         """The decode graph a DP-attention step of at most num_seqs decodes per replica replays
@@ -293,7 +297,9 @@ class ModelRunner:
         self._launch(plan, None, None)
 
     def _launch(self, plan: StepPlan, scheduled: list[tuple[Request, int]] | None,
-                sampling: _Sampling | None, dp_step: DPStep | None = None) -> LaunchedStep:
+                sampling: _Sampling | None, dp_step: DPStep | None = None,
+                images: MultiModalStep | None = None) -> LaunchedStep:
+        """images: the step's image-prompt inputs (it then runs eagerly)."""
         batch = self._upload(plan)
         rows = plan.logit_rows
         sampling_ids = [r.request_id for r in sampling.sampling_requests] if self.is_first_rank else []
@@ -301,7 +307,7 @@ class ModelRunner:
         observe = getattr(self.proposer, "observe", None)  # a draft that reads the target's hidden states
         # The decode graph this step replays (None: it runs eagerly); with DP attention the agreed one.
         graph_size = dp_step.graph_size if dp_step is not None else \
-            self.graph_runner.padded_size(batch.metadata.num_seqs) if self._can_replay(batch) else None
+            self.graph_runner.padded_size(batch.metadata.num_seqs) if images is None and self._can_replay(batch) else None
         greedy_ids = None  # [num_sampling]: an argmax-only step's tokens, found on every rank
         if graph_size is not None:
             # The graph computes every row's logits, this rank's vocabulary slice [num_seqs, vocab /
@@ -315,10 +321,11 @@ class ModelRunner:
             if observe is not None:
                 observe(scheduled, batch.query_start, self.graph_runner.features[:batch.metadata.num_tokens])
         else:
-            if self.piecewise_runner is not None and self.piecewise_runner.padded_size(batch.metadata.num_tokens):
+            if images is None and self.piecewise_runner is not None and \
+                    self.piecewise_runner.padded_size(batch.metadata.num_tokens):
                 hidden = self.piecewise_runner.run(batch.input_ids, batch.positions, batch.metadata)
             else:
-                with forward_context(batch.metadata, dp_step and dp_step.padded_tokens):
+                with forward_context(batch.metadata, dp_step and dp_step.padded_tokens), multimodal_context(images):
                     hidden = self.forward(batch.input_ids, batch.positions)  # [num_tokens, hidden]
             if plan.argmax_only:
                 lm_head = self.model.lm_head
@@ -424,7 +431,7 @@ class ModelRunner:
                        and all(_takes_argmax(r) for r in sampling_requests))
         state_slots = np.array([r.state_slot for r, _ in scheduled], dtype=np.int32).reshape(num_seqs)
         plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
-                        state_slots=state_slots,
+                        state_slots=state_slots, rope_positions=rope_positions(scheduled),
                         pending_index=np.array(pending_index, dtype=np.int64),
                         pending_source=np.array(pending_source, dtype=np.int64),
                         logit_rows=np.array(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
@@ -438,7 +445,7 @@ class ModelRunner:
                              plan.state_slots if self.state_layers else None)
         arrays = host.arrays()
         input_ids, positions, pending_source, pending_index, *on_device = to_device_many(
-            [plan.input_ids, layout.positions, plan.pending_source, plan.pending_index, *arrays], self.device)
+            [plan.input_ids, plan.rope_positions if len(plan.rope_positions) else layout.positions, plan.pending_source, plan.pending_index, *arrays], self.device)
         # The last launch's samples may be this step's inputs: what it deferred (a structured-output
         # step's sampling, which waits for its masks) is queued now, so that its masks had this
         # step's planning to fill in, and before anything of this step reads the samples.
@@ -524,6 +531,8 @@ class ModelRunner:
         """A request ended: the proposer drops its state (the other ranks' with the next plan)."""
         if self.proposer is not None:
             self.proposer.forget(request_id)
+        if self.images is not None:
+            self.images.forget(request_id)
         if self.propose_sender is not None:
             self.propose_sender.forget(request_id)
 

@@ -1,0 +1,191 @@
+"""Qwen3-VL's vision tower: images (as the image processor cuts them into patches) to the embeddings
+that replace the prompt's image placeholder tokens, plus the DeepStack features that the first
+language-model layers add at those tokens.
+
+patches [num_patches, C * T * P * P] (each image's patches in the processor's order: blocks of
+merge x merge neighbours) -> patch embedding (the checkpoint's Conv3d with stride = kernel, as one
+linear) + the learned position grid resampled to the image's grid -> ViT blocks (LayerNorm,
+attention over each image alone with 2D rotary, GELU MLP) -> the merger (merge x merge patches ->
+one language-model token). DeepStack: after the blocks in `deepstack_visual_indexes`, a merger of
+their own makes [num_tokens, out_hidden] features for language-model layers 0, 1, ...
+Module names follow the checkpoint (`model.visual.*`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from baryon.layers.linear import ReplicatedLinear, copy_checked
+from baryon.layers.norm import LayerNorm
+
+
+def _loaded_param(shape: tuple[int, ...]) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = lambda p, loaded, shard_id=None: copy_checked(p.data, loaded)
+    param.expected_shards = frozenset([None])
+    return param
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Module()
+        self.proj.weight = _loaded_param((hidden_size, in_channels, temporal_patch_size, patch_size, patch_size))
+        self.proj.bias = _loaded_param((hidden_size,))
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """patches [num_patches, C * T * P * P] -> [num_patches, hidden]."""
+        weight = self.proj.weight.reshape(self.proj.weight.shape[0], -1)
+        return F.linear(patches.to(weight.dtype), weight, self.proj.bias)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = ReplicatedLinear(hidden_size, 3 * hidden_size, bias=True)
+        self.proj = ReplicatedLinear(hidden_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x [num_patches, hidden]; cos / sin [num_patches, head_dim]; lengths: each image's (frame's)
+        patch count, attended alone."""
+        num_patches = x.shape[0]
+        q, k, v = self.qkv(x).view(num_patches, 3, self.num_heads, -1).unbind(1)  # each [n, heads, head_dim]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        outputs = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+                   for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        out = torch.cat(outputs, dim=1).transpose(0, 1).reshape(num_patches, -1)  # [n, hidden]
+        return self.proj(out)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotation in float32: x [n, heads, head_dim], cos / sin [n, head_dim]."""
+    x32, cos, sin = x.float(), cos[:, None].float(), sin[:, None].float()
+    first, second = x32.chunk(2, dim=-1)
+    return (x32 * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"vision_config.hidden_act {hidden_act!r} is not supported; supported: "
+                             f"gelu_pytorch_tanh, gelu")
+        self.approximate = "tanh" if hidden_act == "gelu_pytorch_tanh" else "none"
+        self.linear_fc1 = ReplicatedLinear(hidden_size, intermediate_size, bias=True)
+        self.linear_fc2 = ReplicatedLinear(intermediate_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.norm1 = LayerNorm(config.hidden_size, 1e-6)
+        self.norm2 = LayerNorm(config.hidden_size, 1e-6)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """merge x merge neighbouring patches -> one token of out_hidden features; the norm before the
+    merge (the final merger) or after it (DeepStack's)."""
+
+    def __init__(self, config: Any, norm_after_merge: bool) -> None:
+        super().__init__()
+        merged = config.hidden_size * config.spatial_merge_size ** 2
+        self.merged = merged
+        self.norm_after_merge = norm_after_merge
+        self.norm = LayerNorm(merged if norm_after_merge else config.hidden_size, 1e-6)
+        self.linear_fc1 = ReplicatedLinear(merged, merged, bias=True)
+        self.linear_fc2 = ReplicatedLinear(merged, config.out_hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [num_patches, hidden] -> [num_patches / merge^2, out_hidden]."""
+        x = self.norm(x.reshape(-1, self.merged)) if self.norm_after_merge else self.norm(x).reshape(-1, self.merged)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class Qwen3VLVisionModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.merge = config.spatial_merge_size
+        self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
+                                      config.hidden_size)
+        self.pos_embed = nn.Module()
+        self.pos_embed.weight = _loaded_param((config.num_position_embeddings, config.hidden_size))
+        self.grid_side = int(config.num_position_embeddings ** 0.5)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config, norm_after_merge=False)
+        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, norm_after_merge=True)
+                                                   for _ in self.deepstack_visual_indexes)
+        head_dim = config.hidden_size // config.num_heads
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+        self.register_buffer("inv_freq", 1.0 / theta ** quarter, persistent=False)  # [head_dim // 4]
+
+    def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """patches [num_patches, C * T * P * P] of the images whose (t, h, w) patch grids are `grids`
+        -> (embeddings [num_tokens, out_hidden], DeepStack features [len(indexes), num_tokens,
+        out_hidden]); num_tokens = num_patches / merge^2, the images' tokens in order."""
+        x = self.patch_embed(patches)  # [num_patches, hidden]
+        x = x + self._grid_embeddings(grids).to(x.dtype)
+        rows, cols = self._patch_coordinates(grids)
+        freqs = torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)
+        freqs = torch.cat((freqs, freqs), dim=-1)  # [num_patches, head_dim]
+        cos, sin = freqs.cos(), freqs.sin()
+        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, lengths)
+            if i in self.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
+        embeddings = self.merger(x)
+        features = torch.stack(deepstack) if deepstack else embeddings.new_zeros((0, *embeddings.shape))
+        return embeddings, features
+
+    def _merge_order(self, h: int, w: int) -> torch.Tensor:
+        """Raster indices of an h x w grid in the processor's patch order (merge x merge blocks)."""
+        m = self.merge
+        raster = torch.arange(h * w, device=self.inv_freq.device).view(h // m, m, w // m, m)
+        return raster.transpose(1, 2).reshape(-1)
+
+    def _patch_coordinates(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each patch's (row, column) in its image, [num_patches] float32 each."""
+        rows, cols = [], []
+        for t, h, w in grids:
+            order = self._merge_order(h, w)
+            rows.append((order // w).repeat(t))
+            cols.append((order % w).repeat(t))
+        return torch.cat(rows).float(), torch.cat(cols).float()
+
+    def _grid_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The learned side x side position grid resampled bilinearly (corners aligned) to each
+        image's h x w patches, in the processor's patch order: [num_patches, hidden]."""
+        side, table = self.grid_side, self.pos_embed.weight.float().view(self.grid_side, self.grid_side, -1)
+        out = []
+        for t, h, w in grids:
+            (r0, r1, rw), (c0, c1, cw) = _taps(h, side, table.device), _taps(w, side, table.device)
+            top = table[r0][:, c0] * (1 - cw)[None, :, None] + table[r0][:, c1] * cw[None, :, None]
+            bottom = table[r1][:, c0] * (1 - cw)[None, :, None] + table[r1][:, c1] * cw[None, :, None]
+            grid = top * (1 - rw)[:, None, None] + bottom * rw[:, None, None]  # [h, w, hidden]
+            out.append(grid.reshape(h * w, -1)[self._merge_order(h, w)].repeat(t, 1))
+        return torch.cat(out)
+
+
+def _taps(size: int, side: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Bilinear taps with aligned corners from `side` table entries to `size` samples: (lower index,
+    upper index, upper weight), each [size]."""
+    source = torch.arange(size, device=device, dtype=torch.float32) * (side - 1) / max(size - 1, 1)
+    lower = source.floor().long().clamp(0, side - 1)
+    return lower, (lower + 1).clamp(max=side - 1), source - lower

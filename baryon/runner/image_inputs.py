@@ -1,0 +1,98 @@
+"""A step's image inputs (Qwen3-VL): the RoPE positions of image requests' tokens, and for a step
+that computes their prompt tokens the `MultiModalStep` the model reads (every token's (t, h, w)
+position, the image tokens' vision embeddings and DeepStack features).
+
+The vision tower runs once per request, over all its images, at the first step that computes one
+of its image tokens; the outputs stay here until its prefill is past its last image (a chunked
+prefill takes them chunk by chunk) or it ends. A preempted request that comes back recomputes them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from baryon.layers.forward_context import MultiModalStep
+from baryon.request import Request
+
+
+def rope_positions(scheduled: list[tuple[Request, int]]) -> np.ndarray:
+    """The step's 1-D RoPE positions [num_tokens] int64 where an image request is scheduled (empty:
+    every token at its cache position): a token after the images sits at index + delta, and a token
+    among them at its temporal position (the step's MultiModalStep then rotates those)."""
+    if not any(r.images is not None for r, _ in scheduled):
+        return np.zeros(0, dtype=np.int64)
+    parts = []
+    for request, n in scheduled:
+        index = np.arange(request.num_computed_tokens, request.num_computed_tokens + n)
+        parts.append(index if request.images is None else _positions(request, index)[0])
+    return np.concatenate(parts)
+
+
+def _positions(request: Request, index: np.ndarray) -> np.ndarray:
+    """(t, h, w) positions [3, len(index)] of an image request's tokens at `index`."""
+    images = request.images
+    inside = index < images.num_prompt_tokens
+    out = np.broadcast_to(index + images.position_delta, (3, len(index))).copy()
+    out[:, inside] = images.positions[:, index[inside]]
+    return out
+
+
+class ImageEncoder:
+    """Runs the model's vision tower and keeps each request's outputs while its prefill needs them."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        # request id -> (embeddings [N, hidden], DeepStack [k, N, hidden]) of all its image tokens
+        self.outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def step(self, scheduled: list[tuple[Request, int]]) -> MultiModalStep | None:
+        """The step's MultiModalStep, or None when it computes no token before an image request's
+        last image (its decodes and later prompt tokens rotate as plain RoPE at rope_positions)."""
+        if not any(r.images is not None and r.num_computed_tokens < r.images.end for r, _ in scheduled):
+            return None
+        positions, rows, embeddings, deepstack, start = [], [], [], [], 0
+        for request, n in scheduled:
+            first = request.num_computed_tokens
+            index = np.arange(first, first + n)
+            if request.images is None:
+                positions.append(np.broadcast_to(index, (3, n)))
+            else:
+                positions.append(_positions(request, index))
+                self._take_image_tokens(request, first, n, start, rows, embeddings, deepstack)
+            start += n
+        hidden = self.model.config.hidden_size
+        return MultiModalStep(
+            positions=torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device),
+            rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            embeddings=torch.cat(embeddings) if embeddings else torch.zeros(0, hidden, device=self.device),
+            deepstack=torch.cat(deepstack, dim=1) if deepstack else torch.zeros(0, 0, hidden, device=self.device))
+
+    def _take_image_tokens(self, request: Request, first: int, n: int, start: int, rows: list[int],
+                           embeddings: list[torch.Tensor], deepstack: list[torch.Tensor]) -> None:
+        """Add the rows, embeddings and DeepStack features of the request's image tokens in
+        [first, first + n), which sit at token `start` of the step."""
+        images, done = request.images, 0  # done: image tokens before this image
+        for offset, count in images.spans:
+            lo, hi = max(offset, first), min(offset + count, first + n)
+            if lo < hi:
+                encoded, features = self._outputs(request)
+                rows.extend(range(start + lo - first, start + hi - first))
+                embeddings.append(encoded[done + lo - offset:done + hi - offset])
+                deepstack.append(features[:, done + lo - offset:done + hi - offset])
+            done += count
+        if first + n >= images.end:
+            self.outputs.pop(request.request_id, None)  # (the tensors taken above stay alive for the step)
+
+    def _outputs(self, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self.outputs.get(request.request_id)
+        if cached is None:
+            images = request.images.inputs.images
+            patches = torch.from_numpy(np.concatenate([i.patch_array() for i in images])).to(self.device)
+            cached = self.outputs[request.request_id] = self.model.encode_images(patches, [i.grid for i in images])
+        return cached
+
+    def forget(self, request_id: str) -> None:
+        self.outputs.pop(request_id, None)
