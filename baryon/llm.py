@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from baryon.config import EngineConfig, planned_engine_processes
 from baryon.engine.core_client import EngineProcess
 from baryon.engine.llm_engine import LLMEngine, PromptType
+from baryon.multimodal.chat import split_images
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
 
@@ -86,7 +87,10 @@ class LLM:
              tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to a
         list of conversations, rendered with the tokenizer's chat template (with `tools`, OpenAI
-        tool definitions, and `chat_template_kwargs`, more template variables, as vLLM's)."""
+        tool definitions, and `chat_template_kwargs`, more template variables, as vLLM's). A
+        message's content may be a list of parts, images among them (image-and-text models):
+        `{"type": "image_url", "image_url": {"url": ...}}` or `{"type": "image", "image": ...}`
+        (baryon.multimodal.chat)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this engine has skip_tokenizer_init=True")
@@ -98,10 +102,11 @@ class LLM:
             raise ValueError("chat needs at least one non-empty conversation of messages")
         prompts = []
         for conversation in conversations:
+            conversation, images = split_images(conversation)
             ids = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tools=tools, tokenize=True,
                                                 add_generation_prompt=add_generation_prompt, return_dict=False,
                                                 **(chat_template_kwargs or {}))
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompts.append({"prompt_token_ids": list(ids), **({"multi_modal_data": {"image": images}} if images else {})})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -12,6 +12,7 @@ import transformers
 from PIL import Image
 
 from baryon import LLM, SamplingParams
+from conftest import make_checkpoint
 from baryon.multimodal.inputs import mrope_positions
 from baryon.multimodal.processor import ImageError, load_image
 
@@ -25,6 +26,32 @@ TEXT = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_lay
             # (the t / h / w split of 16-wide heads' 8 frequencies; the published [24, 20, 20] is for 128)
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
                              "mrope_interleaved": True})
+
+
+# A word-level tokenizer over the checkpoint's ids: words w0 .. w149, the image tokens at their
+# config ids, chat markers after them; a template that renders image parts as Qwen3-VL's does.
+CHAT_TEMPLATE = ("{%- for m in messages %}<|im_start|> {{ m.role }} {% if m.content is string %}{{ m.content }} "
+                 "{% else %}{% for p in m.content %}{% if p.type == 'image' %}<|vision_start|> <|image_pad|> "
+                 "<|vision_end|> {% else %}{{ p.text }} {% endif %}{% endfor %}{% endif %}<|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def _tokenizer(path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(150)}
+    vocab.update({"<|image_pad|>": IMAGE_TOKEN, "<|video_pad|>": 151, "<|vision_start|>": VISION_START,
+                  "<|vision_end|>": VISION_END, "<|im_start|>": 154, "<|im_end|>": 155, "user": 156,
+                  "assistant": 157, "system": 158, "<unk>": 159})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Sequence([decoders.Fuse()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+                                                              "<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
 
 
 def _checkpoint(path, seed: int):
@@ -42,6 +69,7 @@ def _checkpoint(path, seed: int):
 
     Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
                              size={"shortest_edge": 32 * 32, "longest_edge": 160 * 160}).save_pretrained(path)
+    _tokenizer(path)
     return model
 
 
@@ -166,6 +194,10 @@ def test_bad_image_inputs_are_refused_by_name(tmp_path, seed):
     with pytest.raises(ImageError, match="file paths"):
         load_image(str(tmp_path / "x.png"), allow_local_files=False)
     assert not llm.engine.has_unfinished_requests()
+    text_only = LLM(str(make_checkpoint(tmp_path / "qwen3", "qwen3", seed)), skip_tokenizer_init=True, device="cpu",
+                    kv_cache_memory_gib=0.01)
+    with pytest.raises(ValueError, match="does not read images"):
+        text_only.generate([{"prompt_token_ids": [5, 6], "multi_modal_data": {"image": _image(rng, 32, 32)}}], params)
     # the engine still serves after the refusals
     out = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": _image(rng, 32, 48)}}], params)
     assert len(out[0].outputs[0].token_ids) == 2
@@ -188,3 +220,76 @@ def test_vision_tower_matches_transformers(tmp_path, seed):
         embeddings, deepstack = ours(out["pixel_values"], [tuple(g) for g in out["image_grid_thw"].tolist()])
     torch.testing.assert_close(embeddings, expected.pooler_output, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(deepstack, torch.stack(expected.deepstack_features), atol=1e-5, rtol=1e-5)
+
+
+def _data_url(image: Image.Image) -> str:
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _words(rng: np.random.Generator, count: int) -> str:
+    return " ".join(f"w{int(i)}" for i in rng.integers(3, 140, count))
+
+
+def test_chat_with_images_follows_transformers(tmp_path, seed):
+    """LLM.chat with image parts (a data: URL and a PIL image): the template renders their
+    placeholders, and the reply is transformers' greedy continuation of the rendered prompt."""
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "qwen3-vl"
+    hf = _checkpoint(path, seed)
+    first, second = _image(rng, 90, 150), _image(rng, 40, 64)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": _words(rng, 3)}, {"type": "image_url", "image_url": {"url": _data_url(first)}},
+        {"type": "text", "text": _words(rng, 2)}, {"type": "image", "image": second}]}]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, kv_cache_memory_gib=0.02, max_model_len=512)
+    output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)[0]
+    rendered = transformers.AutoTokenizer.from_pretrained(path).apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": messages[0]["content"][0]["text"]}, {"type": "image"},
+                                      {"type": "text", "text": messages[0]["content"][2]["text"]}, {"type": "image"}]}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(rendered).count(IMAGE_TOKEN) == 2
+    expected, _ = _hf_greedy(hf, path, list(rendered), [first, second])
+    assert output.outputs[0].token_ids == expected
+
+
+def test_server_chat_with_images(tmp_path, seed):
+    """`baryon serve`: a chat completion with an image_url (data: URL) replies as LLM.chat does;
+    an unreadable image, a file path and a payload that is not base64 are 400s naming the problem,
+    and the server goes on serving."""
+    import httpx
+    import openai
+    from test_server import ServerProcess
+
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "qwen3-vl"
+    _checkpoint(path, seed)
+    image = _image(rng, 64, 96)
+    content = [{"type": "text", "text": _words(rng, 3)}, {"type": "image_url", "image_url": {"url": _data_url(image)}}]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, kv_cache_memory_gib=0.02, max_model_len=512)
+    expected = llm.chat([{"role": "user", "content": content}],
+                        SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)[0]
+    server = ServerProcess(path, "--dtype", "float32", "--max-model-len", "512", "--block-size", "4",
+                           "--kv-cache-memory-gib", "0.02")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
+                                               temperature=0, max_tokens=NUM_NEW, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == expected.outputs[0].text
+        assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+        bad = [("data:image/png;base64,bm90IGFuIGltYWdl", "not an image"), (str(tmp_path / "x.png"), "file paths"),
+               ("data:image/png;base64,@@", "does not decode")]
+        for url, reason in bad:
+            response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+                "model": str(path), "max_tokens": 2,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]})
+            assert response.status_code == 400 and reason in response.json()["error"]["message"], response.text
+        again = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
+                                               temperature=0, max_tokens=NUM_NEW, extra_body={"ignore_eos": True})
+        assert again.choices[0].message.content == expected.outputs[0].text
+    finally:
+        server.stop()

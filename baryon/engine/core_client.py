@@ -33,6 +33,7 @@ from baryon.engine.messages import (AbortRequests, AddRequests, EngineCoreReques
 from baryon.engine.output_processor import OutputProcessor
 from baryon.engine.replica_load import ReplicaLoad, request_tokens
 from baryon.logger import get_logger
+from baryon.multimodal.inputs import MultiModalInputs
 from baryon.outputs import RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.tokenizer import eos_token_ids
@@ -209,9 +210,11 @@ class AsyncEngineClient:
     # -- requests -----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, multimodal: MultiModalInputs | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """The request's outputs (cumulative: each holds every token so far), the last one
-        finished. Leaving early (break, cancellation, an error) aborts the request in the engine."""
+        finished. Leaving early (break, cancellation, an error) aborts the request in the engine.
+        multimodal: the prompt's images (their placeholders expanded in prompt_token_ids)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         queue: asyncio.Queue = asyncio.Queue()
@@ -221,7 +224,8 @@ class AsyncEngineClient:
                                                                self.config.model.max_model_len))
         try:
             samples = [params.for_sample(i) if params.n > 1 else params for i in range(params.n)]
-            self._send(replica, AddRequests([EngineCoreRequest(core_id, prompt_token_ids, sample, self.eos_token_ids)
+            self._send(replica, AddRequests([EngineCoreRequest(core_id, prompt_token_ids, sample, self.eos_token_ids,
+                                                               multimodal)
                                              for core_id, sample in zip(core_ids, samples)]))
             self.num_prompt_tokens += len(prompt_token_ids)
             while True:

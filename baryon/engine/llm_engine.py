@@ -87,13 +87,9 @@ class LLMEngine:
             raise ValueError(f"multi_modal_data must be {{'image': an image or a list of images}}; got "
                              f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
         if self.image_processor is None:
-            hf_config = self.config.model.hf_config
-            if getattr(hf_config, "vision_config", None) is None:
-                raise ValueError(f"{hf_config.architectures[0]} does not read images; image prompts need an "
-                                 f"image-and-text model (Qwen3VLForConditionalGeneration)")
-            self.image_processor = ImageProcessor(self.config.model.model_path, hf_config)
+            self.image_processor = ImageProcessor.for_model(self.config.model.model_path, self.config.model.hf_config)
         images = data["image"] if isinstance(data["image"], (list, tuple)) else [data["image"]]
-        return self.image_processor.expand(prompt_token_ids, self.image_processor.process(images, allow_local_files))
+        return self.image_processor.prompt(prompt_token_ids, list(images), allow_local_files)
 
     def _process_text_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

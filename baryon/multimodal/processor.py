@@ -77,6 +77,14 @@ def _fetch(url: str) -> bytes:
 class ImageProcessor:
     """The checkpoint's image processor and its image placeholder token."""
 
+    @classmethod
+    def for_model(cls, model_path: str, hf_config: Any) -> ImageProcessor:
+        """The processor of an image-and-text model; a model that reads no images is refused."""
+        if getattr(hf_config, "vision_config", None) is None:
+            raise ImageError(f"{hf_config.architectures[0]} does not read images; image prompts need an "
+                             f"image-and-text model (Qwen3VLForConditionalGeneration)")
+        return cls(model_path, hf_config)
+
     def __init__(self, model_path: str, hf_config: Any) -> None:
         from transformers import AutoImageProcessor
 
@@ -98,6 +106,13 @@ class ImageProcessor:
                                      grid=(t, h, w), num_tokens=count // self.spatial_merge ** 2))
             start += count
         return result
+
+    def prompt(self, token_ids: list[int], images: list[Any], allow_local_files: bool = True
+               ) -> tuple[list[int], MultiModalInputs]:
+        """The prompt with its images' placeholders expanded, and its images' inputs."""
+        if not images:
+            raise ImageError("no images given")
+        return self.expand(token_ids, self.process(images, allow_local_files))
 
     def expand(self, token_ids: list[int], images: list[ImageInput]) -> tuple[list[int], MultiModalInputs]:
         """The prompt with each image's placeholder (one image token, or a run of exactly its

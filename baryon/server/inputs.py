@@ -14,7 +14,9 @@ from typing import Any
 from baryon.config import EngineConfig
 from baryon.engine.core import check_prompt
 from baryon.server.errors import bad_request
-from baryon.server.protocol import ChatMessage
+from baryon.multimodal.inputs import MultiModalInputs
+from baryon.multimodal.processor import ImageError, ImageProcessor
+from baryon.server.protocol import ChatMessage, ImageContentPart
 from baryon.tokenizer import unpaired_surrogate
 
 # A prompt for the engine: its text (None when given as token ids) and its token ids.
@@ -89,6 +91,7 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.image_processor: ImageProcessor | None = None  # loaded at the first image
 
     @property
     def max_model_len(self) -> int:
@@ -179,6 +182,24 @@ class InputProcessor:
             self.check(ids, param="messages")
         return ids
 
+    def chat_images(self, messages: list[ChatMessage], prompt_token_ids: list[int]
+                    ) -> tuple[list[int], MultiModalInputs | None]:
+        """The rendered conversation with its images' placeholders expanded and the images read
+        (data: or http(s) URLs; None: the conversation has none), checked against the engine's limits."""
+        urls = [part.image_url.url for m in messages if isinstance(m.content, list)
+                for part in m.content if isinstance(part, ImageContentPart)]
+        if not urls:
+            return prompt_token_ids, None
+        try:
+            if self.image_processor is None:
+                self.image_processor = ImageProcessor.for_model(self.config.model.model_path,
+                                                                self.config.model.hf_config)
+            ids, multimodal = self.image_processor.prompt(prompt_token_ids, urls, allow_local_files=False)
+        except ImageError as e:
+            raise bad_request(str(e), param="messages", code="invalid_image") from None
+        self.check(ids, param="messages")
+        return ids, multimodal
+
     def check(self, prompt_token_ids: list[int], param: str = "prompt") -> None:
         try:
             check_prompt(self.config, prompt_token_ids)
@@ -218,7 +239,10 @@ def _template_message(message: ChatMessage, arguments_as_text: bool = False,
     object where they parse as one (Llama's and others' templates apply `tojson` to them) unless
     arguments_as_text; call ids cut to their last call_id_chars characters if given."""
     content = message.content
-    if isinstance(content, list):
+    if isinstance(content, list) and any(isinstance(part, ImageContentPart) for part in content):
+        content = [{"type": "image"} if isinstance(part, ImageContentPart) else {"type": "text", "text": part.text}
+                   for part in content]  # (the template renders each image's placeholder)
+    elif isinstance(content, list):
         content = "\n".join(part.text for part in content)
     if content is None and message.tool_calls:
         content = ""

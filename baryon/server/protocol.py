@@ -91,6 +91,18 @@ class TextContentPart(StrictModel):
     text: str
 
 
+class ImageUrl(StrictModel):
+    url: str = Field(description="data:image/<format>;base64,<data> or an http(s) URL")
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="Accepted; images are read whole")
+
+
+class ImageContentPart(StrictModel):
+    """An image (image-and-text models): OpenAI's image_url part."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCall(StrictModel):
     name: str
     arguments: str = Field(description="The arguments as JSON text")
@@ -107,7 +119,7 @@ class ChatMessage(StrictModel):
     made), or a tool's result (`tool_call_id` names the call it answers)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from baryon.config import EngineConfig
 from baryon.engine.core_client import AsyncEngineClient, EngineDeadError, OutputProcessingError, RequestRejectedError
 from baryon.logger import get_logger
+from baryon.multimodal.inputs import MultiModalInputs
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.server.errors import APIError, error_body
@@ -138,19 +139,21 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _timed(ctx: ServerContext, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+async def _timed(ctx: ServerContext, request_id: str, prompt: Prompt, params: SamplingParams,
+                 multimodal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
     timer = ctx.metrics.request_timer()
-    async for output in ctx.client.generate(request_id, prompt[0], prompt[1], params):
+    async for output in ctx.client.generate(request_id, prompt[0], prompt[1], params, multimodal):
         timer.observe(output)
         yield output
 
 
-async def generate_merged(ctx: ServerContext, request_id: str, prompts: list[Prompt],
-                          params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def generate_merged(ctx: ServerContext, request_id: str, prompts: list[Prompt], params: list[SamplingParams],
+                          multimodal: MultiModalInputs | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, latest output) as the engine advances any of the prompts, until all are
-    finished. Leaving early aborts every unfinished prompt."""
+    finished. Leaving early aborts every unfinished prompt. multimodal: the images of a single
+    prompt (a chat's)."""
     if len(prompts) == 1:
-        async for output in _timed(ctx, request_id, prompts[0], params[0]):
+        async for output in _timed(ctx, request_id, prompts[0], params[0], multimodal):
             yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()

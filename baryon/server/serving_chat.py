@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from baryon.multimodal.inputs import MultiModalInputs
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.server.errors import bad_request
@@ -46,6 +47,7 @@ class _Plan:
     tools: ToolPlan
     reasoning_parser: str | None  # None: no split (no parser, or a constrained reply)
     prompt_ends_in_reasoning: bool = False  # the template opened <think> in the prompt
+    multimodal: MultiModalInputs | None = None  # the conversation's images
 
 
 def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
@@ -70,6 +72,7 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
         structure = (tools.structure, "tool_choice")
     ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=_template_kwargs(request),
                                  call_id_chars=ctx.call_id_chars)
+    ids, multimodal = ctx.inputs.chat_images(request.messages, ids)
     reasoning_parser = ctx.reasoning_parser
     # <think> parsers: how the generation prompt ends (a template may open or close the reasoning)
     tail = ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip() \
@@ -92,7 +95,8 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
         params = dataclasses.replace(params, skip_special_tokens=False)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     opens = reasoning_parser in _THINK_PARSERS and tail.endswith("<think>")  # the template opened it
-    return _Plan(new_id("chatcmpl"), ids, params, top_logprobs, include_usage, tools, reasoning_parser, opens)
+    return _Plan(new_id("chatcmpl"), ids, params, top_logprobs, include_usage, tools, reasoning_parser, opens,
+                 multimodal)
 
 
 def _template_kwargs(request: ChatCompletionRequest) -> dict | None:
@@ -124,7 +128,7 @@ def _reasoning_end(ctx: ServerContext, parser: str | None) -> list[int] | None:
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request) -> Response:
     await ctx.check_constraints(request)
     plan = await ctx.prepare(_plan, ctx, request)
-    outputs = generate_merged(ctx, plan.request_id, [(None, plan.prompt_token_ids)], [plan.params])
+    outputs = generate_merged(ctx, plan.request_id, [(None, plan.prompt_token_ids)], [plan.params], plan.multimodal)
     if request.stream:
         return streaming_response(_stream(ctx, plan, outputs))
     return await unless_disconnected(raw_request, lambda: _complete(ctx, plan, outputs))
