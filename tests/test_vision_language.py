@@ -5,6 +5,8 @@ inputs refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -65,10 +67,11 @@ def _checkpoint(path, seed: int):
             if "norm" in name or "pos_embed" in name:
                 param.copy_(torch.randn_like(param) * 0.5 + (1.0 if "norm" in name and "bias" not in name else 0.0))
     model.save_pretrained(path)
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
-                             size={"shortest_edge": 32 * 32, "longest_edge": 160 * 160}).save_pretrained(path)
+    # (written by hand: AutoImageProcessor then takes whichever backend is installed, PIL or torchvision)
+    (path / "preprocessor_config.json").write_text(json.dumps(dict(
+        image_processor_type="Qwen2VLImageProcessor", patch_size=16, merge_size=2, temporal_patch_size=2,
+        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+        size={"shortest_edge": 32 * 32, "longest_edge": 160 * 160})))
     _tokenizer(path)
     return model
 
@@ -125,17 +128,20 @@ def test_mrope_positions_match_transformers(seed):
         assert got_delta == int(delta)
 
 
-def test_qwen3_vl_image_prompts_follow_transformers(tmp_path, seed):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_qwen3_vl_image_prompts_follow_transformers(tmp_path, seed, device):
     """Image prompts (one image, two of other sizes) beside a text prompt: greedy tokens and
-    logprobs as transformers' whole model gives them, over prefills chunked through the images."""
+    logprobs as transformers' whole model gives them, over prefills chunked through the images
+    (on a GPU the decodes replay CUDA graphs)."""
     rng = np.random.default_rng(seed)
     path = tmp_path / "qwen3-vl"
     hf = _checkpoint(path, seed)
     cases = [(_prompt(rng, 1), [_image(rng, 90, 150)]),
              (_prompt(rng, 2), [_image(rng, 64, 40), _image(rng, 33, 70)]),
              (_prompt(rng, 0), [])]
-    llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
-              max_num_batched_tokens=16, kv_cache_memory_gib=0.02, max_model_len=512)
+    llm = LLM(str(path), skip_tokenizer_init=True, device=device, dtype="float32", block_size=4 if device == "cpu"
+              else 16, max_num_batched_tokens=16, kv_cache_memory_gib=0.02, max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": imgs}} if imgs else {})}
                for ids, imgs in cases]

@@ -129,6 +129,31 @@ PRESETS: dict[str, dict] = {
         rope_scaling=None, rope_theta=10000000, router_aux_loss_coef=0.001, shared_expert_intermediate_size=512,
         tie_word_embeddings=False, torch_dtype="bfloat16", use_cache=True, use_sliding_window=False,
         vocab_size=151936),
+    # Qwen/Qwen3-VL-8B-Instruct: Qwen3-8B's decoder under interleaved multimodal RoPE, a 27-block
+    # vision tower (1152 wide, 16 x 16 patches, 2 x 2 merged into one token) with DeepStack
+    # features from blocks 8, 16 and 24 into the first three decoder layers
+    "qwen3-vl-8b": dict(
+        architectures=["Qwen3VLForConditionalGeneration"], model_type="qwen3_vl", image_token_id=151655,
+        video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=False,
+        text_config=dict(
+            model_type="qwen3_vl_text", attention_bias=False, attention_dropout=0.0, bos_token_id=151643,
+            eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=4096, initializer_range=0.02,
+            intermediate_size=12288, max_position_embeddings=262144, num_attention_heads=32, num_hidden_layers=36,
+            num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=5000000, dtype="bfloat16", vocab_size=151936,
+            rope_scaling={"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}),
+        vision_config=dict(
+            model_type="qwen3_vl", deepstack_visual_indexes=[8, 16, 24], depth=27, hidden_act="gelu_pytorch_tanh",
+            hidden_size=1152, in_channels=3, initializer_range=0.02, intermediate_size=4304, num_heads=16,
+            num_position_embeddings=2304, out_hidden_size=4096, patch_size=16, spatial_merge_size=2,
+            temporal_patch_size=2),
+        torch_dtype="bfloat16"),
+}
+
+# The image processors of the image-and-text presets (their preprocessor_config.json).
+PREPROCESSORS: dict[str, dict] = {
+    "qwen3-vl-8b": dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16, merge_size=2,
+                        temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+                        size={"longest_edge": 16777216, "shortest_edge": 65536}),
 }
 
 
@@ -139,8 +164,11 @@ def resolve_model(model: str) -> str:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(PRESETS[model], f, indent=1)
+    if model in PREPROCESSORS:
+        with open(os.path.join(folder, "preprocessor_config.json"), "w") as f:
+            json.dump(PREPROCESSORS[model], f, indent=1)
     if not os.path.exists(os.path.join(folder, "tokenizer.json")):
-        _write_synthetic_tokenizer(folder, PRESETS[model])
+        _write_synthetic_tokenizer(folder, PRESETS[model].get("text_config", PRESETS[model]))
     return folder
 
 

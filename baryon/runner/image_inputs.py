@@ -3,7 +3,7 @@ that computes their prompt tokens the `MultiModalStep` the model reads (every to
 position, the image tokens' vision embeddings and DeepStack features).
 
 The vision tower runs once per request, over all its images, at the first step that computes one
-of its image tokens; the outputs stay here until its prefill is past its last image (a chunked
+of its image tokens (one call for all such requests of a step); the outputs stay here until its prefill is past its last image (a chunked
 prefill takes them chunk by chunk) or it ends. A preempted request that comes back recomputes them.
 """
 
@@ -53,6 +53,8 @@ class ImageEncoder:
         last image (its decodes and later prompt tokens rotate as plain RoPE at rope_positions)."""
         if not any(r.images is not None and r.num_computed_tokens < r.images.end for r, _ in scheduled):
             return None
+        self._encode([r for r, n in scheduled if r.images is not None and r.request_id not in self.outputs
+                      and any(o < r.num_computed_tokens + n and r.num_computed_tokens < o + c for o, c in r.images.spans)])
         positions, rows, embeddings, deepstack, start = [], [], [], [], 0
         for request, n in scheduled:
             first = request.num_computed_tokens
@@ -78,7 +80,7 @@ class ImageEncoder:
         for offset, count in images.spans:
             lo, hi = max(offset, first), min(offset + count, first + n)
             if lo < hi:
-                encoded, features = self._outputs(request)
+                encoded, features = self.outputs[request.request_id]
                 rows.extend(range(start + lo - first, start + hi - first))
                 embeddings.append(encoded[done + lo - offset:done + hi - offset])
                 deepstack.append(features[:, done + lo - offset:done + hi - offset])
@@ -86,13 +88,18 @@ class ImageEncoder:
         if first + n >= images.end:
             self.outputs.pop(request.request_id, None)  # (the tensors taken above stay alive for the step)
 
-    def _outputs(self, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
-        cached = self.outputs.get(request.request_id)
-        if cached is None:
-            images = request.images.inputs.images
-            patches = torch.from_numpy(np.concatenate([i.patch_array() for i in images])).to(self.device)
-            cached = self.outputs[request.request_id] = self.model.encode_images(patches, [i.grid for i in images])
-        return cached
+    def _encode(self, requests: list[Request]) -> None:
+        """One vision-tower call over the images of every request that needs them this step."""
+        if not requests:
+            return
+        images = [image for r in requests for image in r.images.inputs.images]
+        patches = torch.from_numpy(np.concatenate([i.patch_array() for i in images])).to(self.device)
+        embeddings, deepstack = self.model.encode_images(patches, [i.grid for i in images])
+        start = 0
+        for request in requests:
+            count = sum(i.num_tokens for i in request.images.inputs.images)
+            self.outputs[request.request_id] = (embeddings[start:start + count], deepstack[:, start:start + count])
+            start += count
 
     def forget(self, request_id: str) -> None:
         self.outputs.pop(request_id, None)
