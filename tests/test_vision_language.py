@@ -14,7 +14,7 @@ import transformers
 from PIL import Image
 
 from baryon import LLM, SamplingParams
-from conftest import make_checkpoint
+from conftest import MOE_BASE, make_checkpoint, spread_hybrid_norms
 from baryon.multimodal.inputs import mrope_positions
 from baryon.multimodal.processor import ImageError, load_image
 
@@ -56,16 +56,30 @@ def _tokenizer(path) -> None:
     fast.save_pretrained(path)
 
 
-def _checkpoint(path, seed: int):
-    config = transformers.Qwen3VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE_TOKEN,
-                                        video_token_id=151, vision_start_token_id=VISION_START,
-                                        vision_end_token_id=VISION_END)
+# Qwen3.5: its hybrid decoder (conftest's Gated DeltaNet layers, gated attention rotating a quarter
+# of 32-wide heads: 4 frequencies) under the same vision tower without DeepStack.
+QWEN3_5_TEXT = dict(TEXT, **{**MOE_BASE["qwen3_5"], "head_dim": 32},
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                     "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+ARCHS = {"qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration, TEXT, VISION),
+         "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration, QWEN3_5_TEXT,
+                     {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"})}
+
+
+def _checkpoint(path, seed: int, arch: str = "qwen3_vl"):
+    config_cls, model_cls, text, vision = ARCHS[arch]
+    config = config_cls(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN, video_token_id=151,
+                        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # random norms and position grid, so that a mixed-up tensor cannot pass
+    model = model_cls(config).eval()
+    if arch == "qwen3_5":
+        spread_hybrid_norms(model)
+    with torch.no_grad():  # random vision norms and position grid, so that a mixed-up tensor cannot pass
         for name, param in model.named_parameters():
-            if "norm" in name or "pos_embed" in name:
+            if "visual" in name and ("norm" in name or "pos_embed" in name):
                 param.copy_(torch.randn_like(param) * 0.5 + (1.0 if "norm" in name and "bias" not in name else 0.0))
+            elif arch == "qwen3_vl" and "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.5 + 1.0)
     model.save_pretrained(path)
     # (written by hand: AutoImageProcessor then takes whichever backend is installed, PIL or torchvision)
     (path / "preprocessor_config.json").write_text(json.dumps(dict(
@@ -89,24 +103,27 @@ def _prompt(rng: np.random.Generator, num_images: int) -> list[int]:
 
 
 def _hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image]) -> tuple[list[int], list[float]]:
+    """Greedy decoding in transformers with the whole prompt recomputed every step (its positions
+    from scratch); the hybrid Qwen3.5 in float64 (transformers' float32 chunked rule strays ~2e-4)."""
     processor = transformers.AutoImageProcessor.from_pretrained(path)
+    dtype = torch.float64 if isinstance(model, transformers.Qwen3_5ForConditionalGeneration) else torch.float32
+    model = model.to(dtype)
     extra, ids = {}, list(prompt_ids)
     if images:
         out = processor(images=images, return_tensors="pt")
-        counts = (out["image_grid_thw"].prod(-1) // 4).tolist()
-        expanded, it = [], iter(counts)
-        for t in ids:
-            expanded += [IMAGE_TOKEN] * next(it) if t == IMAGE_TOKEN else [t]
-        ids = expanded
-        extra = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
-    input_ids = torch.tensor([ids])
-    extra["mm_token_type_ids"] = (input_ids == IMAGE_TOKEN).int()
+        counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for token in ids for t in ([IMAGE_TOKEN] * next(counts) if token == IMAGE_TOKEN else [token])]
+        extra = dict(pixel_values=out["pixel_values"].to(dtype), image_grid_thw=out["image_grid_thw"])
+    prompt_len, logprobs = len(ids), []
     with torch.no_grad():
-        result = model.generate(input_ids, max_new_tokens=NUM_NEW, do_sample=False, output_logits=True,
-                                return_dict_in_generate=True, **extra)
-    tokens = result.sequences[0, len(ids):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(result.logits, tokens)]
-    return tokens, logprobs
+        for _ in range(NUM_NEW):
+            input_ids = torch.tensor([ids])
+            logits = model(input_ids, mm_token_type_ids=(input_ids == IMAGE_TOKEN).int(), **extra).logits[0, -1]
+            lp = logits.double().log_softmax(-1)
+            ids.append(int(lp.argmax()))
+            logprobs.append(float(lp[ids[-1]]))
+    model.to(torch.float32)
+    return ids[prompt_len:], logprobs
 
 
 def test_mrope_positions_match_transformers(seed):
@@ -128,15 +145,16 @@ def test_mrope_positions_match_transformers(seed):
         assert got_delta == int(delta)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_qwen3_vl_image_prompts_follow_transformers(tmp_path, seed, device):
-    """Image prompts (one image, two of other sizes) beside a text prompt: greedy tokens and
-    logprobs as transformers' whole model gives them, over prefills chunked through the images
-    (on a GPU the decodes replay CUDA graphs)."""
+@pytest.mark.parametrize("arch,device", [("qwen3_vl", "cpu"), ("qwen3_5", "cpu"), *[
+    pytest.param(arch, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+    for arch in ARCHS]])
+def test_image_prompts_follow_transformers(tmp_path, seed, arch, device):
+    """Qwen3-VL and Qwen3.5 (hybrid): image prompts (one image, two of other sizes) beside a text
+    prompt: greedy tokens and logprobs as transformers' whole model gives them, over prefills
+    chunked through the images (on a GPU the decodes replay CUDA graphs)."""
     rng = np.random.default_rng(seed)
-    path = tmp_path / "qwen3-vl"
-    hf = _checkpoint(path, seed)
+    path = tmp_path / arch
+    hf = _checkpoint(path, seed, arch)
     cases = [(_prompt(rng, 1), [_image(rng, 90, 150)]),
              (_prompt(rng, 2), [_image(rng, 64, 40), _image(rng, 33, 70)]),
              (_prompt(rng, 0), [])]

@@ -30,6 +30,7 @@ from baryon.layers.linear import QKVParallelLinear, RowParallelLinear
 from baryon.layers.mlp import GatedMLP
 from baryon.layers.rotary import get_rope
 from baryon.models.gemma2 import GemmaRMSNorm
+from baryon.models.image_text import ReadsImages
 from baryon.models.llama import LlamaForCausalLM, LlamaModel, head_dim_of, layer_type_of
 from baryon.models.qwen2_moe import shared_expert_block
 from baryon.models.qwen3_moe import GATE_UP_DOWN, is_sparse_layer, softmax_router
@@ -158,15 +159,15 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):  # noqa: N801
                                                         renormalize=True))
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):  # noqa: N801
-    """The image-and-text checkpoint's language model (config.LANGUAGE_MODEL_ONLY)."""
+class Qwen3_5ForConditionalGeneration(ReadsImages, Qwen3_5ForCausalLM):  # noqa: N801
+    """The image-and-text checkpoint: Qwen3-VL's vision tower (without DeepStack) and multimodal
+    RoPE (on the gated attention layers' rotary part) beside the hybrid decoder."""
 
-    weights_mapping = {"model.language_model.": "model.", **Qwen3_5ForCausalLM.weights_mapping}
-    skipped_checkpoint_prefixes = ("mtp.", "model.visual.", "visual.")
+    weights_mapping = {"model.language_model.": "model.", "model.visual.": "visual.",
+                       **Qwen3_5ForCausalLM.weights_mapping}
 
 
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):  # noqa: N801
-    """The image-and-text MoE checkpoint's language model."""
+class Qwen3_5MoeForConditionalGeneration(ReadsImages, Qwen3_5MoeForCausalLM):  # noqa: N801
+    """The image-and-text MoE checkpoint."""
 
     weights_mapping = Qwen3_5ForConditionalGeneration.weights_mapping
-    skipped_checkpoint_prefixes = Qwen3_5ForConditionalGeneration.skipped_checkpoint_prefixes

@@ -126,7 +126,7 @@ class Qwen3VLVisionModel(nn.Module):
         self.grid_side = int(config.num_position_embeddings ** 0.5)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, norm_after_merge=False)
-        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
+        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", None) or ())  # (Qwen3.5: none)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, norm_after_merge=True)
                                                    for _ in self.deepstack_visual_indexes)
         head_dim = config.hidden_size // config.num_heads
