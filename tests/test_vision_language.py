@@ -103,27 +103,27 @@ def _prompt(rng: np.random.Generator, num_images: int) -> list[int]:
 
 
 def _hf_greedy(model, path, prompt_ids: list[int], images: list[Image.Image]) -> tuple[list[int], list[float]]:
-    """Greedy decoding in transformers with the whole prompt recomputed every step (its positions
-    from scratch); the hybrid Qwen3.5 in float64 (transformers' float32 chunked rule strays ~2e-4)."""
+    """transformers' greedy generation (its KV cache and M-RoPE deltas; a reply may hold the image
+    token id, which a recomputed prompt would take for a placeholder); the hybrid Qwen3.5 in
+    float64 (transformers' float32 chunked rule strays ~2e-4)."""
     processor = transformers.AutoImageProcessor.from_pretrained(path)
     dtype = torch.float64 if isinstance(model, transformers.Qwen3_5ForConditionalGeneration) else torch.float32
     model = model.to(dtype)
+    model.generation_config.eos_token_id = None  # (ignore EOS, as the engine's requests do)
+    model.generation_config.pad_token_id = 0
     extra, ids = {}, list(prompt_ids)
     if images:
         out = processor(images=images, return_tensors="pt")
         counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
         ids = [t for token in ids for t in ([IMAGE_TOKEN] * next(counts) if token == IMAGE_TOKEN else [token])]
         extra = dict(pixel_values=out["pixel_values"].to(dtype), image_grid_thw=out["image_grid_thw"])
-    prompt_len, logprobs = len(ids), []
+    input_ids = torch.tensor([ids])
     with torch.no_grad():
-        for _ in range(NUM_NEW):
-            input_ids = torch.tensor([ids])
-            logits = model(input_ids, mm_token_type_ids=(input_ids == IMAGE_TOKEN).int(), **extra).logits[0, -1]
-            lp = logits.double().log_softmax(-1)
-            ids.append(int(lp.argmax()))
-            logprobs.append(float(lp[ids[-1]]))
+        result = model.generate(input_ids, mm_token_type_ids=(input_ids == IMAGE_TOKEN).int(), max_new_tokens=NUM_NEW,
+                                do_sample=False, output_logits=True, return_dict_in_generate=True, **extra)
     model.to(torch.float32)
-    return ids[prompt_len:], logprobs
+    tokens = result.sequences[0, len(ids):].tolist()
+    return tokens, [float(step[0].double().log_softmax(-1)[t]) for step, t in zip(result.logits, tokens)]
 
 
 def test_mrope_positions_match_transformers(seed):

@@ -17,10 +17,10 @@ import torch
 from baryon.layers.rotary import RotaryEmbedding
 
 
-def interleaved_axes(mrope_section: list[int]) -> torch.Tensor:
-    """Which axis (0 t, 1 h, 2 w) each of the sum(mrope_section) frequencies reads, interleaved as
-    Qwen3-VL lays them out: t h w t h w ..., each axis until its section's count runs out (then t)."""
-    num_freqs = sum(mrope_section)
+def interleaved_axes(mrope_section: list[int], num_freqs: int) -> torch.Tensor:
+    """Which axis (0 t, 1 h, 2 w) each of num_freqs frequencies reads, interleaved as Qwen3-VL lays
+    them out: t h w t h w ..., h and w until their sections' counts run out (or the frequencies do:
+    transformers cuts a section too long for small heads the same way), t for the rest."""
     axes = torch.zeros(num_freqs, dtype=torch.int64)
     for axis in (1, 2):
         axes[axis:min(mrope_section[axis] * 3, num_freqs):3] = axis
@@ -36,11 +36,8 @@ class MRotaryEmbedding(RotaryEmbedding):
         """table: the plain RoPE's; inv_freq [rotary_dim // 2] and scaling: its frequencies and the
         factor on cos / sin (rotary.inverse_frequencies)."""
         super().__init__(table.cos_sin_cache)
-        if sum(mrope_section) != inv_freq.numel():
-            raise ValueError(f"mrope_section {mrope_section} covers {sum(mrope_section)} rotary frequencies; the "
-                             f"heads rotate {inv_freq.numel()} (head_dim / 2)")
         self.register_buffer("inv_freq", inv_freq.to(self.cos_sin_cache.device, torch.float32), persistent=False)
-        self.register_buffer("axes", interleaved_axes(mrope_section).to(self.cos_sin_cache.device), persistent=False)
+        self.register_buffer("axes", interleaved_axes(mrope_section, inv_freq.numel()).to(self.cos_sin_cache.device), persistent=False)
         self.scaling = scaling
         self._table = self.cos_sin_cache
 

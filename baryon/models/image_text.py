@@ -21,13 +21,15 @@ from baryon.models.qwen3_vl_vision import Qwen3VLVisionModel
 
 class ReadsImages:
     accepts_images = True  # the runner gives it image prompts (runner/image_inputs.py)
+    default_mrope_section = (24, 20, 20)  # transformers' where rope_parameters give none (Qwen3-VL's)
+    deepstack = True  # the tower's DeepStack features feed the first decoder layers (not Qwen3.5's)
     model: nn.Module  # the language model's decoder stack (a LlamaModel)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        self.visual = Qwen3VLVisionModel(config.vision_config)
+        self.visual = Qwen3VLVisionModel(config.vision_config, self.deepstack)
         self.mrope = shared_mrope(config, [layer.self_attn for layer in self.model.layers
-                                           if hasattr(layer.self_attn, "rotary_emb")])
+                                           if hasattr(layer.self_attn, "rotary_emb")], self.default_mrope_section)
 
     def encode_images(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,14 +47,12 @@ class ReadsImages:
             return self.model(input_ids, row_positions, embeddings, (step.rows, step.deepstack))
 
 
-def shared_mrope(config: Any, attentions: list[nn.Module]) -> MRotaryEmbedding:
+def shared_mrope(config: Any, attentions: list[nn.Module], default_section: tuple[int, int, int]) -> MRotaryEmbedding:
     """One multimodal RoPE for every attention layer with a rotary embedding (each held the
-    plain table, over its rotary part of the head)."""
+    plain table, over its rotary part of the head); the t / h / w split of the frequencies from
+    rope_parameters' mrope_section, else default_section."""
     params = rope_parameters(config)
-    section = params.get("mrope_section")
-    if not section:
-        raise ValueError("the text config's rope_parameters have no mrope_section (the t / h / w split of the "
-                         "rotary frequencies)")
+    section = params.get("mrope_section") or default_section
     table = attentions[0].rotary_emb
     inv_freq, scaling = inverse_frequencies(table.cos_sin_cache.shape[-1], params, config.max_position_embeddings)
     mrope = MRotaryEmbedding(table, inv_freq, scaling, list(section))

@@ -165,9 +165,13 @@ class Qwen3_5ForConditionalGeneration(ReadsImages, Qwen3_5ForCausalLM):  # noqa:
 
     weights_mapping = {"model.language_model.": "model.", "model.visual.": "visual.",
                        **Qwen3_5ForCausalLM.weights_mapping}
+    default_mrope_section = (11, 11, 10)
+    deepstack = False
 
 
 class Qwen3_5MoeForConditionalGeneration(ReadsImages, Qwen3_5MoeForCausalLM):  # noqa: N801
     """The image-and-text MoE checkpoint."""
 
     weights_mapping = Qwen3_5ForConditionalGeneration.weights_mapping
+    default_mrope_section = Qwen3_5ForConditionalGeneration.default_mrope_section
+    deepstack = False

@@ -116,7 +116,9 @@ class PatchMerger(nn.Module):
 
 
 class Qwen3VLVisionModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, deepstack: bool = True) -> None:
+        """deepstack: build the DeepStack mergers of config.deepstack_visual_indexes (Qwen3.5's tower
+        has none, whatever its config says)."""
         super().__init__()
         self.merge = config.spatial_merge_size
         self.patch_embed = PatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
@@ -126,7 +128,7 @@ class Qwen3VLVisionModel(nn.Module):
         self.grid_side = int(config.num_position_embeddings ** 0.5)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, norm_after_merge=False)
-        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", None) or ())  # (Qwen3.5: none)
+        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes) if deepstack else []
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, norm_after_merge=True)
                                                    for _ in self.deepstack_visual_indexes)
         head_dim = config.hidden_size // config.num_heads
