@@ -110,7 +110,8 @@ def main() -> None:
     kwargs = {"device": args.device} if args.device else {}
     if args.hf_overrides:
         kwargs["hf_overrides"] = args.hf_overrides
-    llm = LLM(resolve_model(args.model), load_format="dummy", max_model_len=8192, **kwargs)
+    # (the engine core in this process: the tower is timed through its runner)
+    llm = LLM(resolve_model(args.model), load_format="dummy", max_model_len=8192, engine_process=False, **kwargs)
     rows = []
     for size in args.sizes:
         rows.append(tower(llm, rng, size))
