@@ -82,20 +82,34 @@ def requests(llm: LLM, rng: np.random.Generator, size: int, num: int, with_image
 
 
 def latency(llm: LLM, rng: np.random.Generator, size: int) -> dict:
+    """A fresh image prompt's time to first token; then, its prefix cached, 129 tokens against 1
+    (the difference over 128: the time per output token)."""
     config = llm.engine.config.model.hf_config
     ids = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id] + \
         [int(t) for t in rng.integers(1000, 100000, 32)]
     prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": _image(rng, size)}}
-    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0, max_tokens=129, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate([prompt], first, use_tqdm=False)
-    ttft = time.perf_counter() - start
-    start = time.perf_counter()
-    llm.generate([prompt], many, use_tqdm=False)
-    total = time.perf_counter() - start
+
+    def seconds(max_tokens: int) -> float:
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+
+    ttft = seconds(1)
+    one, many = seconds(1), seconds(129)
     return {"bench": "latency-bs1", "size": size, "ttft_ms": round(ttft * 1e3, 2),
-            "tpot_ms": round((total - ttft) / 128 * 1e3, 3)}
+            "tpot_ms": round((many - one) / 128 * 1e3, 3)}
+
+
+def profile_tower(llm: LLM, rng: np.random.Generator, size: int, top: int = 12) -> None:
+    """The tower's CUDA kernels for one S x S image, by total time (printed)."""
+    engine = llm.engine
+    _, inputs = engine.process_images([engine.config.model.hf_config.image_token_id], {"image": _image(rng, size)})
+    image, runner = inputs.images[0], engine.core.runner
+    patches = torch.from_numpy(image.patch_array().copy()).to(runner.device)
+    with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.model.encode_images(patches, [image.grid])
+        _sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top))
 
 
 def main() -> None:
@@ -104,6 +118,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--sizes", type=int, nargs="+", default=[448, 896, 1344])
     parser.add_argument("--device", default=None)
+    parser.add_argument("--profile", action="store_true", help="also print the tower's top CUDA kernels")
     parser.add_argument("--hf-overrides", default=None, help='e.g. \'{"num_hidden_layers": 1}\' (a smoke run)')
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -113,6 +128,8 @@ def main() -> None:
     # (the engine core in this process: the tower is timed through its runner)
     llm = LLM(resolve_model(args.model), load_format="dummy", max_model_len=8192, engine_process=False, **kwargs)
     rows = []
+    if args.profile:
+        profile_tower(llm, rng, args.sizes[1] if len(args.sizes) > 1 else args.sizes[0])
     for size in args.sizes:
         rows.append(tower(llm, rng, size))
         print(json.dumps(rows[-1]), flush=True)
