@@ -317,3 +317,23 @@ def test_server_chat_with_images(tmp_path, seed):
         assert again.choices[0].message.content == expected.outputs[0].text
     finally:
         server.stop()
+
+
+def test_tensor_parallel_serves_text_and_refuses_images(tmp_path, seed):
+    """TP=2 (gloo): Qwen3-VL's text prompts give TP=1's tokens (the tower is held whole on each
+    rank); an image prompt is refused by name, as the tower runs on one rank only."""
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "qwen3-vl"
+    _checkpoint(path, seed)
+    prompts = [{"prompt_token_ids": _prompt(rng, 0)} for _ in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    single = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.02,
+                 max_model_len=512)
+    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(path), tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu", dtype="float32",
+             kv_cache_memory_gib=0.02, max_model_len=512) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+            llm.generate([{"prompt_token_ids": _prompt(rng, 1), "multi_modal_data": {"image": _image(rng, 32, 32)}}],
+                         params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
