@@ -599,7 +599,8 @@ def _load_hf_config(model_path: str, trust_remote_code: bool) -> Any:
 
 # Image-and-text checkpoints: the language model's config is their text_config; those in
 # WITH_VISION also run their vision tower (its settings set beside), the others serve text alone.
-WITH_VISION = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+WITH_VISION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+               "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                "Qwen3_5MoeForConditionalGeneration")
 LANGUAGE_MODEL_ONLY = ("Gemma3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                        "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

@@ -61,9 +61,29 @@ def _tokenizer(path) -> None:
 QWEN3_5_TEXT = dict(TEXT, **{**MOE_BASE["qwen3_5"], "head_dim": 32},
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                                      "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+# Qwen2-VL / Qwen2.5-VL: Qwen2's decoder, multimodal RoPE in sections (t, h, w of 8 frequencies),
+# 14 x 14 patches; Qwen2.5-VL's windows of 2 x 2 merged tokens (56 pixels), block 1 over whole images.
+QWEN2_TEXT = dict({k: v for k, v in TEXT.items() if k != "head_dim"},
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
 ARCHS = {"qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration, TEXT, VISION),
          "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration, QWEN3_5_TEXT,
-                     {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"})}
+                     {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}),
+         "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration, QWEN2_TEXT,
+                      dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2)),
+         "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration, QWEN2_TEXT,
+                        dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                             patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                             fullatt_block_indexes=[1]))}
+
+
+def _our_tower(arch: str, vision_config):
+    from baryon.models.qwen2_vl_vision import Qwen2VLVisionModel
+    from baryon.models.qwen3_vl_vision import Qwen3VLVisionModel
+
+    if arch.startswith("qwen2"):
+        return Qwen2VLVisionModel(vision_config, windowed=arch == "qwen2_5_vl")
+    return Qwen3VLVisionModel(vision_config, deepstack=arch == "qwen3_vl")
 
 
 def _checkpoint(path, seed: int, arch: str = "qwen3_vl"):
@@ -76,14 +96,15 @@ def _checkpoint(path, seed: int, arch: str = "qwen3_vl"):
         spread_hybrid_norms(model)
     with torch.no_grad():  # random vision norms and position grid, so that a mixed-up tensor cannot pass
         for name, param in model.named_parameters():
-            if "visual" in name and ("norm" in name or "pos_embed" in name):
-                param.copy_(torch.randn_like(param) * 0.5 + (1.0 if "norm" in name and "bias" not in name else 0.0))
-            elif arch == "qwen3_vl" and "norm" in name:
+            if "visual" in name and ("norm" in name or "ln_q" in name or "pos_embed" in name):
+                param.copy_(torch.randn_like(param) * 0.5 + (0.0 if "bias" in name or "pos_embed" in name else 1.0))
+            elif arch != "qwen3_5" and "norm" in name:
                 param.copy_(torch.randn_like(param) * 0.5 + 1.0)
     model.save_pretrained(path)
     # (written by hand: AutoImageProcessor then takes whichever backend is installed, PIL or torchvision)
     (path / "preprocessor_config.json").write_text(json.dumps(dict(
-        image_processor_type="Qwen2VLImageProcessor", patch_size=16, merge_size=2, temporal_patch_size=2,
+        image_processor_type="Qwen2VLImageProcessor", patch_size=vision["patch_size"], merge_size=2,
+        temporal_patch_size=2,
         image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
         size={"shortest_edge": 32 * 32, "longest_edge": 160 * 160})))
     _tokenizer(path)
@@ -145,12 +166,12 @@ def test_mrope_positions_match_transformers(seed):
         assert got_delta == int(delta)
 
 
-@pytest.mark.parametrize("arch,device", [("qwen3_vl", "cpu"), ("qwen3_5", "cpu"), *[
+@pytest.mark.parametrize("arch,device", [*[(arch, "cpu") for arch in ARCHS], *[
     pytest.param(arch, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
     for arch in ARCHS]])
 def test_image_prompts_follow_transformers(tmp_path, seed, arch, device):
-    """Qwen3-VL and Qwen3.5 (hybrid): image prompts (one image, two of other sizes) beside a text
-    prompt: greedy tokens and logprobs as transformers' whole model gives them, over prefills
+    """Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (hybrid): image prompts (one image, two of other
+    sizes) beside a text prompt: greedy tokens and logprobs as transformers' whole model gives them, over prefills
     chunked through the images (on a GPU the decodes replay CUDA graphs)."""
     rng = np.random.default_rng(seed)
     path = tmp_path / arch
@@ -227,23 +248,30 @@ def test_bad_image_inputs_are_refused_by_name(tmp_path, seed):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def test_vision_tower_matches_transformers(tmp_path, seed):
-    """The tower alone: embeddings and DeepStack features of two images of other grids (a position
-    grid resampled at fractional taps) as transformers' vision model computes them."""
-    from baryon.models.qwen3_vl_vision import Qwen3VLVisionModel
-
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_vision_tower_matches_transformers(tmp_path, seed, arch):
+    """The tower alone: embeddings and DeepStack features of two images of other grids (Qwen3's
+    position grid resampled at fractional taps; Qwen2.5-VL's windows cut short at the edges) as
+    transformers' vision model computes them."""
     rng = np.random.default_rng(seed)
-    hf = _checkpoint(tmp_path / "qwen3-vl", seed)
-    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / "qwen3-vl")
+    hf = _checkpoint(tmp_path / arch, seed, arch)
+    processor = transformers.AutoImageProcessor.from_pretrained(tmp_path / arch)
     out = processor(images=[_image(rng, 90, 150), _image(rng, 70, 33)], return_tensors="pt")
-    ours = Qwen3VLVisionModel(hf.config.vision_config)
+    ours = _our_tower(arch, hf.config.vision_config)
     prefix = "model.visual."
-    ours.load_state_dict({k[len(prefix):]: v for k, v in hf.state_dict().items() if k.startswith(prefix)})
+    weights = {k[len(prefix):]: v for k, v in hf.state_dict().items() if k.startswith(prefix)}
+    for name in [k for k in weights if ".mlp.gate_proj." in k]:  # (fused as the engine's loader fuses them)
+        up = weights.pop(name.replace("gate_proj", "up_proj"))
+        weights[name.replace("gate_proj", "gate_up_proj")] = torch.cat((weights.pop(name), up))
+    ours.load_state_dict(weights)
     with torch.no_grad():
         expected = hf.model.visual(out["pixel_values"], grid_thw=out["image_grid_thw"], return_dict=True)
         embeddings, deepstack = ours(out["pixel_values"], [tuple(g) for g in out["image_grid_thw"].tolist()])
     torch.testing.assert_close(embeddings, expected.pooler_output, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(deepstack, torch.stack(expected.deepstack_features), atol=1e-5, rtol=1e-5)
+    features = getattr(expected, "deepstack_features", None) or []
+    assert len(deepstack) == len(features)
+    if features:
+        torch.testing.assert_close(deepstack, torch.stack(features), atol=1e-5, rtol=1e-5)
 
 
 def _data_url(image: Image.Image) -> str:

@@ -108,6 +108,19 @@ class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
 
 
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Several outputs fused into one weight held whole by every rank (a vision tower's gate_proj |
+    up_proj: the checkpoint's packed names apply to it as to the decoder's)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
+        self.output_sizes = output_sizes
+        self.shard_order = tuple(range(len(output_sizes)))
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def shard_span(self, shard_id) -> tuple[int, int, int, int]:
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id], 0, 1
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays split (no gather)."""
 

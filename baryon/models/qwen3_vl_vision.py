@@ -31,11 +31,12 @@ def _loaded_param(shape: tuple[int, ...]) -> nn.Parameter:
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, hidden_size: int) -> None:
+    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, hidden_size: int,
+                 bias: bool = True) -> None:
         super().__init__()
         self.proj = nn.Module()
         self.proj.weight = _loaded_param((hidden_size, in_channels, temporal_patch_size, patch_size, patch_size))
-        self.proj.bias = _loaded_param((hidden_size,))
+        self.proj.bias = _loaded_param((hidden_size,)) if bias else None
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """patches [num_patches, C * T * P * P] -> [num_patches, hidden]."""
@@ -158,17 +159,11 @@ class Qwen3VLVisionModel(nn.Module):
         features = torch.stack(deepstack) if deepstack else embeddings.new_zeros((0, *embeddings.shape))
         return embeddings, features
 
-    def _merge_order(self, h: int, w: int) -> torch.Tensor:
-        """Raster indices of an h x w grid in the processor's patch order (merge x merge blocks)."""
-        m = self.merge
-        raster = torch.arange(h * w, device=self.inv_freq.device).view(h // m, m, w // m, m)
-        return raster.transpose(1, 2).reshape(-1)
-
     def _patch_coordinates(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each patch's (row, column) in its image, [num_patches] float32 each."""
         rows, cols = [], []
         for t, h, w in grids:
-            order = self._merge_order(h, w)
+            order = merge_order(h, w, self.merge, self.inv_freq.device)
             rows.append((order // w).repeat(t))
             cols.append((order % w).repeat(t))
         return torch.cat(rows).float(), torch.cat(cols).float()
@@ -183,8 +178,14 @@ class Qwen3VLVisionModel(nn.Module):
             top = table[r0][:, c0] * (1 - cw)[None, :, None] + table[r0][:, c1] * cw[None, :, None]
             bottom = table[r1][:, c0] * (1 - cw)[None, :, None] + table[r1][:, c1] * cw[None, :, None]
             grid = top * (1 - rw)[:, None, None] + bottom * rw[:, None, None]  # [h, w, hidden]
-            out.append(grid.reshape(h * w, -1)[self._merge_order(h, w)].repeat(t, 1))
+            out.append(grid.reshape(h * w, -1)[merge_order(h, w, self.merge, table.device)].repeat(t, 1))
         return torch.cat(out)
+
+
+def merge_order(h: int, w: int, merge: int, device: torch.device) -> torch.Tensor:
+    """Raster indices of an h x w patch grid in the processor's patch order (merge x merge blocks)."""
+    raster = torch.arange(h * w, device=device).view(h // merge, merge, w // merge, merge)
+    return raster.transpose(1, 2).reshape(-1)
 
 
 def _taps(size: int, side: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
