@@ -6,7 +6,8 @@ and whole requests with one image each against the same requests with text of th
         --hf-overrides '{"num_hidden_layers": 1}'   # a smoke run on a CPU
 
 Prints one JSON line per measurement, then a short table:
-- `tower`: the vision tower's time for one image of S x S pixels (its patches and tokens);
+- `tower`: the vision tower's time for one image of S x S pixels (its patches and tokens), and the
+  host's image processor's for it (`processor_ms`: part of every image request's time);
 - `requests`: N requests of one S x S image + 32 text tokens, 128 new tokens each (greedy, ignore
   EOS): wall time, prompt and output tokens per second; `text` is the same with text tokens in
   place of the image's (the language model's own cost), so the difference is the images';
@@ -38,13 +39,18 @@ def _sync() -> None:
 
 def tower(llm: LLM, rng: np.random.Generator, size: int, repeats: int = 5) -> dict:
     engine = llm.engine
-    processor_ids, inputs = engine.process_images([engine.config.model.hf_config.image_token_id],
-                                                  {"image": _image(rng, size)})
+    picture, token = _image(rng, size), engine.config.model.hf_config.image_token_id
+    engine.process_images([token], {"image": picture})
+    start = time.perf_counter()
+    for _ in range(repeats):  # the host's part: the checkpoint's image processor (PIL or torchvision)
+        _, inputs = engine.process_images([token], {"image": picture})
+    processor_ms = (time.perf_counter() - start) / repeats * 1e3
     image = inputs.images[0]
     runner = engine.core.runner
     patches = torch.from_numpy(image.patch_array().copy()).to(runner.device)
     with torch.inference_mode():
-        runner.model.encode_images(patches, [image.grid])  # warm-up
+        for _ in range(2):  # warm-up
+            runner.model.encode_images(patches, [image.grid])
         _sync()
         start = time.perf_counter()
         for _ in range(repeats):
@@ -52,7 +58,8 @@ def tower(llm: LLM, rng: np.random.Generator, size: int, repeats: int = 5) -> di
         _sync()
     ms = (time.perf_counter() - start) / repeats * 1e3
     return {"bench": "tower", "size": size, "patches": patches.shape[0], "tokens": image.num_tokens,
-            "ms": round(ms, 3), "tokens_per_s": round(image.num_tokens / ms * 1e3)}
+            "ms": round(ms, 3), "tokens_per_s": round(image.num_tokens / ms * 1e3),
+            "processor_ms": round(processor_ms, 2)}
 
 
 def requests(llm: LLM, rng: np.random.Generator, size: int, num: int, with_images: bool) -> dict:
