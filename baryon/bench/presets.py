@@ -147,10 +147,31 @@ PRESETS: dict[str, dict] = {
             num_position_embeddings=2304, out_hidden_size=4096, patch_size=16, spatial_merge_size=2,
             temporal_patch_size=2),
         torch_dtype="bfloat16"),
+    # Qwen/Qwen2.5-VL-7B-Instruct: Qwen2's 28-layer decoder (GQA 28 / 4) under multimodal RoPE in
+    # sections, a 32-block vision tower (1280 wide, 14 x 14 patches, window attention over 112-pixel
+    # windows but in blocks 7, 15, 23, 31)
+    "qwen2.5-vl-7b": dict(
+        architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", image_token_id=151655,
+        video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=False,
+        text_config=dict(
+            model_type="qwen2_5_vl_text", attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645,
+            hidden_act="silu", hidden_size=3584, initializer_range=0.02, intermediate_size=18944,
+            max_position_embeddings=128000, max_window_layers=28, num_attention_heads=28, num_hidden_layers=28,
+            num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0, sliding_window=32768,
+            use_sliding_window=False, dtype="bfloat16", vocab_size=152064,
+            rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+        vision_config=dict(
+            model_type="qwen2_5_vl", depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420,
+            num_heads=16, in_channels=3, out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2),
+        torch_dtype="bfloat16"),
 }
 
 # The image processors of the image-and-text presets (their preprocessor_config.json).
 PREPROCESSORS: dict[str, dict] = {
+    "qwen2.5-vl-7b": dict(image_processor_type="Qwen2VLImageProcessor", patch_size=14, merge_size=2,
+                          temporal_patch_size=2, image_mean=[0.48145466, 0.4578275, 0.40821073],
+                          image_std=[0.26862954, 0.26130258, 0.27577711], min_pixels=3136, max_pixels=12845056),
     "qwen3-vl-8b": dict(image_processor_type="Qwen2VLImageProcessor", patch_size=16, merge_size=2,
                         temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
                         size={"longest_edge": 16777216, "shortest_edge": 65536}),
