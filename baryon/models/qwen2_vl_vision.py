@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from baryon.layers.linear import MergedReplicatedLinear, ReplicatedLinear
 from baryon.layers.norm import LayerNorm, RMSNorm
-from baryon.models.qwen3_vl_vision import PatchEmbed, VisionAttention, merge_order
+from baryon.models.qwen3_vl_vision import PatchEmbed, VisionAttention, merge_order, segment_groups
 
 
 class _QuickGeluMLP(nn.Module):
@@ -56,8 +56,9 @@ class _Block(nn.Module):
         self.attn = VisionAttention(width, num_heads)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -114,15 +115,16 @@ class Qwen2VLVisionModel(nn.Module):
         freqs = torch.cat((torch.cat(rows)[:, None] * self.inv_freq, torch.cat(cols)[:, None] * self.inv_freq), dim=-1)
         freqs = torch.cat((freqs, freqs), dim=-1)  # [num_patches, head_dim]
         x = self.patch_embed(patches)  # [num_patches, width]
-        image_lengths = window_lengths = [h * w for t, h, w in grids for _ in range(t)]
+        images = windows = segment_groups([h * w for t, h, w in grids for _ in range(t)], device)
         if self.window is not None:  # lay the merged tokens out window by window
             token_order, window_lengths = _window_order(grids, self.merge, self.window)
+            windows = segment_groups(window_lengths, device)
             token_order = torch.from_numpy(token_order).to(device)
             x = x.view(-1, units, x.shape[-1])[token_order].reshape(x.shape)
             freqs = freqs.view(-1, units, freqs.shape[-1])[token_order].reshape(freqs.shape)
         cos, sin = freqs.cos(), freqs.sin()
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, image_lengths if i in self.full_attention_blocks else window_lengths)
+            x = block(x, cos, sin, images if i in self.full_attention_blocks else windows)
         embeddings = self.merger(x)  # [num_tokens, out_hidden]
         if self.window is not None:
             embeddings = embeddings[torch.argsort(token_order)]

@@ -51,18 +51,35 @@ class VisionAttention(nn.Module):
         self.qkv = ReplicatedLinear(hidden_size, 3 * hidden_size, bias=True)
         self.proj = ReplicatedLinear(hidden_size, hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """x [num_patches, hidden]; cos / sin [num_patches, head_dim]; lengths: each image's (frame's)
-        patch count, attended alone."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """x [num_patches, hidden]; cos / sin [num_patches, head_dim]; segments: the spans that
+        attend alone (images, frames or windows) grouped by length (`segment_groups`)."""
         num_patches = x.shape[0]
         q, k, v = self.qkv(x).view(num_patches, 3, self.num_heads, -1).unbind(1)  # each [n, heads, head_dim]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # [1, heads, n, head_dim] each (four dimensions, contiguous: what the flash kernels take; a 3-D
-        # strided view ran the float32 math path on an H200, 4x slower)
-        outputs = [F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0).contiguous() for t in qkv))[0]
-                   for qkv in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-        out = torch.cat(outputs, dim=1).transpose(0, 1).reshape(num_patches, -1)  # [n, hidden]
-        return self.proj(out)
+        out = torch.empty_like(q)
+        for index, length in segments:
+            # [spans, heads, length, head_dim] each: four dimensions, contiguous, what the flash kernels
+            # take (a 3-D strided view ran the float32 math path on an H200, 4x slower)
+            shaped = [t.index_select(0, index).view(-1, length, *t.shape[1:]).transpose(1, 2).contiguous()
+                      for t in (q, k, v)]
+            attended = F.scaled_dot_product_attention(*shaped)  # [spans, heads, length, head_dim]
+            out.index_copy_(0, index, attended.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        return self.proj(out.reshape(num_patches, -1))
+
+
+def segment_groups(lengths: list[int], device: torch.device) -> list[tuple[torch.Tensor, int]]:
+    """Consecutive spans of these lengths, grouped by length: (the patch indices of every span of
+    that length, span after span [spans * length], the length). Spans of one length attend in one
+    batched call (64 images of a size, or a Qwen2.5-VL image's windows)."""
+    starts: dict[int, list[int]] = {}
+    offset = 0
+    for length in lengths:
+        starts.setdefault(length, []).append(offset)
+        offset += length
+    return [((torch.tensor(spans)[:, None] + torch.arange(length)).reshape(-1).to(device), length)
+            for length, spans in starts.items()]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -94,8 +111,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -149,10 +167,10 @@ class Qwen3VLVisionModel(nn.Module):
         freqs = torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)
         freqs = torch.cat((freqs, freqs), dim=-1)  # [num_patches, head_dim]
         cos, sin = freqs.cos(), freqs.sin()
-        lengths = [h * w for t, h, w in grids for _ in range(t)]
+        segments = segment_groups([h * w for t, h, w in grids for _ in range(t)], x.device)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, lengths)
+            x = block(x, cos, sin, segments)
             if i in self.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
         embeddings = self.merger(x)
