@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[448, 896, 1344])
     parser.add_argument("--device", default=None)
     parser.add_argument("--profile", action="store_true", help="also print the tower's top CUDA kernels")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also print where the host's time goes in the first size's image requests (cProfile)")
     parser.add_argument("--hf-overrides", default=None, help='e.g. \'{"num_hidden_layers": 1}\' (a smoke run)')
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -140,6 +142,13 @@ def main() -> None:
     for size in args.sizes:
         rows.append(tower(llm, rng, size))
         print(json.dumps(rows[-1]), flush=True)
+    if args.host_profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(requests, llm, rng, args.sizes[0], args.num_requests, True)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
     for size in args.sizes[:2]:
         for with_images in (True, False):
             rows.append(requests(llm, rng, size, args.num_requests, with_images))
