@@ -19,6 +19,7 @@ class ImageInput(msgspec.Struct, frozen=True):
     patch_dim: int  # C * T * P * P
     grid: tuple[int, int, int]  # (t, h, w): the image's patch grid
     num_tokens: int  # its placeholder tokens: t * h * w / merge^2
+    digest: bytes  # of the decoded image's size and RGB pixels (what the processor turned into patches)
 
     def patch_array(self) -> np.ndarray:
         """[num_patches, patch_dim] float32 (read-only, over the bytes)."""
@@ -56,7 +57,7 @@ class RequestImages:
     num_prompt_tokens: int
     positions: np.ndarray = field(init=False)  # [3, num_prompt_tokens] int64: (t, h, w) of each prompt token
     position_delta: int = field(init=False)  # a token after the prompt at index i sits at i + delta on every axis
-    digest: int = field(init=False)  # of every image's grid and pixels
+    digest: int = field(init=False)  # of every image's grid and pixel digest
 
     def __post_init__(self) -> None:
         images = self.inputs.images
@@ -65,7 +66,7 @@ class RequestImages:
         h = hashlib.blake2b(digest_size=8)
         for image in images:
             h.update(np.asarray(image.grid, dtype=np.int64).tobytes())
-            h.update(image.patches)
+            h.update(image.digest)
         self.digest = int.from_bytes(h.digest(), "little")
 
     @property

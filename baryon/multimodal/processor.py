@@ -7,6 +7,7 @@ placeholder token in the prompt to its number of tokens.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import os
 import urllib.request
@@ -63,6 +64,16 @@ def load_image(source: Any, allow_local_files: bool = True):
     return image.convert("RGB")
 
 
+def pixel_digest(image) -> bytes:
+    """16 bytes naming a decoded RGB image: its size and pixels (hashing these, not the float32
+    patches made of them, is 8x less to read: the patches took 0.64 s of a 4.5 s cProfile of 64
+    448-pixel image requests on the H200 host)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray(image.size, dtype=np.int64).tobytes())
+    h.update(image.tobytes())
+    return h.digest()
+
+
 def _fetch(url: str) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:
@@ -103,7 +114,8 @@ class ImageProcessor:
         for t, h, w in grids.tolist():
             count = t * h * w
             result.append(ImageInput(patches=patches[start:start + count].tobytes(), patch_dim=patches.shape[1],
-                                     grid=(t, h, w), num_tokens=count // self.spatial_merge ** 2))
+                                     grid=(t, h, w), num_tokens=count // self.spatial_merge ** 2,
+                                     digest=pixel_digest(loaded[len(result)])))
             start += count
         return result
 
