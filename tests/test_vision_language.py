@@ -365,3 +365,27 @@ def test_tensor_parallel_serves_text_and_refuses_images(tmp_path, seed):
             llm.generate([{"prompt_token_ids": _prompt(rng, 1), "multi_modal_data": {"image": _image(rng, 32, 32)}}],
                          params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_image_prompts_under_preemption(tmp_path, seed, monkeypatch):
+    """Image requests in a cache too small for them all: running ones are preempted and recomputed
+    (their images encoded again), and every reply is what the request gives alone."""
+    from baryon.engine.scheduler import Scheduler
+
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "qwen3-vl"
+    _checkpoint(path, seed)
+    prompts = [{"prompt_token_ids": _prompt(rng, 1), "multi_modal_data": {"image": _image(rng, 128, 160)}}
+               for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    roomy = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
+                kv_cache_memory_gib=0.02, max_model_len=512)
+    alone = [roomy.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    preempted = []
+    original = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, r: (preempted.append(r.request_id), original(self, r)))
+    tiny = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4, num_kv_blocks=48,
+               max_model_len=192, max_num_batched_tokens=32, enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in tiny.generate(prompts, params, use_tqdm=False)] == alone
+    assert preempted, "the tiny cache was expected to force preemptions"
+    assert not tiny.engine.core.runner.images.outputs

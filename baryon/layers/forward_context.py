@@ -58,7 +58,7 @@ def current_dp_padded_tokens(num_tokens: int) -> int:
 
 @dataclass
 class MultiModalStep:
-    """A step that computes prompt tokens of image requests (Qwen3-VL): their multimodal-RoPE
+    """A step that computes prompt tokens of image requests: their multimodal-RoPE
     positions and the vision tower's outputs for the image tokens among them."""
 
     positions: torch.Tensor  # [3, num_tokens] int64: every token's (t, h, w) position

@@ -93,7 +93,7 @@ class ImageProcessor:
         """The processor of an image-and-text model; a model that reads no images is refused."""
         if getattr(hf_config, "vision_config", None) is None:
             raise ImageError(f"{hf_config.architectures[0]} does not read images; image prompts need an "
-                             f"image-and-text model (Qwen3VLForConditionalGeneration)")
+                             f"image-and-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
         return cls(model_path, hf_config)
 
     def __init__(self, model_path: str, hf_config: Any) -> None:

@@ -1,4 +1,4 @@
-"""A step's image inputs (Qwen3-VL): the RoPE positions of image requests' tokens, and for a step
+"""A step's image inputs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the RoPE positions of image requests' tokens, and for a step
 that computes their prompt tokens the `MultiModalStep` the model reads (every token's (t, h, w)
 position, the image tokens' vision embeddings and DeepStack features).
 

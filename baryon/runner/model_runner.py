@@ -121,7 +121,7 @@ class ModelRunner:
             raise ValueError(f"compilation_level={config.compilation.level} is not supported with {kind} yet: use "
                              f"compilation_level=0 (the default; decode steps still replay CUDA graphs)")
         self.forward = compile_forward(self.model, config.compilation.level)
-        # Image prompts (Qwen3-VL): the vision tower's runs and outputs (rank 0: images need one rank).
+        # Image prompts (the Qwen VL models, Qwen3.5): the vision tower's runs and outputs (rank 0: images need one rank).
         self.images = ImageEncoder(self.model, self.device) if getattr(self.model, "accepts_images", False) else None
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
