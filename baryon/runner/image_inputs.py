@@ -1,6 +1,6 @@
-"""A step's image inputs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the RoPE positions of image requests' tokens, and for a step
-that computes their prompt tokens the `MultiModalStep` the model reads (every token's (t, h, w)
-position, the image tokens' vision embeddings and DeepStack features).
+"""A step's image inputs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the RoPE positions of image
+requests' tokens, and for a step that computes their prompt tokens the `MultiModalStep` the model
+reads (every token's (t, h, w) position, the image tokens' vision embeddings and DeepStack features).
 
 The vision tower runs once per request, over all its images, at the first step that computes one
 of its image tokens (one call for all such requests of a step); the outputs stay here until its prefill is past its last image (a chunked
