@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from baryon.layers.linear import MergedReplicatedLinear, ReplicatedLinear
 from baryon.layers.norm import LayerNorm, RMSNorm
-from baryon.models.qwen3_vl_vision import PatchEmbed, VisionAttention, merge_order, segment_groups
+from baryon.models.qwen3_vl_vision import PatchEmbed, VisionBlock, VisionRotary, cos_sin, segment_groups
 
 
 class _QuickGeluMLP(nn.Module):
@@ -46,20 +46,6 @@ class _GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-class _Block(nn.Module):
-    def __init__(self, width: int, num_heads: int, norm: type[nn.Module], mlp: nn.Module) -> None:
-        super().__init__()
-        self.norm1 = norm(width, 1e-6)
-        self.norm2 = norm(width, 1e-6)
-        self.attn = VisionAttention(width, num_heads)
-        self.mlp = mlp
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
 
 
 class _Merger(nn.Module):
@@ -89,7 +75,7 @@ class Qwen2VLVisionModel(nn.Module):
                                       bias=False)
         norm = RMSNorm if windowed else LayerNorm
         self.blocks = nn.ModuleList(
-            _Block(width, config.num_heads, norm,
+            VisionBlock(width, config.num_heads, norm,
                    _GatedMLP(width, config.intermediate_size) if windowed else
                    _QuickGeluMLP(width, width * config.mlp_ratio))
             for _ in range(config.depth))
@@ -97,23 +83,14 @@ class Qwen2VLVisionModel(nn.Module):
         # Qwen2.5-VL: the window's side in merged tokens; the blocks that attend over whole images
         self.window = config.window_size // self.merge // config.patch_size if windowed else None
         self.full_attention_blocks = set(config.fullatt_block_indexes) if windowed else set(range(config.depth))
-        head_dim = width // config.num_heads
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        self.register_buffer("inv_freq", 1.0 / theta ** quarter, persistent=False)  # [head_dim // 4]
+        self.rotary = VisionRotary(config, width, self.merge)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """patches [num_patches, C * T * P * P] of the images whose (t, h, w) patch grids are `grids`
         -> (embeddings [num_tokens, out_hidden], no DeepStack features [0, num_tokens, out_hidden])."""
-        device = self.inv_freq.device
+        device = self.rotary.inv_freq.device
         units = self.merge ** 2  # patches of one merged token, adjacent in the processor's order
-        rows, cols = [], []
-        for t, h, w in grids:
-            order = merge_order(h, w, self.merge, device)
-            rows.append((order // w).repeat(t))
-            cols.append((order % w).repeat(t))
-        freqs = torch.cat((torch.cat(rows)[:, None] * self.inv_freq, torch.cat(cols)[:, None] * self.inv_freq), dim=-1)
-        freqs = torch.cat((freqs, freqs), dim=-1)  # [num_patches, head_dim]
+        angles = self.rotary(grids)  # [num_patches, head_dim // 2]
         x = self.patch_embed(patches)  # [num_patches, width]
         images = windows = segment_groups([h * w for t, h, w in grids for _ in range(t)], device)
         if self.window is not None:  # lay the merged tokens out window by window
@@ -121,8 +98,8 @@ class Qwen2VLVisionModel(nn.Module):
             windows = segment_groups(window_lengths, device)
             token_order = torch.from_numpy(token_order).to(device)
             x = x.view(-1, units, x.shape[-1])[token_order].reshape(x.shape)
-            freqs = freqs.view(-1, units, freqs.shape[-1])[token_order].reshape(freqs.shape)
-        cos, sin = freqs.cos(), freqs.sin()
+            angles = angles.view(-1, units, angles.shape[-1])[token_order].reshape(angles.shape)
+        cos, sin = cos_sin(angles)
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, images if i in self.full_attention_blocks else windows)
         embeddings = self.merger(x)  # [num_tokens, out_hidden]

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from baryon.kernels.rotary import rotate_neox
 from baryon.layers.linear import ReplicatedLinear, copy_checked
 from baryon.layers.norm import LayerNorm
 
@@ -53,11 +54,12 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-        """x [num_patches, hidden]; cos / sin [num_patches, head_dim]; segments: the spans that
-        attend alone (images, frames or windows) grouped by length (`segment_groups`)."""
+        """x [num_patches, hidden]; cos / sin [num_patches, 1, head_dim // 2] float32
+        (`VisionRotary`); segments: the spans that attend alone (images, frames or windows) grouped
+        by length (`segment_groups`)."""
         num_patches = x.shape[0]
         q, k, v = self.qkv(x).view(num_patches, 3, self.num_heads, -1).unbind(1)  # each [n, heads, head_dim]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_neox(q, cos, sin), rotate_neox(k, cos, sin)
         out = torch.empty_like(q)
         for index, length in segments:
             # [spans, heads, length, head_dim] each: four dimensions, contiguous, what the flash kernels
@@ -82,11 +84,32 @@ def segment_groups(lengths: list[int], device: torch.device) -> list[tuple[torch
             for length, spans in starts.items()]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotation in float32: x [n, heads, head_dim], cos / sin [n, head_dim]."""
-    x32, cos, sin = x.float(), cos[:, None].float(), sin[:, None].float()
-    first, second = x32.chunk(2, dim=-1)
-    return (x32 * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
+class VisionRotary(nn.Module):
+    """The towers' 2D rotary: a quarter of each head's frequencies turned by the patch's row,
+    the next quarter by its column (the pairs of the NeoX rotation over the whole head)."""
+
+    def __init__(self, config: Any, width: int, merge: int) -> None:
+        super().__init__()
+        head_dim = width // config.num_heads
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        exponents = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+        self.register_buffer("inv_freq", 1.0 / theta ** exponents, persistent=False)  # [head_dim // 4]
+        self.merge = merge
+
+    def forward(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Every patch's angles [num_patches, head_dim // 2] (row | column), in the processor's order."""
+        rows, cols = [], []
+        for t, h, w in grids:
+            order = merge_order(h, w, self.merge, self.inv_freq.device)
+            rows.append((order // w).repeat(t))
+            cols.append((order % w).repeat(t))
+        rows, cols = torch.cat(rows).float(), torch.cat(cols).float()
+        return torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)
+
+
+def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """angles [num_patches, head_dim // 2] -> cos, sin [num_patches, 1, head_dim // 2] (rotate_neox's)."""
+    return angles.cos()[:, None], angles.sin()[:, None]
 
 
 class VisionMLP(nn.Module):
@@ -104,12 +127,15 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+    """A pre-norm ViT block: x + attention(norm1(x)), then + mlp(norm2(x)); the norm kind and
+    the MLP are the tower's (Qwen3-VL: LayerNorm, GELU-tanh; Qwen2.5-VL: RMSNorm, gated SiLU)."""
+
+    def __init__(self, width: int, num_heads: int, norm: type[nn.Module], mlp: nn.Module) -> None:
         super().__init__()
-        self.norm1 = LayerNorm(config.hidden_size, 1e-6)
-        self.norm2 = LayerNorm(config.hidden_size, 1e-6)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.norm1 = norm(width, 1e-6)
+        self.norm2 = norm(width, 1e-6)
+        self.attn = VisionAttention(width, num_heads)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
@@ -147,15 +173,15 @@ class Qwen3VLVisionModel(nn.Module):
         self.pos_embed = nn.Module()
         self.pos_embed.weight = _loaded_param((config.num_position_embeddings, config.hidden_size))
         self.grid_side = int(config.num_position_embeddings ** 0.5)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(config.hidden_size, config.num_heads, LayerNorm,
+                        VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
+            for _ in range(config.depth))
         self.merger = PatchMerger(config, norm_after_merge=False)
         self.deepstack_visual_indexes = list(config.deepstack_visual_indexes) if deepstack else []
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, norm_after_merge=True)
                                                    for _ in self.deepstack_visual_indexes)
-        head_dim = config.hidden_size // config.num_heads
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        self.register_buffer("inv_freq", 1.0 / theta ** quarter, persistent=False)  # [head_dim // 4]
+        self.rotary = VisionRotary(config, config.hidden_size, self.merge)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """patches [num_patches, C * T * P * P] of the images whose (t, h, w) patch grids are `grids`
@@ -163,10 +189,7 @@ class Qwen3VLVisionModel(nn.Module):
         out_hidden]); num_tokens = num_patches / merge^2, the images' tokens in order."""
         x = self.patch_embed(patches)  # [num_patches, hidden]
         x = x + self._grid_embeddings(grids).to(x.dtype)
-        rows, cols = self._patch_coordinates(grids)
-        freqs = torch.cat((rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq), dim=-1)
-        freqs = torch.cat((freqs, freqs), dim=-1)  # [num_patches, head_dim]
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = cos_sin(self.rotary(grids))
         segments = segment_groups([h * w for t, h, w in grids for _ in range(t)], x.device)
         deepstack = []
         for i, block in enumerate(self.blocks):
@@ -176,15 +199,6 @@ class Qwen3VLVisionModel(nn.Module):
         embeddings = self.merger(x)
         features = torch.stack(deepstack) if deepstack else embeddings.new_zeros((0, *embeddings.shape))
         return embeddings, features
-
-    def _patch_coordinates(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's (row, column) in its image, [num_patches] float32 each."""
-        rows, cols = [], []
-        for t, h, w in grids:
-            order = merge_order(h, w, self.merge, self.inv_freq.device)
-            rows.append((order // w).repeat(t))
-            cols.append((order % w).repeat(t))
-        return torch.cat(rows).float(), torch.cat(cols).float()
 
     def _grid_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """The learned side x side position grid resampled bilinearly (corners aligned) to each
