@@ -431,7 +431,8 @@ class ModelRunner:
                        and all(_takes_argmax(r) for r in sampling_requests))
         state_slots = np.array([r.state_slot for r, _ in scheduled], dtype=np.int32).reshape(num_seqs)
         plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
-                        state_slots=state_slots, rope_positions=rope_positions(scheduled),
+                        state_slots=state_slots,
+                        rope_positions=rope_positions(scheduled) if self.images is not None else _NO_POSITIONS,
                         pending_index=np.array(pending_index, dtype=np.int64),
                         pending_source=np.array(pending_source, dtype=np.int64),
                         logit_rows=np.array(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
@@ -596,6 +597,9 @@ class ModelRunner:
             step.copy_to_host(name + ":values", torch.cat((actual_logprob, top_values), dim=1))
             step.copy_to_host(name + ":ranks", ranks)
             step.prompt_logprob_requests.append((request.request_id, request.num_computed_tokens))
+
+
+_NO_POSITIONS = np.zeros(0, dtype=np.int64)  # a step whose RoPE positions are its cache positions
 
 
 def _block_tables(block_ids: list[list[int]]) -> np.ndarray:
