@@ -26,7 +26,8 @@ MAX_TOKENS = 20
 # on the CPU), so a value moves by ~1e-6 of the largest between a batched and a lone run. Where a
 # choice by float value is that close, it can swap and the request rightly decode differently:
 # DeepSeek-V3.2's indexer keeping each token's `index_topk` best keys (seen: a gap of 6.6e-7), a
-# router's top-k experts, a greedy token's argmax. A request whose lone run met a gap under
+# router's top-k experts and, for grouped routing, its groups (seen: 1.7e-7 between DeepSeek's two
+# groups), a greedy token's argmax. A request whose lone run met a gap under
 # NEAR_TIE (relative; 20x that noise) in any of them is not compared (~5% of them); every other one
 # must match to the last token, and at least half of the requests are compared.
 NEAR_TIE = 2e-5
@@ -70,7 +71,16 @@ def choice_gaps(monkeypatch) -> ChoiceGaps:
 
     def experts(logits: torch.Tensor, config: routing.RoutingConfig, correction_bias=None):
         scores = logits.float().softmax(dim=-1) if config.scoring == "softmax" else logits.float().sigmoid()
-        gaps.record(scores if correction_bias is None else scores + correction_bias.float(), config.top_k)
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        if config.num_groups > 1:  # grouped routing chooses groups first (DeepSeek-V3: by each group's best two)
+            grouped = choice.view(choice.shape[0], config.num_groups, -1)
+            group_scores = (grouped.topk(2, dim=-1).values.sum(-1) if correction_bias is not None
+                            else grouped.max(dim=-1).values)  # [T, groups]
+            gaps.record(group_scores, config.topk_group)
+            kept = group_scores.topk(config.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
+        gaps.record(choice, config.top_k)
         return route(logits, config, correction_bias)
 
     def tokens(self, logits: torch.Tensor, batch):

@@ -282,20 +282,19 @@ def test_attention_over_fp8_latent_cache_is_attention_over_its_values(seed, kind
 def test_engine_with_fp8_latent_cache(deepseek_v3, seed):
     """kv_cache_dtype='fp8' on DeepSeek-V3: a quarter of the float32 cache's bytes per token, and
     its argmax follows the float32 cache's greedy text (teacher forcing), above all where float32
-    leads clearly. Six prompt seeds here: 55-61 of 64 positions, 18/18-24/24 (once 21/22, 23/24)
-    of the clear ones; in CI once 59/64 and 18/21, so the clear-position bar is 80% (a cache read
-    with a wrong layout or scale agrees on a few percent)."""
+    leads clearly. Eight prompts of 16 steps: over twelve prompt seeds 86-96% of the 128 positions
+    and 94-100% of the 32-44 clear ones agree (four prompts once gave 47/64: too few positions for
+    a steady rate); a cache read with a wrong layout or scale agrees on a few percent."""
     from agreement import bf16_reference, greedy_agreement
 
     engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.01, block_size=16)
     per_block = [LLM(str(deepseek_v3), **engine, **option).engine.core.runner.kv_bytes_per_block()
                  for option in ({}, {"kv_cache_dtype": "fp8"})]
     assert per_block[1] * 4 == per_block[0]
-    reference = bf16_reference(str(deepseek_v3), random_prompts(4, 128, 5, 20, seed), engine, steps=16)
+    reference = bf16_reference(str(deepseek_v3), random_prompts(8, 128, 5, 20, seed), engine, steps=16)
     result = greedy_agreement(str(deepseek_v3), reference, engine, {"kv_cache_dtype": "fp8"})
-    assert result.matched >= 0.8 * result.total, result
-    if result.confident_total >= 10:
-        assert result.confident_matched >= 0.8 * result.confident_total, result
+    assert result.matched >= 0.75 * result.total, result
+    assert result.confident_total >= 16 and result.confident_matched >= 0.85 * result.confident_total, result
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

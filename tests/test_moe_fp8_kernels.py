@@ -315,7 +315,9 @@ def test_triton_int8_experts_match_reference(seed, monkeypatch, layout, tokens):
                                                         num_experts=6)
     _assert_matches_reference(got, expected, x.dtype)
     dequant = TorchInt8FusedExperts.forward(x, *local, block, weights, ids, expert_start=half, num_experts=6)
-    assert _relative_error(dequant, expected) < 0.05  # the activations' int8 rounding only
+    # The activations' int8 rounding only: over 3,000 seeds a median of 1.2%, 99.9% under 8.5% and
+    # at most 10.6% (a group whose largest value dwarfs the rest); a wrong scale row is off by ~100%.
+    assert _relative_error(dequant, expected) < 0.15
 
 
 @cpu_engine_with_triton
