@@ -343,8 +343,82 @@ def test_server_chat_with_images(tmp_path, seed):
         again = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
                                                temperature=0, max_tokens=NUM_NEW, extra_body={"ignore_eos": True})
         assert again.choices[0].message.content == expected.outputs[0].text
+        counted = httpx.post(f"{server.url}/tokenize", timeout=60,
+                             json={"model": str(path), "messages": [{"role": "user", "content": content}]}).json()
+        assert counted["count"] == len(expected.prompt_token_ids)  # the image's tokens, not its placeholder
     finally:
         server.stop()
+
+
+def test_a_slow_image_url_holds_only_its_own_request(tmp_path, seed):
+    """Images are fetched off the preparing thread: while one request's http image takes seconds
+    to arrive, text requests and one with a data: URL image are answered; the slow one then replies
+    as LLM.chat does on the same image, and a URL that fails is a 400 naming it."""
+    import http.server
+    import io
+    import threading
+    import time
+
+    import httpx
+    from test_server import ServerProcess
+
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "qwen3-vl"
+    _checkpoint(path, seed)
+    image, other = _image(rng, 64, 96), _image(rng, 48, 64)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    release = threading.Event()
+
+    class SlowImages(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/slow.png":
+                self.send_error(404)
+                return
+            release.wait(30)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowImages)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{images.server_address[1]}"
+    text = _words(rng, 3)
+
+    def message(url):
+        return [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, kv_cache_memory_gib=0.02, max_model_len=512)
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    expected = llm.chat(message(_data_url(image)), greedy, use_tqdm=False)[0].outputs[0].text
+    server = ServerProcess(path, "--dtype", "float32", "--max-model-len", "512", "--block-size", "4",
+                           "--kv-cache-memory-gib", "0.02")
+    body = {"model": str(path), "temperature": 0, "max_tokens": NUM_NEW, "ignore_eos": True}
+    try:
+        server.wait_ready()
+        with httpx.Client(timeout=120) as client:
+            slow_reply = {}
+            slow = threading.Thread(target=lambda: slow_reply.update(client.post(
+                f"{server.url}/v1/chat/completions", json={**body, "messages": message(f"{base}/slow.png")}).json()))
+            slow.start()
+            time.sleep(0.5)  # the slow request is waiting for its image
+            for messages in ([{"role": "user", "content": text}], message(_data_url(other))):
+                reply = client.post(f"{server.url}/v1/chat/completions", json={**body, "messages": messages})
+                assert reply.status_code == 200, reply.text
+            assert slow.is_alive() and not slow_reply  # answered while the image had not arrived
+            release.set()
+            slow.join(120)
+            assert slow_reply["choices"][0]["message"]["content"] == expected
+            missing = client.post(f"{server.url}/v1/chat/completions", json={**body, "messages": message(f"{base}/none.png")})
+            assert missing.status_code == 400 and "cannot fetch the image" in missing.json()["error"]["message"]
+    finally:
+        release.set()
+        server.stop()
+        images.shutdown()
 
 
 def test_tensor_parallel_serves_text_and_refuses_images(tmp_path, seed):

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import baryon
 from baryon.server.errors import bad_request, error_response, install_error_handlers
+from baryon.multimodal.inputs import ImageInput
 from baryon.server.inputs import check_unicode
 from baryon.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from baryon.server.serving import ServerContext, json_response
@@ -97,16 +98,18 @@ def build_app(ctx: ServerContext, api_key: str | None) -> FastAPI:
         ctx.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("give exactly one of 'prompt' (text) or 'messages' (a conversation)", param="prompt")
-        tokens = await ctx.prepare(_tokens, request)
+        images = await ctx.read_images(request.messages)  # counted as the tokens they expand to
+        tokens = await ctx.prepare(_tokens, request, images)
         return json_response({"count": len(tokens), "max_model_len": ctx.config.model.max_model_len,
                               "tokens": tokens})
 
-    def _tokens(request: TokenizeRequest) -> list[int]:
+    def _tokens(request: TokenizeRequest, images: list[ImageInput] | None) -> list[int]:
         check_unicode(request.model_dump(exclude_none=True))
         if request.prompt is not None:
             return ctx.inputs.tokenize(request.prompt, add_special_tokens=request.add_special_tokens is not False)
-        return ctx.inputs.chat_prompt(request.messages, request.add_generation_prompt is not False, check=False,
-                                      call_id_chars=ctx.call_id_chars)
+        ids = ctx.inputs.chat_prompt(request.messages, request.add_generation_prompt is not False, check=False,
+                                     call_id_chars=ctx.call_id_chars)
+        return ctx.inputs.expand_images(ids, images, check=False)[0]
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:

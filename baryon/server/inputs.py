@@ -8,13 +8,14 @@ APIError 400 that says why.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 from baryon.config import EngineConfig
 from baryon.engine.core import check_prompt
 from baryon.server.errors import bad_request
-from baryon.multimodal.inputs import MultiModalInputs
+from baryon.multimodal.inputs import ImageInput, MultiModalInputs
 from baryon.multimodal.processor import ImageError, ImageProcessor
 from baryon.server.protocol import ChatMessage, ImageContentPart
 from baryon.tokenizer import unpaired_surrogate
@@ -91,7 +92,8 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.image_processor: ImageProcessor | None = None  # loaded at the first image
+        self._image_processor: ImageProcessor | None = None  # loaded at the first image
+        self._image_processor_lock = threading.Lock()  # images are read on several threads
 
     @property
     def max_model_len(self) -> int:
@@ -182,22 +184,43 @@ class InputProcessor:
             self.check(ids, param="messages")
         return ids
 
-    def chat_images(self, messages: list[ChatMessage], prompt_token_ids: list[int]
-                    ) -> tuple[list[int], MultiModalInputs | None]:
-        """The rendered conversation with its images' placeholders expanded and the images read
-        (data: or http(s) URLs; None: the conversation has none), checked against the engine's limits."""
-        urls = [part.image_url.url for m in messages if isinstance(m.content, list)
+    @staticmethod
+    def image_urls(messages: list[ChatMessage]) -> list[str]:
+        """The conversation's image URLs, in order."""
+        return [part.image_url.url for m in messages if isinstance(m.content, list)
                 for part in m.content if isinstance(part, ImageContentPart)]
-        if not urls:
-            return prompt_token_ids, None
+
+    def image_processor(self) -> ImageProcessor:
+        """The model's image processor (an APIError 400 for a model that reads no images)."""
+        with self._image_processor_lock:
+            if self._image_processor is None:
+                try:
+                    self._image_processor = ImageProcessor.for_model(self.config.model.model_path,
+                                                                     self.config.model.hf_config)
+                except ImageError as e:
+                    raise bad_request(str(e), param="messages", code="invalid_image") from None
+            return self._image_processor
+
+    def process_images(self, images: list[Any]) -> list[ImageInput]:
+        """Loaded images (PIL) cut into patches by the model's image processor."""
+        processor = self.image_processor()
         try:
-            if self.image_processor is None:
-                self.image_processor = ImageProcessor.for_model(self.config.model.model_path,
-                                                                self.config.model.hf_config)
-            ids, multimodal = self.image_processor.prompt(prompt_token_ids, urls, allow_local_files=False)
+            return processor.process(images)
         except ImageError as e:
             raise bad_request(str(e), param="messages", code="invalid_image") from None
-        self.check(ids, param="messages")
+
+    def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput] | None, check: bool = True
+                      ) -> tuple[list[int], MultiModalInputs | None]:
+        """The rendered conversation with its images' placeholders expanded (None: it has no
+        images), checked against the engine's limits where `check`."""
+        if not images:
+            return prompt_token_ids, None
+        try:
+            ids, multimodal = self.image_processor().expand(prompt_token_ids, images)
+        except ImageError as e:
+            raise bad_request(str(e), param="messages", code="invalid_image") from None
+        if check:
+            self.check(ids, param="messages")
         return ids, multimodal
 
     def check(self, prompt_token_ids: list[int], param: str = "prompt") -> None:

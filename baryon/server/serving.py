@@ -19,10 +19,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from baryon.config import EngineConfig
 from baryon.engine.core_client import AsyncEngineClient, EngineDeadError, OutputProcessingError, RequestRejectedError
 from baryon.logger import get_logger
-from baryon.multimodal.inputs import MultiModalInputs
+from baryon.multimodal.inputs import ImageInput, MultiModalInputs
+from baryon.multimodal.processor import ImageError, load_image
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
-from baryon.server.errors import APIError, error_body
+from baryon.server.errors import APIError, bad_request, error_body
 from baryon.server.inputs import InputProcessor, Prompt
 from baryon.server.metrics import ServerMetrics
 from baryon.server.sampling import requested_structure
@@ -56,6 +57,11 @@ class ServerContext:
     # spec (1,024 long choices: 15 s) holds only its own request, not the preparing thread.
     spec_checker: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="baryon-specs"))
+    # Images are fetched (http: up to FETCH_TIMEOUT_S), decoded and cut into patches on these
+    # threads, each image of a request at once, before the request is prepared: a slow image
+    # server holds only the requests that point at it.
+    image_reader: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=8, thread_name_prefix="baryon-images"))
 
     @property
     def call_id_chars(self) -> int | None:
@@ -79,6 +85,21 @@ class ServerContext:
     async def prepare(self, work: Callable[..., _T], *args: Any) -> _T:
         """work(*args) on the preparing thread (its APIError is raised here)."""
         return await asyncio.get_running_loop().run_in_executor(self.preparer, work, *args)
+
+    async def read_images(self, messages: list[Any] | None) -> list[ImageInput] | None:
+        """The conversation's images, fetched and decoded on the image threads, then processed
+        (None: it has none); an unreadable image or a model that reads none is a 400."""
+        urls = self.inputs.image_urls(messages or [])
+        if not urls:
+            return None
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.image_reader, self.inputs.image_processor)  # refuses a text-only model
+        try:
+            loaded = await asyncio.gather(*(loop.run_in_executor(self.image_reader, load_image, url, False)
+                                            for url in urls))
+        except ImageError as e:
+            raise bad_request(str(e), param="messages", code="invalid_image") from None
+        return await loop.run_in_executor(self.image_reader, self.inputs.process_images, loaded)
 
     async def check_constraints(self, request: Any) -> None:
         """Check a chat or completion request's output constraints (response_format,

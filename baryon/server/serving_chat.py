@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from baryon.multimodal.inputs import MultiModalInputs
+from baryon.multimodal.inputs import ImageInput, MultiModalInputs
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
 from baryon.server.errors import bad_request
@@ -50,7 +50,7 @@ class _Plan:
     multimodal: MultiModalInputs | None = None  # the conversation's images
 
 
-def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
+def _plan(ctx: ServerContext, request: ChatCompletionRequest, images: list[ImageInput] | None) -> _Plan:
     ctx.check_model(request.model)
     ctx.check_alive()
     check_unicode(request.model_dump(exclude_none=True, by_alias=True))
@@ -72,7 +72,7 @@ def _plan(ctx: ServerContext, request: ChatCompletionRequest) -> _Plan:
         structure = (tools.structure, "tool_choice")
     ids = ctx.inputs.chat_prompt(request.messages, tools=tools.tools, template_kwargs=_template_kwargs(request),
                                  call_id_chars=ctx.call_id_chars)
-    ids, multimodal = ctx.inputs.chat_images(request.messages, ids)
+    ids, multimodal = ctx.inputs.expand_images(ids, images)
     reasoning_parser = ctx.reasoning_parser
     # <think> parsers: how the generation prompt ends (a template may open or close the reasoning)
     tail = ctx.inputs.tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip() \
@@ -126,8 +126,11 @@ def _reasoning_end(ctx: ServerContext, parser: str | None) -> list[int] | None:
 
 
 async def create_chat_completion(ctx: ServerContext, request: ChatCompletionRequest, raw_request: Request) -> Response:
+    ctx.check_model(request.model)  # before any image is fetched for it
+    ctx.check_alive()
     await ctx.check_constraints(request)
-    plan = await ctx.prepare(_plan, ctx, request)
+    images = await ctx.read_images(request.messages)
+    plan = await ctx.prepare(_plan, ctx, request, images)
     outputs = generate_merged(ctx, plan.request_id, [(None, plan.prompt_token_ids)], [plan.params], plan.multimodal)
     if request.stream:
         return streaming_response(_stream(ctx, plan, outputs))
