@@ -421,24 +421,49 @@ def test_a_slow_image_url_holds_only_its_own_request(tmp_path, seed):
         images.shutdown()
 
 
-def test_tensor_parallel_serves_text_and_refuses_images(tmp_path, seed):
-    """TP=2 (gloo): Qwen3-VL's text prompts give TP=1's tokens (the tower is held whole on each
-    rank); an image prompt is refused by name, as the tower runs on one rank only."""
+def test_tensor_parallel_image_prompts(tmp_path, seed):
+    """TP=2 (gloo): Qwen3-VL's image prompts (chunked across steps, batched with text prompts and
+    decoding) give TP=1's tokens: rank 0 runs the tower and shares each step's vision inputs."""
     rng = np.random.default_rng(seed)
     path = tmp_path / "qwen3-vl"
     _checkpoint(path, seed)
     prompts = [{"prompt_token_ids": _prompt(rng, 0)} for _ in range(2)]
+    prompts += [{"prompt_token_ids": _prompt(rng, n), "multi_modal_data": {
+        "image": [_image(rng, int(rng.integers(32, 128)), int(rng.integers(32, 128))) for _ in range(n)]}}
+        for n in (1, 2)]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
-    single = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.02,
-                 max_model_len=512)
+    engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.02,
+                  max_model_len=512, block_size=4, max_num_batched_tokens=48)
+    single = LLM(str(path), **engine)
     expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
-    with LLM(str(path), tensor_parallel_size=2, skip_tokenizer_init=True, device="cpu", dtype="float32",
-             kv_cache_memory_gib=0.02, max_model_len=512) as llm:
+    with LLM(str(path), tensor_parallel_size=2, **engine) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
-        with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-            llm.generate([{"prompt_token_ids": _prompt(rng, 1), "multi_modal_data": {"image": _image(rng, 32, 32)}}],
-                         params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)] == expected[::-1]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_of_image_prompts(tmp_path, seed, method):
+    """Drafts verified against image prompts (multimodal RoPE positions on the verified tokens)
+    give the target's greedy tokens, with drafts proposed and verified. The draft model (the
+    checkpoint itself) reads no images, so it guesses about them from the placeholders."""
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "qwen3-vl"
+    _checkpoint(path, seed)
+    prompts = [{"prompt_token_ids": _prompt(rng, n), "multi_modal_data": {
+        "image": [_image(rng, int(rng.integers(32, 96)), int(rng.integers(32, 96))) for _ in range(n)]}}
+        for n in (1, 2, 1)] + [{"prompt_token_ids": _prompt(rng, 0)}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.02,
+                  max_model_len=512, block_size=4)
+    expected = [o.outputs[0].token_ids for o in LLM(str(path), **engine).generate(prompts, params, use_tqdm=False)]
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+            "draft_model": {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}}[method]
+    llm = LLM(str(path), speculative_config=spec, **engine)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    stats = llm.engine.core.spec_stats
+    assert stats.num_draft_tokens > 0, stats
+    if method == "draft_model":  # itself as the draft: the text prompt's drafts are all accepted
+        assert stats.num_accepted_tokens >= 20, stats
 
 
 def test_image_prompts_under_preemption(tmp_path, seed, monkeypatch):

@@ -177,8 +177,6 @@ class EngineCore:
         if self.runner.images is None:
             raise ValueError(f"{self.config.model.hf_config.architectures[0]} does not read images; image "
                              f"prompts need an image-and-text model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5)")
-        if self.workers is not None:
-            raise ValueError("image prompts need tensor_parallel_size=1 (the vision tower runs on one rank)")
         multimodal.check(prompt_token_ids, self.config.model.hf_config.image_token_id)
         return RequestImages(multimodal, len(prompt_token_ids))
 

@@ -5,6 +5,8 @@ reads (every token's (t, h, w) position, the image tokens' vision embeddings and
 The vision tower runs once per request, over all its images, at the first step that computes one
 of its image tokens (one call for all such requests of a step); the outputs stay here until its prefill is past its last image (a chunked
 prefill takes them chunk by chunk) or it ends. A preempted request that comes back recomputes them.
+With tensor parallelism the tower runs on rank 0, which broadcasts each step's MultiModalStep to
+the other ranks after the step's plan (`share`, `receive`): they hold the tower too, but idle.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from baryon.distributed.parallel_state import broadcast_from_first
 from baryon.layers.forward_context import MultiModalStep
 from baryon.request import Request
 
@@ -42,9 +45,10 @@ def _positions(request: Request, index: np.ndarray) -> np.ndarray:
 class ImageEncoder:
     """Runs the model's vision tower and keeps each request's outputs while its prefill needs them."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.device = device
+        self.dtype = dtype  # of the tower's outputs
         # request id -> (embeddings [N, hidden], DeepStack [k, N, hidden]) of all its image tokens
         self.outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -69,8 +73,10 @@ class ImageEncoder:
         return MultiModalStep(
             positions=torch.from_numpy(np.concatenate(positions, axis=1)).to(self.device),
             rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            embeddings=torch.cat(embeddings) if embeddings else torch.zeros(0, hidden, device=self.device),
-            deepstack=torch.cat(deepstack, dim=1) if deepstack else torch.zeros(0, 0, hidden, device=self.device))
+            embeddings=torch.cat(embeddings) if embeddings else torch.zeros(0, hidden, dtype=self.dtype,
+                                                                             device=self.device),
+            deepstack=torch.cat(deepstack, dim=1) if deepstack else torch.zeros(0, 0, hidden, dtype=self.dtype,
+                                                                                device=self.device))
 
     def _take_image_tokens(self, request: Request, first: int, n: int, start: int, rows: list[int],
                            embeddings: list[torch.Tensor], deepstack: list[torch.Tensor]) -> None:
@@ -100,6 +106,32 @@ class ImageEncoder:
             count = sum(i.num_tokens for i in request.images.inputs.images)
             self.outputs[request.request_id] = (embeddings[start:start + count], deepstack[:, start:start + count])
             start += count
+
+    @staticmethod
+    def shape(step: MultiModalStep | None) -> tuple[int, int] | None:
+        """(image tokens, DeepStack layers) of a step: what the other ranks need to receive it."""
+        return None if step is None else (step.rows.shape[0], step.deepstack.shape[0])
+
+    @staticmethod
+    def share(step: MultiModalStep) -> None:
+        """Rank 0: the step's tensors to the other tensor-parallel ranks (in `receive`'s order)."""
+        for tensor in (step.positions, step.rows, step.embeddings, step.deepstack):
+            if tensor.numel():
+                broadcast_from_first(tensor.contiguous())
+
+    def receive(self, shape: tuple[int, int], num_tokens: int) -> MultiModalStep:
+        """A rank > 0: the MultiModalStep rank 0 shares for a step of num_tokens tokens."""
+        rows, layers = shape
+        hidden = self.model.config.hidden_size
+        step = MultiModalStep(
+            positions=torch.empty(3, num_tokens, dtype=torch.int64, device=self.device),
+            rows=torch.empty(rows, dtype=torch.int64, device=self.device),
+            embeddings=torch.empty(rows, hidden, dtype=self.dtype, device=self.device),
+            deepstack=torch.empty(layers if rows else 0, rows, hidden, dtype=self.dtype, device=self.device))
+        for tensor in (step.positions, step.rows, step.embeddings, step.deepstack):
+            if tensor.numel():
+                broadcast_from_first(tensor)
+        return step
 
     def forget(self, request_id: str) -> None:
         self.outputs.pop(request_id, None)

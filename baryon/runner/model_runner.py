@@ -121,8 +121,9 @@ class ModelRunner:
             raise ValueError(f"compilation_level={config.compilation.level} is not supported with {kind} yet: use "
                              f"compilation_level=0 (the default; decode steps still replay CUDA graphs)")
         self.forward = compile_forward(self.model, config.compilation.level)
-        # Image prompts (the Qwen VL models, Qwen3.5): the vision tower's runs and outputs (rank 0: images need one rank).
-        self.images = ImageEncoder(self.model, self.device) if getattr(self.model, "accepts_images", False) else None
+        # Image prompts (the Qwen VL models, Qwen3.5): the vision tower's runs and outputs (on rank 0).
+        self.images = ImageEncoder(self.model, self.device, config.model.dtype) \
+            if getattr(self.model, "accepts_images", False) else None
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
         self.step_masks = StepMasks(self.vocab_size, self.device)  # structured outputs' logits masks
@@ -264,10 +265,12 @@ class ModelRunner:
         if not scheduled and dp_step is not None:
             self.last_launch.complete()  # queued before this step, as any launch's (see _upload)
             return self._launch_padding(dp_step)
-        plan, sampling = self._plan(scheduled)
+        images = self.images.step(scheduled) if self.images is not None else None
+        plan, sampling = self._plan(scheduled, images)
         if self.workers is not None:
             self.workers.send_step(plan.encode())
-        images = self.images.step(scheduled) if self.images is not None else None
+            if images is not None:
+                self.images.share(images)
         return self._launch(plan, scheduled, sampling, dp_step, images)
 
     def dp_graph_size(self, num_seqs: int) -> int | None:
@@ -293,8 +296,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> None:
         """A rank > 0 runs rank 0's plan: the forward pass, its share of the LM head, and it
-        receives the ids rank 0 samples."""
-        self._launch(plan, None, None)
+        receives the ids rank 0 samples (and first, in a step of image prompts, its vision inputs)."""
+        images = self.images.receive(plan.image_step, len(plan.input_ids)) if plan.image_step is not None else None
+        self._launch(plan, None, None, images=images)
 
     def _launch(self, plan: StepPlan, scheduled: list[tuple[Request, int]] | None,
                 sampling: _Sampling | None, dp_step: DPStep | None = None,
@@ -390,7 +394,8 @@ class ModelRunner:
         return (self.graph_runner is not None and md.num_tokens == md.num_seqs
                 and self.graph_runner.padded_size(md.num_seqs) is not None)
 
-    def _plan(self, scheduled: list[tuple[Request, int]]) -> tuple[StepPlan, _Sampling]:
+    def _plan(self, scheduled: list[tuple[Request, int]], images: MultiModalStep | None = None
+              ) -> tuple[StepPlan, _Sampling]:
         """The step's inputs as host arrays, and who samples from which rows."""
         num_seqs = len(scheduled)
         num_new_list = [n for _, n in scheduled]
@@ -436,7 +441,8 @@ class ModelRunner:
                         pending_index=np.array(pending_index, dtype=np.int64),
                         pending_source=np.array(pending_source, dtype=np.int64),
                         logit_rows=np.array(logit_rows, dtype=np.int64), num_sampled_rows=len(sample_rows),
-                        num_sampling=len(sampling_requests), per_token=per_token, argmax_only=argmax_only)
+                        num_sampling=len(sampling_requests), per_token=per_token, argmax_only=argmax_only,
+                        image_step=ImageEncoder.shape(images))
         return plan, _Sampling(sample_rows, sampling_requests, num_drafts, spans)
 
     def _upload(self, plan: StepPlan) -> _Batch:

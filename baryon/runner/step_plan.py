@@ -39,11 +39,14 @@ class StepPlan:
     # then finds the tokens on every rank from its vocabulary slice (ParallelLMHead.argmax), with
     # no sampling on rank 0 and no broadcast of the ids.
     argmax_only: bool
+    # (image tokens, DeepStack layers) of the step's MultiModalStep, whose tensors rank 0 broadcasts
+    # right after the plan (runner/image_inputs.py); None: the step computes no image prompt's tokens
+    image_step: tuple[int, int] | None = None
 
     def encode(self) -> bytes:
         arrays = [_WireArray(str(a.dtype), list(a.shape), a.tobytes()) for a in (getattr(self, n) for n in _ARRAYS)]
         return _encoder.encode(_WirePlan(arrays, self.num_sampled_rows, self.num_sampling, self.per_token,
-                                         self.argmax_only))
+                                         self.argmax_only, self.image_step))
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> StepPlan:
@@ -51,7 +54,7 @@ class StepPlan:
         arrays = {name: np.frombuffer(a.data, dtype=a.dtype).reshape(a.shape).copy()  # writable
                   for name, a in zip(_ARRAYS, wire.arrays)}
         return cls(**arrays, num_sampled_rows=wire.num_sampled_rows, num_sampling=wire.num_sampling,
-                   per_token=wire.per_token, argmax_only=wire.argmax_only)
+                   per_token=wire.per_token, argmax_only=wire.argmax_only, image_step=wire.image_step)
 
 
 class _WireArray(msgspec.Struct, array_like=True):
@@ -66,6 +69,7 @@ class _WirePlan(msgspec.Struct, array_like=True):
     num_sampling: int
     per_token: bool
     argmax_only: bool
+    image_step: tuple[int, int] | None
 
 
 _encoder = msgspec.msgpack.Encoder()
