@@ -596,38 +596,34 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
                     call = lambda: impl.forward(qkv, a, b, a_log, dt_bias, states, starts, seq_lens, slots,
                                                 hk, dim, q_len)
                 if family == "gated_delta_rule" and impl.name == "triton":
-                    from baryon.kernels.delta_rule_chunked_triton import chunk_inverses
-
-                    inverses = lambda: chunk_inverses(qkv, a, b, a_log, dt_bias, starts, seq_lens, hk, hv, dim, q_len)
-                    sweep_delta_rule_tiles(record, f"{family}.{impl.name}", shape, call, q_len, inverses)
+                    sweep_delta_rule_tiles(record, f"{family}.{impl.name}", shape, call, q_len)
                     continue
                 record(f"{family}.{impl.name}", shape, call)
 
 
-def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int, inverses) -> None:
+def sweep_delta_rule_tiles(record, name: str, shape: str, call, q_len: int) -> None:
     """The Triton delta rule with its own choice of form and tiles, then each form's tiles swept
-    (the token walk's at every batch; the chunked form's, and the walk for comparison, at prefills;
-    `inverses`: the chunked form's first kernel alone)."""
+    (the token walk's at every batch; the chunked form's, and the walk for comparison, at prefills)."""
     import baryon.kernels.delta_rule_chunked_triton as chunked
     import baryon.kernels.linear_attention_triton as lt
 
-    chosen = lt.delta_rule_tiles, chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS
+    chosen = lt.delta_rule_tiles, chunked.CHUNKED_TILES, lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS
     record(name, shape, call)
     lt.CHUNKED_MIN_QUERY_LEN = 1 << 30  # the token walk
     for block_v, warps in ((16, 1), (32, 1), (32, 4), (64, 2)):
         lt.delta_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
         record(f"{name}.walk.block_v{block_v}.warps{warps}", shape, call)
     lt.delta_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS = chosen[0], 1, 1 << 30
-    if q_len > 1:
-        for block_v, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
-            chunked.chunked_rule_tiles = lambda *_, tiles=(block_v, warps): tiles
-            record(f"{name}.chunked.block_v{block_v}.warps{warps}", shape, call)
-        chunked.chunked_rule_tiles = chosen[1]
-        for warps in (2, 8):
-            chunked.INVERSE_WARPS = warps
-            record(f"{name}.chunked.inverse_warps{warps}", shape, call)
-        chunked.INVERSE_WARPS = 4
-    chunked.chunked_rule_tiles, lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS = chosen[1], chosen[2], chosen[3]
+    if q_len > 1:  # the chunked form's state pass (value block x warps) and outputs (the same)
+        for tiles in ((32, 4, 32, 4), (32, 4, 64, 4), (16, 4, 32, 4), (64, 4, 32, 4), (32, 8, 32, 8)):
+            chunked.CHUNKED_TILES = tiles
+            record(f"{name}.chunked.state{tiles[0]}x{tiles[1]}.out{tiles[2]}x{tiles[3]}", shape, call)
+        chunked.CHUNKED_TILES = chosen[1]
+        for warps in (4, 16):
+            chunked.PREPARE_WARPS = warps
+            record(f"{name}.chunked.prepare_warps{warps}", shape, call)
+        chunked.PREPARE_WARPS = 8
+    lt.CHUNKED_MIN_QUERY_LEN, lt.CHUNKED_MAX_PAIRS = chosen[2], chosen[3]
 
 
 def main() -> None:
