@@ -466,6 +466,42 @@ def test_speculative_decoding_of_image_prompts(tmp_path, seed, method):
         assert stats.num_accepted_tokens >= 20, stats
 
 
+def test_tower_calls_hold_at_most_the_budget(tmp_path, seed, monkeypatch):
+    """The vision tower's calls hold at most a step's token budget of images (or the largest
+    image, the processor's longest_edge): many images in one step go through it in several calls,
+    and the replies are those of one call; the memory profile's blank call of that size runs."""
+    from baryon.runner.image_inputs import ImageEncoder
+
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "qwen3-vl"
+    _checkpoint(path, seed)
+    prompts = [{"prompt_token_ids": _prompt(rng, n), "multi_modal_data": {
+        "image": [_image(rng, int(rng.integers(64, 160)), int(rng.integers(64, 160))) for _ in range(n)]}}
+        for n in (3, 2)]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    calls = []
+    original = ImageEncoder._tower
+    monkeypatch.setattr(ImageEncoder, "_tower", lambda self, images: (calls.append(sum(i.num_tokens for i in images)),
+                                                                      original(self, images))[1])
+    engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.02, max_model_len=512,
+                  block_size=4)
+    roomy = LLM(str(path), max_num_batched_tokens=512, **engine)
+    assert roomy.engine.core.runner.images.largest_image == 25  # 160 x 160 pixels in 32 x 32 merged patches
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    assert len(calls) == 1
+    calls.clear()
+    tight = LLM(str(path), max_num_batched_tokens=32, **engine)
+    assert tight.engine.core.runner.images.budget == 32
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == expected
+    assert len(calls) > 1 and max(calls) <= 32
+    model, grids = tight.engine.core.runner.model, []
+    encode = model.encode_images
+    monkeypatch.setattr(model, "encode_images", lambda patches, g: (grids.extend(g), encode(patches, g))[1])
+    tight.engine.core.runner.images.profile()  # blank images worth the budget, each at most the largest
+    tokens = [t * h * w // 4 for t, h, w in grids]
+    assert sum(tokens) == 32 and max(tokens) <= 25
+
+
 def test_image_prompts_under_preemption(tmp_path, seed, monkeypatch):
     """Image requests in a cache too small for them all: running ones are preempted and recomputed
     (their images encoded again), and every reply is what the request gives alone."""

@@ -85,6 +85,23 @@ def _fetch(url: str) -> bytes:
     return data
 
 
+def largest_image_tokens(model_path: str) -> int | None:
+    """Placeholder tokens of the largest image the checkpoint's image processor makes (its
+    `size.longest_edge` pixels, or `max_pixels`, in merged patches); None without a processor."""
+    from transformers import AutoImageProcessor
+
+    try:
+        processor = AutoImageProcessor.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return None
+    size = getattr(processor, "size", None)
+    pixels = getattr(size, "longest_edge", None) or getattr(processor, "max_pixels", None)
+    side = getattr(processor, "patch_size", None), getattr(processor, "merge_size", None)
+    if not pixels or None in side:
+        return None
+    return int(pixels) // (side[0] * side[1]) ** 2
+
+
 class ImageProcessor:
     """The checkpoint's image processor and its image placeholder token."""
 

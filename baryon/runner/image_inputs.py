@@ -45,10 +45,14 @@ def _positions(request: Request, index: np.ndarray) -> np.ndarray:
 class ImageEncoder:
     """Runs the model's vision tower and keeps each request's outputs while its prefill needs them."""
 
-    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, budget: int,
+                 largest_image: int) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype  # of the tower's outputs
+        # Image tokens one tower call encodes at most (one image larger than that alone), and the
+        # largest image's: the memory profile runs the tower on `budget` of them (`profile`).
+        self.budget, self.largest_image = budget, largest_image
         # request id -> (embeddings [N, hidden], DeepStack [k, N, hidden]) of all its image tokens
         self.outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -95,17 +99,44 @@ class ImageEncoder:
             self.outputs.pop(request.request_id, None)  # (the tensors taken above stay alive for the step)
 
     def _encode(self, requests: list[Request]) -> None:
-        """One vision-tower call over the images of every request that needs them this step."""
+        """The images of every request that needs them this step, through the tower in as few
+        calls as `budget` allows (one, unless they hold more image tokens than it)."""
         if not requests:
             return
         images = [image for r in requests for image in r.images.inputs.images]
-        patches = torch.from_numpy(np.concatenate([i.patch_array() for i in images])).to(self.device)
-        embeddings, deepstack = self.model.encode_images(patches, [i.grid for i in images])
+        calls, tokens = [[]], 0
+        for image in images:
+            if calls[-1] and tokens + image.num_tokens > self.budget:
+                calls.append([])
+                tokens = 0
+            calls[-1].append(image)
+            tokens += image.num_tokens
+        outputs = [self._tower(call) for call in calls]
+        embeddings = torch.cat([e for e, _ in outputs])  # [image tokens, hidden]
+        deepstack = torch.cat([d for _, d in outputs], dim=1)  # [k, image tokens, hidden]
         start = 0
         for request in requests:
             count = sum(i.num_tokens for i in request.images.inputs.images)
             self.outputs[request.request_id] = (embeddings[start:start + count], deepstack[:, start:start + count])
             start += count
+
+    def _tower(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        patches = torch.from_numpy(np.concatenate([i.patch_array() for i in images])).to(self.device)
+        return self.model.encode_images(patches, [i.grid for i in images])
+
+    def profile(self) -> None:
+        """The tower's largest call once, on blank images worth `budget` tokens (each at most the
+        largest image), so that the memory profile counts its activations."""
+        vision = self.model.config.vision_config
+        merge = vision.spatial_merge_size
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        grids, left = [], self.budget
+        while left > 0:
+            side = max(1, int(min(left, self.largest_image) ** 0.5))  # merged patches a side
+            grids.append((1, side * merge, side * merge))
+            left -= side * side
+        patches = torch.zeros(sum(t * h * w for t, h, w in grids), patch_dim, dtype=self.dtype, device=self.device)
+        self.model.encode_images(patches, grids)
 
     @staticmethod
     def shape(step: MultiModalStep | None) -> tuple[int, int] | None:

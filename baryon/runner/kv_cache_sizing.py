@@ -41,6 +41,7 @@ class SizedRunner(Protocol):
     def capture_cuda_graphs(self, decode_sizes: list[int], piecewise_sizes: list[int]) -> Any: ...
     def execute(self, scheduled: list[tuple[Request, int]]) -> Any: ...
     def profile_verify_sampling(self) -> Any: ...
+    def profile_images(self) -> None: ...
 
 
 def choose_num_blocks(config: EngineConfig, runner: SizedRunner) -> int:
@@ -76,6 +77,7 @@ def _blocks_from_gpu_memory(config: EngineConfig, runner: SizedRunner, per_block
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     _profile_forward(config, runner)
+    runner.profile_images()  # the vision tower's largest call (image-and-text models)
     if config.speculative is not None:
         runner.profile_verify_sampling()
     torch.cuda.synchronize(device)

@@ -33,6 +33,7 @@ from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
 from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
 from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
+from baryon.multimodal.processor import largest_image_tokens
 from baryon.runner.image_inputs import ImageEncoder, rope_positions
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
@@ -122,8 +123,7 @@ class ModelRunner:
                              f"compilation_level=0 (the default; decode steps still replay CUDA graphs)")
         self.forward = compile_forward(self.model, config.compilation.level)
         # Image prompts (the Qwen VL models, Qwen3.5): the vision tower's runs and outputs (on rank 0).
-        self.images = ImageEncoder(self.model, self.device, config.model.dtype) \
-            if getattr(self.model, "accepts_images", False) else None
+        self.images = self._image_encoder() if getattr(self.model, "accepts_images", False) else None
         logger.info("compilation level %d: %s", config.compilation.level, LEVEL_NAMES[config.compilation.level])
         self.sampler = Sampler(self.device, config.seed)
         self.step_masks = StepMasks(self.vocab_size, self.device)  # structured outputs' logits masks
@@ -513,6 +513,20 @@ class ModelRunner:
         self.proposer.propose(requests, plan.max_drafts, None)
 
     @torch.inference_mode()
+    def _image_encoder(self) -> ImageEncoder:
+        """The vision tower's runner: its calls hold up to a step's token budget of images, or the
+        largest image the checkpoint's processor makes (its tokens up to max_model_len)."""
+        largest = largest_image_tokens(self.config.model.model_path) if self.is_first_rank else None
+        largest = min(largest or 0, self.config.model.max_model_len)
+        budget = max(self.config.scheduler.max_num_batched_tokens, largest)
+        return ImageEncoder(self.model, self.device, self.config.model.dtype, budget, largest or budget)
+
+    def profile_images(self) -> None:
+        """Run the vision tower's largest call once (rank 0: the only one that runs it), so that
+        the memory sizing counts its activations."""
+        if self.images is not None and self.is_first_rank:
+            self.images.profile()
+
     def profile_verify_sampling(self) -> torch.Tensor | None:
         """Run the rejection sampler once on the largest verification a step can hold, every row
         sampling with top-k / top-p and model-draft probabilities, so that the memory sizing
