@@ -431,14 +431,22 @@ def test_tensor_parallel_image_prompts(tmp_path, seed):
     prompts += [{"prompt_token_ids": _prompt(rng, n), "multi_modal_data": {
         "image": [_image(rng, int(rng.integers(32, 128)), int(rng.integers(32, 128))) for _ in range(n)]}}
         for n in (1, 2)]
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0)
     engine = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", kv_cache_memory_gib=0.02,
                   max_model_len=512, block_size=4, max_num_batched_tokens=48)
+
+    def replies(outputs):  # each reply's tokens, and its tokens' logprobs
+        return ([o.outputs[0].token_ids for o in outputs],
+                [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs])
+
     single = LLM(str(path), **engine)
-    expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    expected, expected_logprobs = replies(single.generate(prompts, params, use_tqdm=False))
     with LLM(str(path), tensor_parallel_size=2, **engine) as llm:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params, use_tqdm=False)] == expected[::-1]
+        for order in (slice(None), slice(None, None, -1)):
+            tokens, logprobs = replies(llm.generate(prompts[order], params, use_tqdm=False))
+            assert tokens == expected[order]
+            torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs[order]),
+                                       atol=1e-4, rtol=0)  # (DeepStack counted once, not once a rank)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -166,7 +166,9 @@ class LlamaModel(nn.Module):
             else:
                 hidden_states, residual = layer(positions, hidden_states, residual)
             if additions is not None and i < len(additions[1]):
-                hidden_states = hidden_states.index_add(0, additions[0], additions[1][i].to(hidden_states.dtype))
+                # into the residual, which every rank holds whole (under tensor parallelism
+                # hidden_states may still be this rank's part of a sum the next layer completes)
+                residual = residual.index_add(0, additions[0], additions[1][i].to(residual.dtype))
         hidden_states, stream = self.norm(hidden_states, residual)
         if aux is not None:
             if len(self.layers) in self.aux_hidden_state_layers:
