@@ -38,6 +38,7 @@ logger = get_logger(__name__)
 # with a draft model, EAGLE-3 or MTP: runner/propose_plan.py), or the end.
 STEP, PROPOSE, STOP = b"step", b"propose", b"stop"
 _MONITOR_INTERVAL_S = 0.05
+_START_FAILURE_WAIT_S = 15.0  # after a failed join, how long a worker's exit is awaited
 _SHUTDOWN_GRACE_S = 5.0
 
 
@@ -108,8 +109,11 @@ class WorkerGroup:
                              config.model.dtype)
         except BaseException as e:
             try:
-                if isinstance(e, Exception):  # the join timed out: a worker that died is the reason to give
-                    group.check(wait_s=1.0, starting=True)
+                # The join failed: a worker that died is the reason to give. One that refused the
+                # configuration may still be on its way out (importing torch takes seconds on a busy
+                # host: CI saw the join's timeout first), so wait a while for it.
+                if isinstance(e, Exception):
+                    group.check(wait_s=_START_FAILURE_WAIT_S, starting=True)
             finally:
                 group.shutdown()
             raise
