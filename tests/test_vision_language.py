@@ -423,7 +423,8 @@ def test_a_slow_image_url_holds_only_its_own_request(tmp_path, seed):
 
 def test_tensor_parallel_image_prompts(tmp_path, seed):
     """TP=2 (gloo): Qwen3-VL's image prompts (chunked across steps, batched with text prompts and
-    decoding) give TP=1's tokens: rank 0 runs the tower and shares each step's vision inputs."""
+    decoding) give TP=1's tokens and logprobs: rank 0 runs the tower and shares each step's vision
+    inputs. DP=2: the replicas' replies are TP=1's too."""
     rng = np.random.default_rng(seed)
     path = tmp_path / "qwen3-vl"
     _checkpoint(path, seed)
@@ -447,6 +448,8 @@ def test_tensor_parallel_image_prompts(tmp_path, seed):
             assert tokens == expected[order]
             torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs[order]),
                                        atol=1e-4, rtol=0)  # (DeepStack counted once, not once a rank)
+    with LLM(str(path), data_parallel_size=2, **engine) as llm:  # two replicas, each with its own tower
+        assert replies(llm.generate(prompts, params, use_tqdm=False))[0] == expected
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
