@@ -31,9 +31,9 @@ from baryon.layers.sampler import Sampler, SamplingBatch
 from baryon.layers.fused_decoder_layer import fuse_decoder_layers
 from baryon.loader.model_loader import load_model
 from baryon.logger import get_logger
+from baryon.multimodal.processor import largest_image_tokens
 from baryon.runner.compilation import LEVEL_NAMES, compile_forward, uses_cuda_graphs
 from baryon.runner.cuda_graph import CUDAGraphRunner, default_capture_sizes
-from baryon.multimodal.processor import largest_image_tokens
 from baryon.runner.image_inputs import ImageEncoder, rope_positions
 from baryon.runner.kv_cache_sizing import choose_num_blocks
 from baryon.runner.piecewise_graph import PiecewiseGraphRunner, default_piecewise_sizes
@@ -512,7 +512,6 @@ class ModelRunner:
             self.proposer.rows = {request_id: tuple(value) for request_id, value in plan.rows.items()}
         self.proposer.propose(requests, plan.max_drafts, None)
 
-    @torch.inference_mode()
     def _image_encoder(self) -> ImageEncoder:
         """The vision tower's runner: its calls hold up to a step's token budget of images, or the
         largest image the checkpoint's processor makes (its tokens up to max_model_len)."""
@@ -521,12 +520,14 @@ class ModelRunner:
         budget = max(self.config.scheduler.max_num_batched_tokens, largest)
         return ImageEncoder(self.model, self.device, self.config.model.dtype, budget, largest or budget)
 
+    @torch.inference_mode()
     def profile_images(self) -> None:
         """Run the vision tower's largest call once (rank 0: the only one that runs it), so that
         the memory sizing counts its activations."""
         if self.images is not None and self.is_first_rank:
             self.images.profile()
 
+    @torch.inference_mode()
     def profile_verify_sampling(self) -> torch.Tensor | None:
         """Run the rejection sampler once on the largest verification a step can hold, every row
         sampling with top-k / top-p and model-draft probabilities, so that the memory sizing

@@ -12,8 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import baryon
-from baryon.server.errors import bad_request, error_response, install_error_handlers
 from baryon.multimodal.inputs import ImageInput
+from baryon.server.errors import bad_request, error_response, install_error_handlers
 from baryon.server.inputs import check_unicode
 from baryon.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from baryon.server.serving import ServerContext, json_response
