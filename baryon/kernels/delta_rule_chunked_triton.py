@@ -206,8 +206,8 @@ def chunked_delta_rule(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_lo
     _chunk_prepare_kernel[(num_seqs, chunks, num_v_heads)](
         qkv, a, b, a_log, dt_bias, w, u, aqk, gcum, query_start, seq_lens, qkv.stride(0), a.stride(0), b.stride(0),
         scale, L2_NORM_EPS, KEY_DIM=key_dim, DV_P=next_power_of_2(head_v_dim), num_warps=PREPARE_WARPS, **shape)
-    q_lens = (query_start[1:] - query_start[:-1]).long()
-    chunk_offsets = torch.cumsum((q_lens + CHUNK - 1) // CHUNK, 0) - (q_lens + CHUNK - 1) // CHUNK  # [num_seqs]
+    seq_chunks = ((query_start[1:] - query_start[:-1]).long() + CHUNK - 1) // CHUNK  # [num_seqs]
+    chunk_offsets = torch.cumsum(seq_chunks, 0) - seq_chunks  # each sequence's first chunk in chunk_states
     max_chunks = triton.cdiv(tokens, CHUNK) + num_seqs  # at least the step's chunks (no sync to count them)
     chunk_states = torch.empty(max_chunks, num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device)
     delta = torch.empty_like(u)

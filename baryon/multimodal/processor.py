@@ -31,7 +31,7 @@ def load_image(source: Any, allow_local_files: bool = True):
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(source, Image.Image):
-        return source.convert("RGB")
+        return source if source.mode == "RGB" else source.convert("RGB")
     if isinstance(source, str) and source.startswith("data:"):
         header, _, payload = source.partition(",")
         if ";base64" not in header or not header[5:].startswith("image/"):

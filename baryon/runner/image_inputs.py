@@ -145,10 +145,11 @@ class ImageEncoder:
 
     @staticmethod
     def share(step: MultiModalStep) -> None:
-        """Rank 0: the step's tensors to the other tensor-parallel ranks (in `receive`'s order)."""
-        for tensor in (step.positions, step.rows, step.embeddings, step.deepstack):
+        """Rank 0's step tensors on every tensor-parallel rank (in place: rank 0 sends, the others
+        receive into the tensors `receive` allocates)."""
+        for tensor in (step.positions, step.rows, step.embeddings, step.deepstack):  # (each contiguous)
             if tensor.numel():
-                broadcast_from_first(tensor.contiguous())
+                broadcast_from_first(tensor)
 
     def receive(self, shape: tuple[int, int], num_tokens: int) -> MultiModalStep:
         """A rank > 0: the MultiModalStep rank 0 shares for a step of num_tokens tokens."""
@@ -159,9 +160,7 @@ class ImageEncoder:
             rows=torch.empty(rows, dtype=torch.int64, device=self.device),
             embeddings=torch.empty(rows, hidden, dtype=self.dtype, device=self.device),
             deepstack=torch.empty(layers if rows else 0, rows, hidden, dtype=self.dtype, device=self.device))
-        for tensor in (step.positions, step.rows, step.embeddings, step.deepstack):
-            if tensor.numel():
-                broadcast_from_first(tensor)
+        self.share(step)
         return step
 
     def forget(self, request_id: str) -> None:

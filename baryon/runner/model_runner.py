@@ -394,7 +394,7 @@ class ModelRunner:
         return (self.graph_runner is not None and md.num_tokens == md.num_seqs
                 and self.graph_runner.padded_size(md.num_seqs) is not None)
 
-    def _plan(self, scheduled: list[tuple[Request, int]], images: MultiModalStep | None = None
+    def _plan(self, scheduled: list[tuple[Request, int]], images: MultiModalStep | None
               ) -> tuple[StepPlan, _Sampling]:
         """The step's inputs as host arrays, and who samples from which rows."""
         num_seqs = len(scheduled)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from baryon.config import EngineConfig
 from baryon.engine.core import check_prompt
 from baryon.server.errors import bad_request
 from baryon.multimodal.inputs import ImageInput, MultiModalInputs
-from baryon.multimodal.processor import ImageError, ImageProcessor
+from baryon.multimodal.processor import ImageError, ImageProcessor, load_image
 from baryon.server.protocol import ChatMessage, ImageContentPart
 from baryon.tokenizer import unpaired_surrogate
 
@@ -85,6 +87,15 @@ def check_unicode(value: Any, path: str = "") -> None:
                 pending.append((key, path))
         elif isinstance(value, list) and not (value and isinstance(value[0], int)):  # not token ids
             pending.extend((item, f"{path}[{i}]") for i, item in reversed(list(enumerate(value))))
+
+
+@contextmanager
+def _invalid_image() -> Iterator[None]:
+    """An ImageError inside becomes the request's 400 `invalid_image`."""
+    try:
+        yield
+    except ImageError as e:
+        raise bad_request(str(e), param="messages", code="invalid_image") from None
 
 
 class InputProcessor:
@@ -192,22 +203,23 @@ class InputProcessor:
 
     def image_processor(self) -> ImageProcessor:
         """The model's image processor (an APIError 400 for a model that reads no images)."""
-        with self._image_processor_lock:
+        with self._image_processor_lock, _invalid_image():
             if self._image_processor is None:
-                try:
-                    self._image_processor = ImageProcessor.for_model(self.config.model.model_path,
-                                                                     self.config.model.hf_config)
-                except ImageError as e:
-                    raise bad_request(str(e), param="messages", code="invalid_image") from None
+                self._image_processor = ImageProcessor.for_model(self.config.model.model_path,
+                                                                 self.config.model.hf_config)
             return self._image_processor
+
+    @staticmethod
+    def load_image(url: str) -> Any:
+        """A chat message's image (data: or http(s) URL; never a file path) as a PIL image."""
+        with _invalid_image():
+            return load_image(url, allow_local_files=False)
 
     def process_images(self, images: list[Any]) -> list[ImageInput]:
         """Loaded images (PIL) cut into patches by the model's image processor."""
         processor = self.image_processor()
-        try:
+        with _invalid_image():
             return processor.process(images)
-        except ImageError as e:
-            raise bad_request(str(e), param="messages", code="invalid_image") from None
 
     def expand_images(self, prompt_token_ids: list[int], images: list[ImageInput] | None, check: bool = True
                       ) -> tuple[list[int], MultiModalInputs | None]:
@@ -215,10 +227,9 @@ class InputProcessor:
         images), checked against the engine's limits where `check`."""
         if not images:
             return prompt_token_ids, None
-        try:
-            ids, multimodal = self.image_processor().expand(prompt_token_ids, images)
-        except ImageError as e:
-            raise bad_request(str(e), param="messages", code="invalid_image") from None
+        processor = self.image_processor()
+        with _invalid_image():
+            ids, multimodal = processor.expand(prompt_token_ids, images)
         if check:
             self.check(ids, param="messages")
         return ids, multimodal

@@ -20,10 +20,9 @@ from baryon.config import EngineConfig
 from baryon.engine.core_client import AsyncEngineClient, EngineDeadError, OutputProcessingError, RequestRejectedError
 from baryon.logger import get_logger
 from baryon.multimodal.inputs import ImageInput, MultiModalInputs
-from baryon.multimodal.processor import ImageError, load_image
 from baryon.outputs import CompletionOutput, RequestOutput
 from baryon.sampling_params import SamplingParams
-from baryon.server.errors import APIError, bad_request, error_body
+from baryon.server.errors import APIError, error_body
 from baryon.server.inputs import InputProcessor, Prompt
 from baryon.server.metrics import ServerMetrics
 from baryon.server.sampling import requested_structure
@@ -94,11 +93,8 @@ class ServerContext:
             return None
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self.image_reader, self.inputs.image_processor)  # refuses a text-only model
-        try:
-            loaded = await asyncio.gather(*(loop.run_in_executor(self.image_reader, load_image, url, False)
-                                            for url in urls))
-        except ImageError as e:
-            raise bad_request(str(e), param="messages", code="invalid_image") from None
+        loaded = await asyncio.gather(*(loop.run_in_executor(self.image_reader, self.inputs.load_image, url)
+                                        for url in urls))
         return await loop.run_in_executor(self.image_reader, self.inputs.process_images, loaded)
 
     async def check_constraints(self, request: Any) -> None:

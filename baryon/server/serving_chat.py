@@ -51,8 +51,7 @@ class _Plan:
 
 
 def _plan(ctx: ServerContext, request: ChatCompletionRequest, images: list[ImageInput] | None) -> _Plan:
-    ctx.check_model(request.model)
-    ctx.check_alive()
+    # (the model and the engine are checked by create_chat_completion, before any image is fetched)
     check_unicode(request.model_dump(exclude_none=True, by_alias=True))
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream: true", param="stream_options")
