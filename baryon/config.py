@@ -422,9 +422,6 @@ def _parse_speculative(value: str | dict) -> dict:
 def _resolve_speculative(args: EngineArgs, target: ModelConfig) -> SpeculativeConfig | None:
     if args.speculative_config is None:
         return None
-    if target.has_recurrent_state:
-        raise ValueError(f"speculative_config is not supported for {target.architecture}: its linear-attention "
-                         f"layers' recurrent state cannot roll back rejected draft tokens; drop speculative_config")
     spec = _parse_speculative(args.speculative_config)
     method = spec.get("method")
     if method is None:  # as vLLM: a draft checkpoint means a draft model, else prompt lookup
@@ -466,6 +463,10 @@ def _draft_model_config(method: str, name: Any, args: EngineArgs, target: ModelC
     if is_gguf(path):
         raise ValueError(f"a GGUF draft model ({name}) is not supported; give a safetensors checkpoint")
     hf_config = _load_hf_config(path, args.trust_remote_code)
+    if "linear_attention" in (getattr(hf_config, "layer_types", None) or ()):
+        raise ValueError(f"the draft model {name} has linear-attention layers (a hybrid model such as "
+                         f"Qwen3-Next or Qwen3.5): a draft's recurrent state would have to roll back its "
+                         f"rejected proposals, which is not supported; give a draft of attention layers only")
     if method == "draft_model" and hf_config.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {name} has vocab_size {hf_config.vocab_size} but the target has "
                          f"{target.vocab_size}; a draft must share the target's tokenizer")

@@ -59,6 +59,9 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: the output's grammar state
     # Its recurrent state's slot in linear-attention layers (engine/state_slots.py); -1: none held.
     state_slot: int = -1
+    # Its last verification's tokens in the slot's pending block (speculative decoding of a hybrid
+    # model: metadata.DraftRows): (block, position of the first, count); None: nothing pending.
+    pending_drafts: tuple[int, int, int] | None = None
     images: RequestImages | None = None  # the prompt's images (image-and-text models)
 
     def __post_init__(self) -> None:

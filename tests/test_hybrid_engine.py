@@ -1,6 +1,7 @@
 """Hybrid models (Qwen3-Next, Qwen3.5: Gated DeltaNet layers beside full attention) in the engine:
 state slots (engine/state_slots.py), what the engine turns off for them, and what it refuses.
-Parity: tests/test_parity.py; batching, preemption and slot reuse: tests/test_batch_invariance.py."""
+Parity: tests/test_parity.py; batching, preemption and slot reuse: tests/test_batch_invariance.py;
+speculative decoding: tests/test_hybrid_spec_decode.py."""
 
 from __future__ import annotations
 
@@ -63,8 +64,6 @@ def test_prefix_caching_is_off_and_slots_match_max_num_seqs(hybrid, seed):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "speculative_config is not supported for Qwen3NextForCausalLM"),
     (dict(compilation_level=1, device="cpu"), "compilation_level=1 is not supported with linear attention"),
 ])
 def test_refused_with_a_reason(hybrid, kwargs, message):

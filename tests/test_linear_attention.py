@@ -237,3 +237,120 @@ def test_triton_chunked_rule_matches_reference(seed, dtype):
     torch.testing.assert_close(out, ref_out, **tol)
     torch.testing.assert_close(states_d.cpu(), ref_states, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(states_d[2].cpu(), states[2], atol=0, rtol=0)  # the padding row's slot
+
+
+def _drafts(commit, source, target, device="cpu"):
+    from baryon.kernels.attention.metadata import DraftRows
+
+    return DraftRows(_int32(commit).to(device), _int32(source).to(device), _int32(target).to(device),
+                     active=True)
+
+
+PENDING = 5  # pending rows per block: drafts of up to 4 + the last token
+
+
+def _pending_buffers(gen, slots, dtype=torch.float32):
+    """Two pending blocks per slot, of garbage (nothing reads rows not recorded)."""
+    return (torch.randn(2 * slots, PENDING, CHANNELS, generator=gen).to(dtype),
+            torch.randn(2 * slots, PENDING, CHANNELS, generator=gen).to(dtype),
+            torch.randn(2 * slots, PENDING, 2 * HV, generator=gen).to(dtype))
+
+
+def _layer_with_drafts(kernels, qkv, a, b, a_log, dt_bias, weight, conv_states, states, pending, layout,
+                       drafts, max_query_len):
+    conv_kernel, rule_kernel = kernels
+    inputs, outputs, ba = pending
+    conv = conv_kernel.forward(qkv, weight, None, conv_states, *layout, max_query_len, drafts, inputs, outputs)
+    return rule_kernel.forward(conv, a, b, a_log, dt_bias, states, *layout, HK, DK, max_query_len, drafts,
+                               outputs, ba)
+
+
+def test_reference_drafts_keep_the_state_and_commit_what_was_accepted(seed):
+    """A verification step's sequences (drafts recorded, the state kept as before them), then a
+    step that folds in the accepted ones first: every output and the final states equal running
+    the accepted tokens, then the next step's, with no drafts at all."""
+    gen = torch.Generator().manual_seed(seed)
+    # after a 6-token prefill each of three sequences (slots 2, 0, 1) verifies n drafts + its last token
+    prompt, verify = [6, 4, 9], [3, 5, 1]
+    qkv, a, b, a_log, dt_bias, weight = _layer_inputs(gen, sum(prompt) + sum(verify) + 8)
+    conv_states = torch.randn(3, WIDTH - 1, CHANNELS, generator=gen)
+    states = torch.randn(3, HV, DK, DV, generator=gen) * 0.1
+    slots = [2, 0, 1]
+    plain = (conv_states.clone(), states.clone())
+    starts = [0, 6, 10, 19]
+    _reference_layer(qkv[:19], a[:19], b[:19], a_log, dt_bias, weight, conv_states, states, starts, prompt, slots)
+    _reference_layer(qkv[:19], a[:19], b[:19], a_log, dt_bias, weight, *plain, starts, prompt, slots)
+    kernels = (TorchCausalConv1d, TorchGatedDeltaRule)
+    pending = _pending_buffers(gen, 3)
+    # the verification: sequences record into block 2 slot + 1
+    rows = slice(19, 28)
+    vstart = [0, 3, 8, 9]
+    layout = (_int32(vstart), _int32([p + v for p, v in zip(prompt, verify)]), _int32(slots))
+    kept = (conv_states.clone(), states.clone())
+    verified = _layer_with_drafts(kernels, qkv[rows], a[rows], b[rows], a_log, dt_bias, weight, conv_states, states,
+                                  pending, layout, _drafts([0] * 3, [-1] * 3, [2 * s + 1 for s in slots]), 5)
+    torch.testing.assert_close(conv_states, kept[0], atol=0, rtol=0)
+    torch.testing.assert_close(states, kept[1], atol=0, rtol=0)
+    alone = _reference_layer(qkv[rows], a[rows], b[rows], a_log, dt_bias, weight, kept[0].clone(), kept[1].clone(),
+                             vstart, layout[1].tolist(), slots)[1]
+    torch.testing.assert_close(verified, alone, atol=1e-6, rtol=1e-6)
+    # accepted: 2 of 3, 5 of 5, 1 of 1 tokens; the next step: 2, 1, 3 tokens (the first a verification
+    # again, recording into the slot's other block), each committing its accepted ones first
+    accepted, following = [2, 5, 1], [2, 1, 3]
+    accepted_rows = torch.cat([torch.arange(19 + s, 19 + s + n) for s, n in zip(vstart, accepted)])
+    done = [p + n for p, n in zip(prompt, accepted)]
+    _reference_layer(qkv[accepted_rows], a[accepted_rows], b[accepted_rows], a_log, dt_bias, weight, *plain,
+                     [0, 2, 7, 8], done, slots)
+    rows = slice(28, 34)
+    nstart = [0, 2, 3, 6]
+    after = [d + f for d, f in zip(done, following)]
+    expected = _reference_layer(qkv[rows], a[rows], b[rows], a_log, dt_bias, weight, *plain, nstart, after, slots)[1]
+    layout = (_int32(nstart), _int32(after), _int32(slots))
+    got = _layer_with_drafts(kernels, qkv[rows], a[rows], b[rows], a_log, dt_bias, weight, conv_states, states,
+                             pending, layout, _drafts(accepted, [2 * s + 1 for s in slots], [4, -1, -1]), 3)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for slot in (0, 1):  # sequences 1 and 2 stored their final states
+        torch.testing.assert_close(states[slot], plain[1][slot], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv_states[slot], plain[0][slot], atol=0, rtol=0)
+    # sequence 0 verified: its state stands after its accepted tokens, before the step's
+    committed = (kept[0].clone(), kept[1].clone())
+    _reference_layer(qkv[accepted_rows[:2]], a[accepted_rows[:2]], b[accepted_rows[:2]], a_log, dt_bias, weight,
+                     *committed, [0, 2], [8], [2])
+    torch.testing.assert_close(states[2], committed[1][2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_states[2], committed[0][2], atol=0, rtol=0)
+    torch.testing.assert_close(pending[0][4, :2], qkv[28:30], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_with_drafts_match_references(seed, dtype):
+    """The Triton convolution and token walk with DraftRows: commits, recordings, a sequence doing
+    both, a plain one and padding, against the references."""
+    lt = pytest.importorskip("baryon.kernels.linear_attention_triton")
+    if lt.triton is None:
+        pytest.skip("triton is not installed")
+    gen = torch.Generator().manual_seed(seed)
+    # seq 0 commits 3 then verifies 4; seq 1 commits 5 (all), 1 plain token; seq 2 commits 2 of a state that
+    # covers nothing before them, verifies 2; seq 3 a plain 3-token continuation; seq 4 padding
+    query_start, seq_lens, slots = [0, 4, 5, 7, 10, 10], [20, 16, 4, 13, 0], [1, 3, 0, 2, 4]
+    commit, source, target = [3, 5, 2, 0, 0], [3, 6, 0, -1, -1], [2, -1, 1, -1, -1]
+    tokens = query_start[-1]
+    qkv, a, b, a_log, dt_bias, weight = _layer_inputs(gen, tokens)
+    qkv, a, b, weight = (t.to(dtype) for t in (qkv, a, b, weight))
+    conv_states = torch.randn(5, WIDTH - 1, CHANNELS, generator=gen).to(dtype)
+    states = torch.randn(5, HV, DK, DV, generator=gen) * 0.1
+    pending = _pending_buffers(gen, 5, dtype)
+    layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
+    ref = [t.clone() for t in (conv_states, states, *pending)]
+    ref_out = _layer_with_drafts((TorchCausalConv1d, TorchGatedDeltaRule), qkv, a, b, a_log, dt_bias, weight,
+                                 ref[0], ref[1], ref[2:], layout, _drafts(commit, source, target), 4)
+    dev = [t.to(DEVICE) for t in (conv_states, states, *pending)]
+    out = _layer_with_drafts((lt.TritonCausalConv1d, lt.TritonGatedDeltaRule), *(t.to(DEVICE) for t in (
+        qkv, a, b, a_log, dt_bias, weight)), dev[0], dev[1], dev[2:], tuple(t.to(DEVICE) for t in layout),
+        _drafts(commit, source, target, DEVICE), 4)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    real = slice(0, query_start[-2])
+    torch.testing.assert_close(out[real].cpu(), ref_out[real], **tol)
+    torch.testing.assert_close(dev[1].cpu(), ref[1], **tol)
+    torch.testing.assert_close(dev[0].cpu(), ref[0], atol=0, rtol=0)
+    for got, expected in zip(dev[2:], ref[2:]):  # the recorded blocks
+        torch.testing.assert_close(got[[2, 1]].cpu()[:, :4], expected[[2, 1]][:, :4], **tol)

@@ -30,8 +30,10 @@ class StateSlots:
             raise AssertionError(f"no free state slot for request {request.request_id}: all {self.num_slots} "
                                  f"are held")
         request.state_slot = self.free_slots.pop()
+        request.pending_drafts = None
 
     def free(self, request: Request) -> None:
         if request.state_slot >= 0:
             self.free_slots.append(request.state_slot)
             request.state_slot = -1
+            request.pending_drafts = None

@@ -15,6 +15,13 @@ A sequence whose new tokens are all it has (seq_lens == its query length) starts
 states; slot -1 keeps no state (it starts from zeros and stores nothing: profiling runs); a row of
 sequence length 0 is padding (a CUDA graph's): nothing is computed or stored for it.
 
+With speculative decoding (`drafts`: metadata.DraftRows) a sequence may first fold in `commit`
+tokens recorded by its last verification (pending block `source`: the convolution's inputs in
+`pending_inputs` [blocks, P, C], its outputs in `pending_outputs`, the gate inputs b | a in
+`pending_ba` [blocks, P, 2 Hv]), and a sequence whose tokens are drafts (`target` >= 0) stores the
+states as they stand before its tokens and records them in block `target` instead. The slot's
+state then covers seq_lens - query length - commit tokens.
+
 The block's output (`gated_rms_norm`): each value head's output normalised, times the weight, times
 silu(z) of its gate.
 
@@ -26,9 +33,12 @@ The delta rule, per value head h (its key head: h // (Hv / Hk)), token by token:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from baryon.kernels.attention.metadata import DraftRows
 from baryon.kernels.selector import Kernel
 
 L2_NORM_EPS = 1e-6  # inside the square root, as the published models' FLA kernels
@@ -46,13 +56,19 @@ def delta_rule_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     return g, b.float().sigmoid()
 
 
-def _spans(query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor):
-    """(start, end, slot, has_initial_state) of every sequence that is not padding."""
+def _spans(query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
+           drafts: DraftRows | None = None):
+    """(start, end, slot, has_initial_state, commit, source, target) of every sequence that is not
+    padding (commit 0, source and target -1 without drafts)."""
     starts, lens, slots = query_start.tolist(), seq_lens.tolist(), state_slots.tolist()
+    count = len(lens)
+    commits, sources, targets = ([0] * count, [-1] * count, [-1] * count) if drafts is None else \
+        (drafts.commit.tolist(), drafts.source.tolist(), drafts.target.tolist())
     for i, (seq_len, slot) in enumerate(zip(lens, slots)):
         start, end = starts[i], starts[i + 1]
         if end > start and seq_len > 0:
-            yield start, end, slot, slot >= 0 and seq_len > end - start
+            yield (start, end, slot, slot >= 0 and seq_len > end - start + commits[i], commits[i], sources[i],
+                   targets[i])
 
 
 class TorchCausalConv1d(Kernel):
@@ -62,23 +78,32 @@ class TorchCausalConv1d(Kernel):
     @staticmethod
     def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
                 query_start: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
-                max_query_len: int) -> torch.Tensor:
+                max_query_len: int, drafts: DraftRows | None = None, pending_inputs: torch.Tensor | None = None,
+                pending_outputs: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_states:
         [slots, K - 1, C] (updated in place); max_query_len: the most new tokens of a sequence (the
-        Triton kernel's grid; this walks the host's layout). Returns silu(causal_conv(x)) [T, C] in
-        x's dtype."""
+        Triton kernel's grid; this walks the host's layout); drafts, pending_*: speculative
+        decoding's (the module docstring). Returns silu(causal_conv(x)) [T, C] in x's dtype."""
         width = weight.shape[1]
         out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # [T, C]
-        for start, end, slot, has_initial in _spans(query_start, seq_lens, state_slots):
+        for start, end, slot, has_initial, commit, source, target in _spans(query_start, seq_lens, state_slots,
+                                                                            drafts):
             history = conv_states[slot] if has_initial else x.new_zeros(width - 1, x.shape[1])
-            window = torch.cat((history.to(x.dtype), x[start:end]))  # [K - 1 + n, C]
+            if commit:  # the last verification's accepted inputs
+                history = torch.cat((history.to(x.dtype), pending_inputs[source, :commit].to(x.dtype)))
+            window = torch.cat((history.to(x.dtype), x[start:end]))  # [K - 1 + commit + n, C]
             n = end - start
-            y = sum(window[j:j + n].float() * weight[:, j].float() for j in range(width))  # [n, C]
+            y = sum(window[-n - width + 1 + j:len(window) - width + 1 + j].float() * weight[:, j].float()
+                    for j in range(width))  # [n, C]
             if bias is not None:
                 y = y + bias.float()
             out[start:end] = F.silu(y).to(x.dtype)
+            if target >= 0:  # drafts: the state stays before them; they are recorded
+                pending_inputs[target, :n] = x[start:end].to(pending_inputs.dtype)
+                pending_outputs[target, :n] = out[start:end].to(pending_outputs.dtype)
+                window = history
             if slot >= 0:
-                conv_states[slot] = window[n:].to(conv_states.dtype)
+                conv_states[slot] = window[len(window) - width + 1:].to(conv_states.dtype)
         return out
 
 
@@ -89,48 +114,77 @@ class TorchGatedDeltaRule(Kernel):
     @staticmethod
     def forward(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                 recurrent_states: torch.Tensor, query_start: torch.Tensor, seq_lens: torch.Tensor,
-                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int, max_query_len: int) -> torch.Tensor:
+                state_slots: torch.Tensor, num_k_heads: int, head_k_dim: int, max_query_len: int,
+                drafts: DraftRows | None = None, pending_qkv: torch.Tensor | None = None,
+                pending_ba: torch.Tensor | None = None) -> torch.Tensor:
         """qkv: [T, 2 Hk Dk + Hv Dv] (queries, keys, values; rows may be strided); a, b: [T, Hv];
         a_log, dt_bias: [Hv]; recurrent_states: [slots, Hv, Dk, Dv] float32 (updated in place);
         max_query_len: the most new tokens of a sequence (the Triton kernels' choice of form; this
-        walks the host's layout). Returns [T, Hv, Dv] in qkv's dtype.
+        walks the host's layout); drafts, pending_qkv (the convolution's pending outputs),
+        pending_ba: speculative decoding's (the module docstring). Returns [T, Hv, Dv] in qkv's dtype.
 
         Each sequence's state is updated in place in its slot (2 MB at Qwen3-Next's widths: cache-
         sized): a prefill's whole chunks of CHUNK tokens as matrix products (`_rule_chunk`), the
-        other tokens one at a time, rewritten so that the old state is read once a token: with
-        qS, kS = q^T S, k^T S and d = exp(g),
-            delta = beta (v - d kS);  out = d qS + (q . k) delta;  S = d S + k delta^T."""
+        other tokens one at a time (`_walk`)."""
         _, num_v_heads, _, head_v_dim = recurrent_states.shape
-        key_dim = num_k_heads * head_k_dim
-        group = num_v_heads // num_k_heads
+        rule_inputs = functools.partial(_rule_inputs, a_log=a_log, dt_bias=dt_bias, num_k_heads=num_k_heads,
+                                        head_k_dim=head_k_dim, num_v_heads=num_v_heads, head_v_dim=head_v_dim)
+        q, k, v, g, beta = rule_inputs(qkv, a, b)
         tokens = qkv.shape[0]
-        q = qkv[:, :key_dim].float().reshape(tokens, num_k_heads, head_k_dim).repeat_interleave(group, dim=1)
-        k = qkv[:, key_dim:2 * key_dim].float().reshape(tokens, num_k_heads, head_k_dim).repeat_interleave(group, dim=1)
-        v = qkv[:, 2 * key_dim:].float().reshape(tokens, num_v_heads, head_v_dim)
-        q, k = l2_normalize(q) * head_k_dim ** -0.5, l2_normalize(k)  # [T, Hv, Dk]
-        qk = torch.stack((q, k), dim=2)  # [T, Hv, 2, Dk]
-        q_dot_k = (q * k).sum(dim=-1, keepdim=True)  # [T, Hv, 1]
-        g, beta = delta_rule_gates(a, b, a_log, dt_bias)  # [T, Hv]
-        decay, beta = g.exp()[:, :, None], beta[:, :, None]  # [T, Hv, 1]
         out = torch.zeros(tokens, num_v_heads, head_v_dim, dtype=qkv.dtype, device=qkv.device)
-        for start, end, slot, has_initial in _spans(query_start, seq_lens, state_slots):
+        for start, end, slot, has_initial, commit, source, target in _spans(query_start, seq_lens, state_slots,
+                                                                            drafts):
             if slot >= 0:
                 state = recurrent_states[slot]  # [Hv, Dk, Dv], a view: updated in place
                 if not has_initial:
                     state.zero_()
             else:
                 state = torch.zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=qkv.device)
+            if commit:  # the last verification's accepted tokens: the state only
+                rows = pending_ba[source, :commit]  # [commit, 2 Hv]: b | a
+                _walk(state, *rule_inputs(pending_qkv[source, :commit], rows[:, num_v_heads:], rows[:, :num_v_heads]))
+            if target >= 0:  # drafts: the slot keeps the state before them; they are recorded
+                state = state.clone()
+                pending_ba[target, :end - start] = torch.cat((b[start:end], a[start:end]), dim=1).to(pending_ba.dtype)
             t = start
             while t + CHUNK <= end:  # a prefill's whole chunks as matrix products
                 rows = slice(t, t + CHUNK)
-                out[rows] = _rule_chunk(state, q[rows], k[rows], v[rows], g[rows], beta[rows, :, 0]).to(qkv.dtype)
+                out[rows] = _rule_chunk(state, q[rows], k[rows], v[rows], g[rows], beta[rows]).to(qkv.dtype)
                 t += CHUNK
-            for t in range(t, end):  # a decode's token, a prefill's last ones
-                q_state, k_state = torch.bmm(qk[t], state).unbind(dim=1)  # [Hv, Dv] each
-                delta = beta[t] * (v[t] - decay[t] * k_state)
-                out[t] = (decay[t] * q_state + q_dot_k[t] * delta).to(qkv.dtype)
-                state.mul_(decay[t][:, :, None]).baddbmm_(k[t][:, :, None], delta[:, None, :])
+            # a decode's token, a prefill's last ones
+            out[t:end] = _walk(state, q[t:end], k[t:end], v[t:end], g[t:end], beta[t:end]).to(qkv.dtype)
         return out
+
+
+def _rule_inputs(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                 num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int):
+    """Rows of [2 Hk Dk + Hv Dv] and their a, b [n, Hv] -> the rule's q, k [n, Hv, Dk] (normalised, q
+    scaled), v [n, Hv, Dv], g, beta [n, Hv], float32."""
+    key_dim = num_k_heads * head_k_dim
+    group = num_v_heads // num_k_heads
+    tokens = qkv.shape[0]
+    q = qkv[:, :key_dim].float().reshape(tokens, num_k_heads, head_k_dim).repeat_interleave(group, dim=1)
+    k = qkv[:, key_dim:2 * key_dim].float().reshape(tokens, num_k_heads, head_k_dim).repeat_interleave(group, dim=1)
+    v = qkv[:, 2 * key_dim:].float().reshape(tokens, num_v_heads, head_v_dim)
+    g, beta = delta_rule_gates(a, b, a_log, dt_bias)
+    return l2_normalize(q) * head_k_dim ** -0.5, l2_normalize(k), v, g, beta
+
+
+def _walk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+          beta: torch.Tensor) -> torch.Tensor:
+    """The delta rule token by token (as _rule_chunk's arguments), rewritten so that the old state
+    is read once a token: with qS, kS = q^T S, k^T S and d = exp(g),
+        delta = beta (v - d kS);  out = d qS + (q . k) delta;  S = d S + k delta^T.
+    Returns [n, Hv, Dv] float32."""
+    out = torch.empty(q.shape[0], *state.shape[::2], dtype=torch.float32, device=state.device)
+    decay, beta = g.exp()[:, :, None], beta[:, :, None]  # [n, Hv, 1]
+    q_dot_k = (q * k).sum(dim=-1, keepdim=True)  # [n, Hv, 1]
+    for t in range(q.shape[0]):
+        q_state, k_state = torch.bmm(torch.stack((q[t], k[t]), dim=1), state).unbind(dim=1)  # [Hv, Dv] each
+        delta = beta[t] * (v[t] - decay[t] * k_state)
+        out[t] = decay[t] * q_state + q_dot_k[t] * delta
+        state.mul_(decay[t][:, :, None]).baddbmm_(k[t][:, :, None], delta[:, None, :])
+    return out
 
 
 def _rule_chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -8,9 +8,11 @@ through a short causal depthwise convolution (SiLU), then the gated delta rule
 end the block.
 
 Each sequence keeps two states per layer, in the slot the scheduler gave its request
-(engine/state_slots.py; `AttentionMetadata.state_slots`): the convolution's last K - 1 inputs
+(engine/state_slots.py; `AttentionMetadata.recurrent`): the convolution's last K - 1 inputs
 [slots, K - 1, C] and the delta rule's [slots, Hv, Dk, Dv] float32 matrices. The runner allocates
-them (`state_shapes`, `bind_states`) before it sizes the KV cache.
+them (`state_shapes`, `bind_states`) before it sizes the KV cache. With speculative decoding each
+slot also has two pending blocks of P = k + 1 tokens (a verification's convolution inputs and
+outputs and its b | a, until the next step commits the accepted ones: metadata.DraftRows).
 
 Tensor parallelism splits the key heads (and with them their value heads) across ranks: every
 projection's segment, the convolution's channels of each segment, A_log and dt_bias take this
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from baryon.distributed.parallel_state import divide, tp_rank, tp_world_size
+from baryon.kernels.attention.metadata import RecurrentMetadata
 from baryon.kernels.selector import select
 from baryon.layers.forward_context import current_attn_metadata
 from baryon.layers.linear import MergedColumnParallelLinear, RowParallelLinear, copy_checked
@@ -34,14 +37,16 @@ class RecurrentStateLayer(nn.Module):
 
     states: list[torch.Tensor] | None = None
 
-    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """One slot's states: (shape, dtype) of each."""
+    def state_shapes(self, pending_tokens: int = 0) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """One slot's states: (shape, dtype) of each; pending_tokens: a verification's most tokens
+        (speculative decoding; 0: none)."""
         raise NotImplementedError
 
-    def bind_states(self, num_slots: int | None, device: torch.device) -> None:
+    def bind_states(self, num_slots: int | None, device: torch.device, pending_tokens: int = 0) -> None:
         """Allocate every slot's states (zeros); None: take them away."""
         self.states = None if num_slots is None else [
-            torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape, dtype in self.state_shapes()]
+            torch.zeros((num_slots, *shape), dtype=dtype, device=device)
+            for shape, dtype in self.state_shapes(pending_tokens)]
 
     @property
     def cuda_graph_safe(self) -> bool:
@@ -102,9 +107,14 @@ class GatedDeltaNet(RecurrentStateLayer):
         parts = [part.chunk(tp)[rank] for part in (q, k, v)]
         copy_checked(param.data, torch.cat(parts))
 
-    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return [((self.conv_kernel - 1, self.conv_dim), self.conv_weight.dtype),
-                ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
+    def state_shapes(self, pending_tokens: int = 0) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        dtype = self.conv_weight.dtype
+        shapes = [((self.conv_kernel - 1, self.conv_dim), dtype),
+                  ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
+        if pending_tokens:  # two blocks a slot: the convolution's inputs, its outputs, b | a
+            shapes += [((2 * pending_tokens, self.conv_dim), dtype), ((2 * pending_tokens, self.conv_dim), dtype),
+                       ((2 * pending_tokens, 2 * self.num_v_heads), dtype)]
+        return shapes
 
     @property
     def cuda_graph_safe(self) -> bool:
@@ -118,15 +128,19 @@ class GatedDeltaNet(RecurrentStateLayer):
         ba = self.in_proj_ba(hidden_states)  # [T, 2 Hv]
         qkv, z = qkvz[:, :self.conv_dim], qkvz[:, self.conv_dim:]
         b, a = ba[:, :self.num_v_heads], ba[:, self.num_v_heads:]
-        slots = metadata.state_slots
-        if slots is None:  # a step that keeps no state (DP attention's padding pass)
+        layout = metadata.recurrent
+        if layout is None:  # a step that keeps no state (DP attention's padding pass)
             slots = torch.full((metadata.num_seqs,), -1, dtype=torch.int32, device=hidden_states.device)
-        conv_states, recurrent_states = self.states
-        mixed = self.conv.forward(qkv, self.conv_weight, None, conv_states, metadata.query_start_loc,
-                                  metadata.seq_lens, slots, metadata.max_query_len)  # [T, C]
-        core = self.rule.forward(mixed, a, b, self.A_log, self.dt_bias, recurrent_states, metadata.query_start_loc,
-                                 metadata.seq_lens, slots, self.num_k_heads, self.head_k_dim,
-                                 metadata.max_query_len)  # [T, Hv, Dv]
+            layout = RecurrentMetadata(metadata.query_start_loc, metadata.seq_lens, slots, metadata.max_query_len)
+        conv_states, recurrent_states, *pending = self.states
+        drafts = layout.drafts
+        inputs, outputs, pending_ba = ((p.view(-1, p.shape[1] // 2, *p.shape[2:]) for p in pending)  # [2 slots, P, .]
+                                       if drafts is not None else (None, None, None))
+        steps = (layout.query_start, layout.seq_lens, layout.slots, layout.max_query_len, drafts)
+        mixed = self.conv.forward(qkv, self.conv_weight, None, conv_states, *steps, inputs, outputs)  # [T, C]
+        core = self.rule.forward(mixed, a, b, self.A_log, self.dt_bias, recurrent_states, *steps[:3],
+                                 self.num_k_heads, self.head_k_dim, layout.max_query_len, drafts, outputs,
+                                 pending_ba)  # [T, Hv, Dv]
         gate = z.reshape(tokens, self.num_v_heads, self.head_v_dim)
         out = self.gated_norm.forward(core, gate, self.norm_weight, self.eps)  # [T, Hv, Dv]
         return self.out_proj(out.reshape(tokens, self.value_dim))

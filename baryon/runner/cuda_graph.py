@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from baryon.kernels.attention.metadata import AttentionMetadata
+from baryon.kernels.attention.metadata import AttentionMetadata, DraftRows, RecurrentMetadata
 from baryon.layers.forward_context import forward_context
 from baryon.logger import get_logger
 from baryon.runner.compilation import ModelForward
@@ -55,10 +55,23 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.state_slots = torch.full((largest,), -1, dtype=torch.int32, device=device)  # hybrid models'
+        # Hybrid models: the sequences the linear-attention layers walk (one a request: a verification's
+        # tokens are one sequence there, though attention runs them as decodes), their DraftRows.
+        self.recurrent_query_start = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.recurrent_seq_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.state_slots = torch.full((largest,), -1, dtype=torch.int32, device=device)
+        self.drafts = torch.tensor([[0], [-1], [-1]], dtype=torch.int32, device=device).repeat(1, largest)  # [3, largest]
+        self.has_recurrent = self.with_drafts = False  # (set_recurrent)
+        self.recurrent_max_query_len = 1  # the most tokens a recurrent sequence has (a verification's)
         self.logits = torch.empty(largest, logits_width, dtype=logits_dtype, device=device)  # [largest, width]
         self.features = torch.empty(largest, features_dim, dtype=logits_dtype, device=device) if features else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def set_recurrent(self, max_query_len: int, with_drafts: bool) -> None:
+        """Before capture, a hybrid model's: its graphs walk sequences of up to max_query_len
+        tokens, with DraftRows (speculative decoding) or without."""
+        self.has_recurrent = True
+        self.recurrent_max_query_len, self.with_drafts = max_query_len, with_drafts
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The captured size a batch of num_seqs decodes runs at (None: too large for graphs)."""
@@ -71,7 +84,10 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
             max_seq_len=self.block_tables.shape[1],  # not read by the graph-safe kernels
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.zeros(size, dtype=torch.int32), state_slots=self.state_slots[:size])
+            seq_lens_cpu=torch.zeros(size, dtype=torch.int32),
+            recurrent=RecurrentMetadata(self.recurrent_query_start[:size + 1], self.recurrent_seq_lens[:size],
+                                        self.state_slots[:size], self.recurrent_max_query_len,
+                                        DraftRows(*self.drafts[:, :size], active=False) if self.with_drafts else None))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -123,10 +139,25 @@ class CUDAGraphRunner:
         self.seq_lens[:n].copy_(metadata.seq_lens)
         width = metadata.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(metadata.block_tables)
-        if metadata.state_slots is not None:
-            self.state_slots[:n].copy_(metadata.state_slots)
+        if self.has_recurrent:
+            self._copy_recurrent(metadata.recurrent, size)
         if size > n:  # padding rows store nothing and attend to nothing
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()
         graph.replay()
         return self.logits[:n]
+
+    def _copy_recurrent(self, recurrent: RecurrentMetadata | None, size: int) -> None:
+        """The step's recurrent sequences into the static buffers (None: none, DP attention's
+        padding); the graph's other sequences (up to `size`) are padding: length 0, which every
+        kernel of theirs reads first and returns on (their other entries stay as they were)."""
+        s = recurrent.num_seqs if recurrent is not None else 0
+        if recurrent is not None:
+            self.recurrent_query_start[:s + 1].copy_(recurrent.query_start)
+            self.recurrent_seq_lens[:s].copy_(recurrent.seq_lens)
+            self.state_slots[:s].copy_(recurrent.slots)
+            if recurrent.drafts is not None:
+                drafts = recurrent.drafts
+                for row, values in zip(self.drafts, (drafts.commit, drafts.source, drafts.target)):
+                    row[:s].copy_(values)
+        self.recurrent_seq_lens[s:size].zero_()

@@ -150,8 +150,10 @@ class ModelRunner:
         self.last_launch = LaunchedStep([])  # the step whose samples may be pending inputs
         # The last sampling batch built, and the requests it was built for (see _sampling_batch).
         self._last_sampling: tuple[list[Request], SamplingBatch] | None = None
+        # A verification's most tokens (drafts + the last token): what a slot's pending blocks hold.
+        self.pending_tokens = config.speculative.num_speculative_tokens + 1 if config.speculative else 0
         for layer in self.state_layers:  # allocated first: the KV cache gets what they leave
-            layer.bind_states(self.num_state_slots, self.device)
+            layer.bind_states(self.num_state_slots, self.device, self.pending_tokens)
         self.num_blocks = choose_num_blocks(config, self)
         self.bind_kv_cache(self.num_blocks)
         self.graph_runner, self.piecewise_runner = self.capture_cuda_graphs(
@@ -209,6 +211,8 @@ class ModelRunner:
             decode = CUDAGraphRunner(self.forward, lm_head.local_logits_into, lm_head.rows_per_rank,
                                      self.config.model.dtype, decode_sizes, self.max_blocks_per_seq, self.device,
                                      features, self.proposer.features_dim if features else 0)
+            if self.state_layers:
+                decode.set_recurrent(max(self.pending_tokens, 1), with_drafts=bool(self.pending_tokens))
             decode.capture()
             if hasattr(self.proposer, "capture_cuda_graphs"):  # a draft model: its steps are decodes too
                 self.proposer.capture_cuda_graphs(CUDAGraphRunner, decode_sizes)
@@ -435,8 +439,10 @@ class ModelRunner:
                        and self.vocab_size < vocab_argmax.MAX_VOCAB
                        and all(_takes_argmax(r) for r in sampling_requests))
         state_slots = np.array([r.state_slot for r, _ in scheduled], dtype=np.int32).reshape(num_seqs)
+        drafts = _draft_rows(scheduled, computed_list) if self.state_layers and self.pending_tokens else \
+            np.zeros((3, 0), dtype=np.int32)
         plan = StepPlan(input_ids=input_ids, num_computed=computed, num_new=num_new, block_tables=block_tables,
-                        state_slots=state_slots,
+                        state_slots=state_slots, drafts=drafts,
                         rope_positions=rope_positions(scheduled) if self.images is not None else _NO_POSITIONS,
                         pending_index=np.array(pending_index, dtype=np.int64),
                         pending_source=np.array(pending_source, dtype=np.int64),
@@ -449,7 +455,8 @@ class ModelRunner:
         """The plan's tensors on the device, pending tokens read from the last launch's samples."""
         layout = batch_layout(plan.block_tables, plan.num_computed, plan.num_new, self.block_size)
         host = host_metadata(layout, plan.block_tables, plan.per_token,
-                             plan.state_slots if self.state_layers else None)
+                             plan.state_slots if self.state_layers else None,
+                             plan.drafts if self.state_layers and self.pending_tokens else None)
         arrays = host.arrays()
         input_ids, positions, pending_source, pending_index, *on_device = to_device_many(
             [plan.input_ids, plan.rope_positions if len(plan.rope_positions) else layout.positions, plan.pending_source, plan.pending_index, *arrays], self.device)
@@ -637,6 +644,28 @@ def _takes_argmax(request: Request) -> bool:
     logprobs, penalties, a grammar or min_tokens still to reach."""
     params = request.sampling_params
     return params.is_greedy and params.logprobs is None and not _position_dependent(request)
+
+
+def _draft_rows(scheduled: list[tuple[Request, int]], computed: list[int]) -> np.ndarray:
+    """[3, num_seqs] int32: a hybrid model's DraftRows for the step (speculative decoding). A
+    request commits the tokens of its last verification that it kept (those now computed), and a
+    request with drafts records its tokens in its slot's other pending block."""
+    rows = np.zeros((3, len(scheduled)), dtype=np.int32)
+    rows[1:] = -1
+    for i, ((request, n), c) in enumerate(zip(scheduled, computed)):
+        half = 0
+        if request.pending_drafts is not None:
+            block, position, count = request.pending_drafts
+            if not position < c <= position + count:
+                raise AssertionError(f"request {request.request_id}: {c} tokens computed, but its last verification "
+                                     f"recorded positions {position}..{position + count - 1}")
+            rows[0, i], rows[1, i], half = c - position, block, 1 - block % 2
+        if request.spec_token_ids:
+            rows[2, i] = 2 * request.state_slot + half
+            request.pending_drafts = (int(rows[2, i]), c, n)
+        else:
+            request.pending_drafts = None
+    return rows
 
 
 def _position_dependent(request: Request) -> bool:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-_ARRAYS = ("input_ids", "num_computed", "num_new", "block_tables", "state_slots", "rope_positions", "pending_index",
-           "pending_source", "logit_rows")
+_ARRAYS = ("input_ids", "num_computed", "num_new", "block_tables", "state_slots", "drafts", "rope_positions",
+           "pending_index", "pending_source", "logit_rows")
 
 
 @dataclass
@@ -26,6 +26,8 @@ class StepPlan:
     num_new: np.ndarray  # [num_seqs] int64: tokens computed this step
     block_tables: np.ndarray  # [num_seqs, width] int32, width: the longest table this step
     state_slots: np.ndarray  # [num_seqs] int32: recurrent-state slots (hybrid models; else all -1)
+    # [3, num_seqs] int32: a hybrid model's DraftRows (speculative decoding; else [3, 0])
+    drafts: np.ndarray
     # [num_tokens] int64: RoPE positions where image requests shift them (multimodal RoPE); empty:
     # every token's RoPE position is its cache position
     rope_positions: np.ndarray

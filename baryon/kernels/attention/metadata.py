@@ -32,13 +32,45 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # [num_seqs] int32 on host
     # Per-step work a backend derives from this metadata once and reuses in every layer.
     backend_scratch: dict[str, Any] = field(default_factory=dict)
-    # [num_seqs] int32 on device: each sequence's recurrent-state slot in linear-attention layers
-    # (-1: no state kept); None in a model without such layers.
-    state_slots: torch.Tensor | None = None
+    # The step's sequences as linear-attention layers walk them; None in a model without such layers.
+    recurrent: RecurrentMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens_cpu.shape[0]
+
+
+@dataclass
+class DraftRows:
+    """Speculative decoding in linear-attention layers, per sequence of a step ([S] int32 each).
+
+    A verification step's tokens may be rejected, and a recurrent state cannot drop tokens it has
+    taken in. So a sequence whose tokens are drafts (`target` >= 0) keeps its slot's state as it
+    stood before them and records the tokens' layer inputs in pending block `target`; the next
+    step of that sequence first folds in the `commit` of them that were accepted (read from block
+    `source`), then walks its own tokens. A slot has two pending blocks (2 slot, 2 slot + 1), used
+    in turn, so that a step records into one while it commits from the other."""
+
+    commit: torch.Tensor  # tokens of block `source` to fold in before the step's own
+    source: torch.Tensor  # the pending block they are read from (-1: none)
+    target: torch.Tensor  # the pending block the step's tokens are recorded in (-1: they are final)
+    active: bool  # (host) whether any sequence commits or records: the token walk serves the step
+
+
+@dataclass
+class RecurrentMetadata:
+    """A step's sequences as linear-attention layers see them: the scheduled requests, even where
+    attention runs a verification as one decode per token (`per_token`)."""
+
+    query_start: torch.Tensor  # [S + 1] int32 on device
+    seq_lens: torch.Tensor  # [S] int32 on device: tokens after this step (0: padding)
+    slots: torch.Tensor  # [S] int32 on device: recurrent-state slots (-1: no state kept)
+    max_query_len: int
+    drafts: DraftRows | None = None  # None: an engine without speculative decoding
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
 
 
 @dataclass
@@ -75,12 +107,15 @@ class HostMetadata:
     block_tables: np.ndarray  # [num_seqs, width] int32
     slot_mapping: np.ndarray  # [num_tokens] int64
     seq_of_token: np.ndarray | None  # [num_tokens]: per-token sequences' table rows, else None
-    state_slots32: np.ndarray | None = None  # [num_seqs] int32: recurrent-state slots (hybrid models)
+    # Hybrid models: [2 or 3, S + 1] int32: the requests' query starts, then their sequence lengths
+    # and state slots (each padded with one more entry); per_token only, else attention's layout.
+    recurrent32: np.ndarray | None = None
+    drafts32: np.ndarray | None = None  # [3, S] int32: DraftRows' commit, source, target
 
     def arrays(self) -> list[np.ndarray]:
         """What goes to the device, in the order `on_device` takes it back."""
         arrays = [self.query_start32, self.seq_lens32, self.block_tables, self.slot_mapping]
-        return arrays + [a for a in (self.seq_of_token, self.state_slots32) if a is not None]
+        return arrays + [a for a in (self.seq_of_token, self.recurrent32, self.drafts32) if a is not None]
 
     def on_device(self, tensors: Sequence[torch.Tensor]) -> AttentionMetadata:
         """tensors: `arrays()` on the device."""
@@ -89,7 +124,8 @@ class HostMetadata:
             # Each token's row of its sequence's table, gathered on the device (a row per token of
             # a long context would be megabytes to copy).
             tables = tables[rest.pop(0)]
-        state_slots = rest.pop(0) if self.state_slots32 is not None else None
+        recurrent = self._recurrent(rest.pop(0), rest.pop(0) if self.drafts32 is not None else None, query_start,
+                                    seq_lens) if self.recurrent32 is not None else None
         num_new = np.diff(self.query_start32)
         return AttentionMetadata(
             num_tokens=self.num_tokens,
@@ -101,31 +137,48 @@ class HostMetadata:
             max_seq_len=int(self.seq_lens32.max()) if len(self.seq_lens32) else 0,
             query_start_loc_cpu=torch.from_numpy(self.query_start32),
             seq_lens_cpu=torch.from_numpy(self.seq_lens32),
-            state_slots=state_slots,
+            recurrent=recurrent,
         )
+
+    def _recurrent(self, layout: torch.Tensor, drafts: torch.Tensor | None, query_start: torch.Tensor,
+                   seq_lens: torch.Tensor) -> RecurrentMetadata:
+        num_seqs = self.recurrent32.shape[1] - 1
+        own_layout = self.recurrent32.shape[0] == 3  # per_token: the requests' own
+        starts = self.recurrent32[0] if own_layout else self.query_start32
+        num_new = np.diff(starts)
+        draft_rows = None if drafts is None else DraftRows(
+            drafts[0], drafts[1], drafts[2], active=bool(self.drafts32[0].any() or (self.drafts32[2] >= 0).any()))
+        return RecurrentMetadata(query_start=layout[0] if own_layout else query_start,
+                                 seq_lens=layout[1, :num_seqs] if own_layout else seq_lens,
+                                 slots=layout[-1, :num_seqs], max_query_len=int(num_new.max()) if num_seqs else 0,
+                                 drafts=draft_rows)
 
 
 def host_metadata(layout: BatchLayout, block_tables: np.ndarray, per_token: bool = False,
-                  state_slots: np.ndarray | None = None) -> HostMetadata:
+                  state_slots: np.ndarray | None = None, drafts: np.ndarray | None = None) -> HostMetadata:
     """The attention metadata of a step laid out as `layout`, on the host. per_token: every token
     is a sequence of its own (its prefix up to and including itself, same block table), so a step
     of several query tokens per sequence (speculative verification) runs as decodes: the decode
     kernels and the decode CUDA graphs serve it, causality holding since every token's K/V is
     written before attention reads the cache. state_slots: [num_seqs] int32, each sequence's
-    recurrent-state slot (a hybrid model's step; never per token: such models verify no drafts)."""
+    recurrent-state slot (a hybrid model's step: its linear-attention layers walk the sequences of
+    `layout`, per_token or not); drafts: [3, num_seqs] int32, their `DraftRows`."""
+    seq_lens = layout.positions[layout.query_start[1:] - 1] + 1 if len(layout.positions) else \
+        np.zeros(0, dtype=np.int64)
+    query_start = layout.query_start
+    recurrent = None
+    if state_slots is not None:
+        recurrent = np.zeros((3 if per_token else 1, len(state_slots) + 1), dtype=np.int32)
+        recurrent[-1, :-1] = state_slots
+        if per_token:
+            recurrent[0], recurrent[1, :-1] = query_start, seq_lens
     if per_token:
-        if state_slots is not None:
-            raise ValueError("a step of per-token sequences cannot carry recurrent-state slots")
         query_start = np.arange(len(layout.positions) + 1, dtype=np.int64)
         seq_lens = layout.positions + 1
-    else:
-        query_start = layout.query_start
-        seq_lens = layout.positions[layout.query_start[1:] - 1] + 1 if len(layout.positions) else \
-            np.zeros(0, dtype=np.int64)
     return HostMetadata(num_tokens=len(layout.positions), query_start32=query_start.astype(np.int32),
                         seq_lens32=seq_lens.astype(np.int32), block_tables=np.ascontiguousarray(block_tables),
                         slot_mapping=layout.slot_mapping, seq_of_token=layout.seq_of_token if per_token else None,
-                        state_slots32=None if state_slots is None else state_slots.astype(np.int32))
+                        recurrent32=recurrent, drafts32=None if drafts is None else drafts.astype(np.int32))
 
 
 def build_metadata(layout: BatchLayout, block_tables: np.ndarray, device: torch.device,
