@@ -485,14 +485,33 @@ def _draft_model_config(method: str, name: Any, args: EngineArgs, target: ModelC
                                quantization=None)
 
 
+# model_type -> the model that loads its checkpoint's multi-token-prediction layers
+MTP_MODELS = {"deepseek_v3": "DeepseekMTP", "deepseek_v32": "DeepseekMTP", "qwen3_next": "Qwen3NextMTP",
+              "qwen3_5_text": "Qwen3NextMTP", "qwen3_5_moe_text": "Qwen3NextMTP"}
+
+
 def mtp_draft_config(config: ModelConfig) -> ModelConfig:
-    """The main model's config, loading the checkpoint's multi-token-prediction layers as a
-    `DeepseekMTP` model (models/deepseek_mtp.py)."""
-    if not getattr(config.hf_config, "num_nextn_predict_layers", 0):
+    """The main model's config, loading the checkpoint's multi-token-prediction layers as a model
+    of their own: `DeepseekMTP` (models/deepseek_mtp.py; the layers past num_hidden_layers) or
+    `Qwen3NextMTP` (models/qwen3_next_mtp.py; the `mtp.*` tensors)."""
+    hf_config = config.hf_config
+    model_type = getattr(hf_config, "model_type", None)
+    architecture = MTP_MODELS.get(model_type)
+    if architecture is None:
+        raise ValueError(f"speculative_config method 'mtp' is not supported for model_type {model_type!r}; "
+                         f"supported: {sorted(MTP_MODELS)} (other models: method 'ngram' or 'draft_model')")
+    if architecture == "DeepseekMTP" and not getattr(hf_config, "num_nextn_predict_layers", 0):
         raise ValueError(f"{config.model} has no multi-token prediction layers (num_nextn_predict_layers is "
                          f"0 or absent in config.json)")
-    hf_config = copy.copy(config.hf_config)
-    hf_config.architectures = ["DeepseekMTP"]
+    if architecture == "Qwen3NextMTP" and config.load_format != "dummy":
+        from baryon.loader.weights import stored_tensor_names
+
+        names = stored_tensor_names(config.model_path, config.load_format)
+        if names is not None and not any(name.startswith("mtp.") for name in names):
+            raise ValueError(f"{config.model} has no multi-token prediction weights (no mtp.* tensors in its "
+                             f"checkpoint)")
+    hf_config = copy.copy(hf_config)
+    hf_config.architectures = [architecture]
     return dataclasses.replace(config, hf_config=hf_config)
 
 

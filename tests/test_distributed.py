@@ -380,6 +380,7 @@ def _draft_cases(tmp_path, seed, checkpoint) -> dict[str, tuple]:
     from safetensors.torch import load_file, save_file
     from test_deepseek_mtp import build_with_mtp
     from test_eagle3 import _eagle3_tensors, _write_eagle3
+    from test_hybrid_spec_decode import _with_mtp_weights
 
     target = checkpoint("llama", "llama")
     near = tmp_path / "near"
@@ -393,12 +394,16 @@ def _draft_cases(tmp_path, seed, checkpoint) -> dict[str, tuple]:
     head = _write_eagle3(tmp_path / "eagle3", _eagle3_tensors(seed, 64, with_embedding=False),
                          eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]})
     mtp, _, _ = build_with_mtp(tmp_path / "mtp")
+    hybrid = make_checkpoint(tmp_path / "qwen3_next", "qwen3_next", seed=seed % 1000)
+    _with_mtp_weights(hybrid, "qwen3_next", seed % 1000)
     return {"draft_model": (target, {"method": "draft_model", "model": str(near), "num_speculative_tokens": 3}),
             "eagle3": (target, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}),
-            "mtp": (mtp, {"method": "mtp", "num_speculative_tokens": 2})}
+            "mtp": (mtp, {"method": "mtp", "num_speculative_tokens": 2}),
+            # Qwen3-Next: the linear layers' states commit what each verification kept, per rank
+            "qwen3_next_mtp": (hybrid, {"method": "mtp", "num_speculative_tokens": 2})}
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp", "qwen3_next_mtp"])
 def test_drafts_over_two_ranks_match_one(checkpoint, tmp_path, seed, method):
     """A draft with weights runs sharded on both ranks (rank 0 sends each propose's requests, the
     drafts rank 0 draws reach the other rank over gloo): TP=2 gives TP=1's greedy tokens and

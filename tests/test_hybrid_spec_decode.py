@@ -153,3 +153,105 @@ def test_cuda_graphs_replay_verifications(hybrid, seed):
     assert llm.engine.core.runner.graph_runner is not None
     _with_oracle(llm, prompts, reference, error=0.3, seed=seed)
     _assert_same(_generate(llm, prompts, params), reference)
+
+
+def _with_mtp_weights(path, arch: str, seed: int):
+    """Add `mtp.*` tensors to a saved hybrid checkpoint (one MTP layer: a random full-attention
+    decoder layer of the same config, fc and norms), as the published checkpoints carry them.
+    Returns transformers' modules of the MTP (float64) for the reference."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from conftest import hf_classes, spread_hybrid_norms
+
+    config = AutoConfig.from_pretrained(path)
+    _, model_cls = hf_classes(arch)
+    torch.manual_seed(seed + 1)
+    donor = model_cls(config).eval()
+    spread_hybrid_norms(donor)
+    full = config.layer_types.index("full_attention")
+    hidden = config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    donor.save_pretrained(path / "donor")  # the published tensor layout (experts one by one)
+    layer = f"model.layers.{full}."
+    mtp = {f"mtp.layers.0.{name[len(layer):]}": tensor
+           for name, tensor in load_file(path / "donor" / "model.safetensors").items() if name.startswith(layer)}
+    mtp |= {"mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5,
+            **{f"mtp.{norm}.weight": torch.randn(hidden, generator=gen) * 0.1
+               for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+    weights = load_file(path / "model.safetensors") | {n: t.contiguous() for n, t in mtp.items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    donor = model_cls.from_pretrained(path / "donor", dtype=torch.float64, attn_implementation="eager",
+                                      experts_implementation="eager").eval()  # (grouped matmuls take no float64)
+    return {"layer": donor.model.layers[full], "rotary": donor.model.rotary_emb,
+            **{name[4:-7]: tensor.double() for name, tensor in mtp.items() if not name.startswith("mtp.layers")}}
+
+
+def _mtp_reference(path, mtp, tokens: list[int]) -> list[int]:
+    """transformers' target over `tokens`, then the MTP formula at every position p (hidden at p,
+    token p + 1): the token it predicts for p + 2."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager",
+                                                  experts_implementation="eager").eval()
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        hidden = target.model(ids).last_hidden_state[0]  # [L, hidden], after the final norm
+
+        def norm(x, weight):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps) * (1 + weight)
+
+        embeds = norm(target.model.embed_tokens(ids[0, 1:]), mtp["pre_fc_norm_embedding"])
+        x = torch.cat((embeds, norm(hidden[:-1], mtp["pre_fc_norm_hidden"])), dim=-1) @ mtp["fc"].t()
+        n = x.shape[0]
+        positions = torch.arange(n)[None]
+        causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        out = mtp["layer"](x[None], position_embeddings=mtp["rotary"](x[None], positions), attention_mask=causal,
+                           position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        logits = target.lm_head(norm(out[0], mtp["norm"]))
+    return logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_mtp_drafts_are_the_mtp_layers_predictions(tmp_path, arch, seed):
+    """The checkpoint's MTP layer drafts (k = 1): every draft is the token transformers' target
+    plus the MTP formula predict there; greedy output is the target's; k = 2 chains the layer."""
+    path = make_checkpoint(tmp_path / arch, arch, seed=seed % 1000)
+    mtp = _with_mtp_weights(path, arch, seed % 1000)
+    prompts = random_prompts(3, 128, 5, 12, seed)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    reference = _generate(LLM(str(path), **ENGINE), prompts, params)
+    llm = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    proposer = llm.engine.core.runner.proposer
+    assert type(proposer.model).__name__ == "Qwen3NextMTP" and proposer.num_mtp_layers == 1
+    assert proposer.model.lm_head is llm.engine.core.runner.model.lm_head  # shared, not a copy
+    drafts = {}  # (prompt, tokens known) -> the draft
+    propose = proposer.propose
+
+    def recording(requests, max_drafts, sampling):
+        proposals = propose(requests, max_drafts, sampling)
+        for request, proposal in zip(requests, proposals):
+            if proposal:
+                drafts[(tuple(request.prompt_token_ids), request.num_tokens)] = proposal[0]
+        return proposals
+
+    proposer.propose = recording
+    _assert_same(_generate(llm, prompts, params), reference)
+    assert drafts
+    checked = 0
+    for prompt, ref in zip(prompts, reference):
+        sequence = prompt + ref.token_ids
+        predicted = _mtp_reference(path, mtp, sequence)
+        for (key, known), draft in drafts.items():
+            if key == tuple(prompt):  # a draft for index `known`, from position known - 2
+                assert draft == predicted[known - 2], (known, draft, predicted[known - 2])
+                checked += 1
+    assert checked == len(drafts)
+    chained = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    _assert_same(_generate(chained, prompts, params), reference)
+
+
+def test_mtp_without_mtp_weights_is_refused(hybrid):
+    with pytest.raises(ValueError, match="no multi-token prediction weights"):
+        LLM(str(hybrid), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": 1})

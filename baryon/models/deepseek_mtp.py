@@ -73,6 +73,7 @@ class DeepseekMTP(nn.Module):
         self.expert_projections = main.expert_projections
         first, count = config.num_hidden_layers, int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         self.only_layers = range(first, first + count)  # the checkpoint's other tensors are the main model's
+        self.num_mtp_layers = count
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict({str(k): DeepseekMTPLayer(config, k, main) for k in self.only_layers})
 

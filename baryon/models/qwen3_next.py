@@ -12,7 +12,8 @@ attention layers, per `layer_types` (three linear layers to one full one in the 
 - Qwen3-Next and Qwen3.5-MoE: Qwen2-MoE's sparse block (softmax top-k, a shared expert scaled by
   sigmoid(shared_expert_gate)); Qwen3.5: dense gated MLPs.
 
-The checkpoints' multi-token-prediction layers (`mtp.*`) are not loaded.
+The checkpoints' multi-token-prediction layers (`mtp.*`) are skipped here; they load as a draft
+model of their own (models/qwen3_next_mtp.py).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ _MODELS: dict[str, str] = {
     "Eagle3LlamaForCausalLM": "baryon.models.eagle3:Eagle3LlamaForCausalLM",
     # not a published architecture: a checkpoint's MTP layers as a draft (config.mtp_draft_config)
     "DeepseekMTP": "baryon.models.deepseek_mtp:DeepseekMTP",
+    "Qwen3NextMTP": "baryon.models.qwen3_next_mtp:Qwen3NextMTP",
 }
 
 

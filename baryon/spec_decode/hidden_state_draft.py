@@ -1,4 +1,4 @@
-"""Drafts that read the target's hidden states: EAGLE-3 heads and DeepSeek's MTP layers.
+"""Drafts that read the target's hidden states: EAGLE-3 heads and MTP layers (DeepSeek's, Qwen3-Next's).
 
 Such a draft predicts token t + 2 from the target's features at position t and the embedding of
 token t + 1, at position t (vLLM's layout). The features are what the target computed this step
@@ -42,11 +42,13 @@ class HiddenStateProposer(DraftModelProposer):
             num_layers = len(target.model.layers)
             target.model.aux_hidden_state_layers = self.model.aux_hidden_state_layer_ids(num_layers)
             self.model.share_embedding(target.model.embed_tokens)
+        if hasattr(self.model, "share_target"):  # Qwen3-Next's MTP: the target's embedding and LM head
+            self.model.share_target(target)
         self.target = target
         self.features: torch.Tensor | None = None  # [num_tokens, hidden]: this step's, per flat token
         self.rows: dict[str, tuple[int, int]] = {}  # request id -> (its first flat token, computed before)
         self.hidden: torch.Tensor | None = None  # [drafting rows, hidden]: the last draft step's output
-        self.num_mtp_layers = len(getattr(self.model, "only_layers", ()))
+        self.num_mtp_layers = getattr(self.model, "num_mtp_layers", 0)
         self.features_dim = getattr(self.model.config, "hidden_size")  # of target_features' rows
         self.hidden_in: torch.Tensor | None = None  # [largest graph, hidden]: the graphs' hidden-state input
         self.graph_runners: dict[int, object] = {}  # MTP layer (0 for EAGLE-3) -> its CUDA graphs
