@@ -563,10 +563,13 @@ def linear_attention_kernels(record, device: torch.device, dtype: torch.dtype, s
     key heads, 32 value heads of 128, convolution width 4 over 8192 channels), per implementation
     that runs on `device`:
     decode batches of 1 and 64 (each a sequence of 1k tokens with its states), one prefill of 4096
-    new tokens and eight of 2048 (the prefill workload's step; --small: 128 each)."""
+    new tokens and eight of 2048 (the prefill workload's step; --small: 128 each), and single
+    prompts of 128, 512 and 1024 (where the chunked form starts to pay)."""
     hk, hv, dim, width = 16, 32, 128, 4
     channels = 2 * hk * dim + hv * dim
-    for num_seqs, q_len in ((1, 1), (64, 1), (1, 128 if small else 4096), (8, 128 if small else 2048)):
+    shapes = ((1, 1), (64, 1), (1, 128), (8, 128)) if small else \
+        ((1, 1), (64, 1), (1, 4096), (8, 2048), (1, 128), (1, 512), (1, 1024))
+    for num_seqs, q_len in shapes:
         tokens = num_seqs * q_len
         qkv = torch.randn(tokens, channels, device=device, dtype=dtype)
         a = torch.randn(tokens, hv, device=device, dtype=dtype)

@@ -142,14 +142,16 @@ def test_a_hybrid_draft_model_is_refused(hybrid):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (decode graphs, Triton kernels)")
-def test_cuda_graphs_replay_verifications(hybrid, seed):
+def test_cuda_graphs_replay_verifications(tmp_path, seed):
     """On the GPU the verifications replay decode graphs (one decode a token for attention, one
     sequence a request for the linear layers): greedy output as without drafts."""
+    # heads of 64: the Triton attention kernels (graph safe) serve them
+    path = make_checkpoint(tmp_path / "graphs", "qwen3_next", seed=seed % 1000, head_dim=64)
     prompts = random_prompts(6, 128, 3, 14, seed)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = dict(ENGINE, device="cuda")
-    reference = _generate(LLM(str(hybrid), **engine), prompts, params)
-    llm = LLM(str(hybrid), **engine, speculative_config=NGRAM)
+    reference = _generate(LLM(str(path), **engine), prompts, params)
+    llm = LLM(str(path), **engine, speculative_config=NGRAM)
     assert llm.engine.core.runner.graph_runner is not None
     _with_oracle(llm, prompts, reference, error=0.3, seed=seed)
     _assert_same(_generate(llm, prompts, params), reference)
@@ -205,8 +207,10 @@ def _mtp_reference(path, mtp, tokens: list[int]) -> list[int]:
         x = torch.cat((embeds, norm(hidden[:-1], mtp["pre_fc_norm_hidden"])), dim=-1) @ mtp["fc"].t()
         n = x.shape[0]
         positions = torch.arange(n)[None]
+        # (Qwen3.5's rotary takes [3, batch, n] positions: multimodal RoPE, all three alike for text)
+        rope_positions = positions[None].expand(3, 1, n) if "qwen3_5" in target.config.model_type else positions
         causal = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-        out = mtp["layer"](x[None], position_embeddings=mtp["rotary"](x[None], positions), attention_mask=causal,
+        out = mtp["layer"](x[None], position_embeddings=mtp["rotary"](x[None], rope_positions), attention_mask=causal,
                            position_ids=positions)
         out = out[0] if isinstance(out, tuple) else out
         logits = target.lm_head(norm(out[0], mtp["norm"]))
