@@ -192,10 +192,10 @@ def test_dp_attention_with_drafts_matches_one_engine(moe_path, tmp_path, seed, m
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2)) < LOGPROB_TOL, f"prompt {i}"
 
 
-@pytest.mark.parametrize("method", ["mtp", "moe_draft_model"])
+@pytest.mark.parametrize("method", ["mtp", "moe_draft_model", "qwen3_next_mtp"])
 def test_dp_attention_with_drafts_that_have_experts(moe_path, tmp_path, seed, method):
-    """Drafts whose layers have experts (DeepSeek-V3's MTP layer, chained for k = 2; a MoE draft
-    model, here the target itself, whose drafts are all right): under DP attention each replica
+    """Drafts whose layers have experts (DeepSeek-V3's and Qwen3-Next's MTP layer, chained for k =
+    2; a MoE draft model, here the target itself, whose drafts are all right): under DP attention each replica
     runs every draft forward pass with the other (the passes' MoE rows agreed once per propose; a
     replica without rows in a pass runs padding). Greedy tokens, logprobs and the drafts proposed
     and accepted equal one engine's with the same draft; output lengths differ, so one replica
@@ -204,6 +204,13 @@ def test_dp_attention_with_drafts_that_have_experts(moe_path, tmp_path, seed, me
 
     if method == "mtp":
         path, _, _ = build_with_mtp(tmp_path / "mtp")
+        spec = {"method": "mtp", "num_speculative_tokens": 2}
+    elif method == "qwen3_next_mtp":  # a hybrid target: linear-attention states commit per replica
+        from conftest import make_checkpoint
+        from test_hybrid_spec_decode import _with_mtp_weights
+
+        path = make_checkpoint(tmp_path / "qwen3_next", "qwen3_next", seed=seed % 1000)
+        _with_mtp_weights(path, "qwen3_next", seed % 1000)
         spec = {"method": "mtp", "num_speculative_tokens": 2}
     else:
         path, spec = moe_path, {"method": "draft_model", "model": str(moe_path), "num_speculative_tokens": 3}
