@@ -426,7 +426,8 @@ def _resolve_speculative(args: EngineArgs, target: ModelConfig) -> SpeculativeCo
     method = spec.get("method")
     if method is None:  # as vLLM: a draft checkpoint means a draft model, else prompt lookup
         method = "draft_model" if spec.get("model") else "ngram"
-    method = {"deepseek_mtp": "mtp", "eagle-3": "eagle3", "draft": "draft_model"}.get(method, method)
+    method = {"deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp", "eagle-3": "eagle3",
+              "draft": "draft_model"}.get(method, method)  # (vLLM's names of the same methods)
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config method={method!r} is not supported; accepted: {list(SPECULATIVE_METHODS)}")
     k = spec.get("num_speculative_tokens")

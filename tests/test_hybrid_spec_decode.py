@@ -252,7 +252,9 @@ def test_mtp_drafts_are_the_mtp_layers_predictions(tmp_path, arch, seed):
                 assert draft == predicted[known - 2], (known, draft, predicted[known - 2])
                 checked += 1
     assert checked == len(drafts)
-    chained = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    # (vLLM's name of the method)
+    chained = LLM(str(path), **ENGINE, speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
+    assert chained.config.speculative.method == "mtp"
     _assert_same(_generate(chained, prompts, params), reference)
 
 
