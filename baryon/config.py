@@ -498,12 +498,12 @@ def mtp_draft_config(config: ModelConfig) -> ModelConfig:
     hf_config = config.hf_config
     model_type = getattr(hf_config, "model_type", None)
     architecture = MTP_MODELS.get(model_type)
+    if architecture != "Qwen3NextMTP" and not getattr(hf_config, "num_nextn_predict_layers", 0):
+        raise ValueError(f"{config.model} has no multi-token prediction layers (num_nextn_predict_layers is "
+                         f"0 or absent in config.json)")
     if architecture is None:
         raise ValueError(f"speculative_config method 'mtp' is not supported for model_type {model_type!r}; "
                          f"supported: {sorted(MTP_MODELS)} (other models: method 'ngram' or 'draft_model')")
-    if architecture == "DeepseekMTP" and not getattr(hf_config, "num_nextn_predict_layers", 0):
-        raise ValueError(f"{config.model} has no multi-token prediction layers (num_nextn_predict_layers is "
-                         f"0 or absent in config.json)")
     if architecture == "Qwen3NextMTP" and config.load_format != "dummy":
         from baryon.loader.weights import stored_tensor_names
 

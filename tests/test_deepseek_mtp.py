@@ -104,3 +104,7 @@ def test_a_checkpoint_without_mtp_layers_has_no_draft(tmp_path):
     path = make_checkpoint(tmp_path / "v2", "deepseek_v2", num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         mtp_draft_config(_model_config(path, AutoConfig.from_pretrained(path)))
+    # GLM-4.5 stores MTP layers, which no draft model here serves: refused by name
+    glm = make_checkpoint(tmp_path / "glm", "glm4_moe", num_nextn_predict_layers=1)
+    with pytest.raises(ValueError, match="not supported for model_type 'glm4_moe'"):
+        mtp_draft_config(_model_config(glm, AutoConfig.from_pretrained(glm)))

@@ -29,6 +29,7 @@ from baryon.layers.norm import RMSNorm
 from baryon.models.deepseek_v2 import DeepseekV3ForCausalLM
 from baryon.models.deepseek_v32 import DeepseekV32ForCausalLM
 from baryon.models.llama import LlamaDecoderLayer
+from baryon.models.mtp_draft import MTPDraftModel
 
 MAIN_MODELS = {"deepseek_v3": DeepseekV3ForCausalLM, "deepseek_v32": DeepseekV32ForCausalLM}
 
@@ -61,16 +62,12 @@ class DeepseekMTPLayer(LlamaDecoderLayer):
         return x + residual
 
 
-class DeepseekMTP(nn.Module):
+class DeepseekMTP(MTPDraftModel):
+    main_models = MAIN_MODELS
+
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        main = MAIN_MODELS.get(getattr(config, "model_type", None))
-        if main is None:
-            raise ValueError(f"multi-token prediction layers of model_type {config.model_type!r} are not "
-                             f"supported; supported: {sorted(MAIN_MODELS)}")
-        self.config = config
-        self.packed_modules_mapping = main.packed_modules_mapping
-        self.expert_projections = main.expert_projections
+        super().__init__(config)
+        main = self.main
         first, count = config.num_hidden_layers, int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         self.only_layers = range(first, first + count)  # the checkpoint's other tensors are the main model's
         self.num_mtp_layers = count

@@ -26,6 +26,7 @@ from torch import nn
 from baryon.layers.linear import ReplicatedLinear
 from baryon.models.gemma2 import GemmaRMSNorm
 from baryon.models.llama import LlamaDecoderLayer
+from baryon.models.mtp_draft import MTPDraftModel
 from baryon.models.qwen3_next import GatedAttention, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
 MAIN_MODELS = {"qwen3_next": Qwen3NextForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
@@ -61,19 +62,13 @@ class MultiTokenPredictor(nn.Module):
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps)
 
 
-class Qwen3NextMTP(nn.Module):
+class Qwen3NextMTP(MTPDraftModel):
+    main_models = MAIN_MODELS
     skipped_checkpoint_prefixes = ("model.", "lm_head.")  # the main model's (the embedding, LM head: shared)
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        main = MAIN_MODELS.get(getattr(config, "model_type", None))
-        if main is None:
-            raise ValueError(f"multi-token prediction layers of model_type {config.model_type!r} are not "
-                             f"supported here; supported: {sorted(MAIN_MODELS)}")
-        self.config = config
-        self.packed_modules_mapping = main.packed_modules_mapping
-        self.expert_projections = main.expert_projections
-        self.mtp = MultiTokenPredictor(config, main)
+        super().__init__(config)
+        self.mtp = MultiTokenPredictor(config, self.main)
         self.num_mtp_layers = len(self.mtp.layers)
         self.embed_tokens: nn.Module | None = None  # the main model's (share_target)
         self.lm_head: nn.Module | None = None

@@ -107,8 +107,9 @@ class HostMetadata:
     block_tables: np.ndarray  # [num_seqs, width] int32
     slot_mapping: np.ndarray  # [num_tokens] int64
     seq_of_token: np.ndarray | None  # [num_tokens]: per-token sequences' table rows, else None
-    # Hybrid models: [2 or 3, S + 1] int32: the requests' query starts, then their sequence lengths
-    # and state slots (each padded with one more entry); per_token only, else attention's layout.
+    # Hybrid models: [1 or 3, S + 1] int32, each row padded with one more entry: per_token, the
+    # requests' query starts and sequence lengths first (else attention's layout is theirs); last,
+    # their state slots.
     recurrent32: np.ndarray | None = None
     drafts32: np.ndarray | None = None  # [3, S] int32: DraftRows' commit, source, target
 
