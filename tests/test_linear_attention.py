@@ -321,10 +321,12 @@ def test_reference_drafts_keep_the_state_and_commit_what_was_accepted(seed):
     torch.testing.assert_close(pending[0][4, :2], qkv[28:30], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernels_with_drafts_match_references(seed, dtype):
+@pytest.mark.parametrize("dtype,with_prompt", [(torch.float32, False), (torch.bfloat16, False),
+                                              (torch.float32, True)])
+def test_triton_kernels_with_drafts_match_references(seed, dtype, with_prompt):
     """The Triton convolution and token walk with DraftRows: commits, recordings, a sequence doing
-    both, a plain one and padding, against the references."""
+    both, a plain one and padding, against the references; with_prompt: beside them a fresh
+    prompt long enough for the chunked rule, which it takes while the others walk."""
     lt = pytest.importorskip("baryon.kernels.linear_attention_triton")
     if lt.triton is None:
         pytest.skip("triton is not installed")
@@ -333,6 +335,13 @@ def test_triton_kernels_with_drafts_match_references(seed, dtype):
     # covers nothing before them, verifies 2; seq 3 a plain 3-token continuation; seq 4 padding
     query_start, seq_lens, slots = [0, 4, 5, 7, 10, 10], [20, 16, 4, 13, 0], [1, 3, 0, 2, 4]
     commit, source, target = [3, 5, 2, 0, 0], [3, 6, 0, -1, -1], [2, -1, 1, -1, -1]
+    if with_prompt:  # seq 5: 70 fresh tokens in slot 4 (the padding row's, which stores nothing)
+        query_start, seq_lens, slots = query_start + [80], seq_lens + [70], slots + [4]
+        commit, source, target = commit + [0], source + [-1], target + [-1]
+        chunked = lt.chunked_delta_rule
+        calls = []
+        lt.chunked_delta_rule = lambda *args: (calls.append(args[7].tolist()), chunked(*args))[1]
+    max_query_len = 70 if with_prompt else 4
     tokens = query_start[-1]
     qkv, a, b, a_log, dt_bias, weight = _layer_inputs(gen, tokens)
     qkv, a, b, weight = (t.to(dtype) for t in (qkv, a, b, weight))
@@ -342,13 +351,19 @@ def test_triton_kernels_with_drafts_match_references(seed, dtype):
     layout = (_int32(query_start), _int32(seq_lens), _int32(slots))
     ref = [t.clone() for t in (conv_states, states, *pending)]
     ref_out = _layer_with_drafts((TorchCausalConv1d, TorchGatedDeltaRule), qkv, a, b, a_log, dt_bias, weight,
-                                 ref[0], ref[1], ref[2:], layout, _drafts(commit, source, target), 4)
+                                 ref[0], ref[1], ref[2:], layout, _drafts(commit, source, target), max_query_len)
     dev = [t.to(DEVICE) for t in (conv_states, states, *pending)]
-    out = _layer_with_drafts((lt.TritonCausalConv1d, lt.TritonGatedDeltaRule), *(t.to(DEVICE) for t in (
-        qkv, a, b, a_log, dt_bias, weight)), dev[0], dev[1], dev[2:], tuple(t.to(DEVICE) for t in layout),
-        _drafts(commit, source, target, DEVICE), 4)
+    try:
+        out = _layer_with_drafts((lt.TritonCausalConv1d, lt.TritonGatedDeltaRule), *(t.to(DEVICE) for t in (
+            qkv, a, b, a_log, dt_bias, weight)), dev[0], dev[1], dev[2:], tuple(t.to(DEVICE) for t in layout),
+            _drafts(commit, source, target, DEVICE), max_query_len)
+    finally:
+        if with_prompt:
+            lt.chunked_delta_rule = chunked
+    if with_prompt:  # the chunked form saw only the prompt
+        assert calls == [[0, 0, 0, 13, 0, 70]]
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    real = slice(0, query_start[-2])
+    real = slice(0, query_start[-1])  # (the padding sequence has no tokens)
     torch.testing.assert_close(out[real].cpu(), ref_out[real], **tol)
     torch.testing.assert_close(dev[1].cpu(), ref[1], **tol)
     torch.testing.assert_close(dev[0].cpu(), ref[0], atol=0, rtol=0)

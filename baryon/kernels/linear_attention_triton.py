@@ -319,16 +319,24 @@ class TritonGatedDeltaRule(TritonKernel):
                 drafts: DraftRows | None = None, pending_qkv: torch.Tensor | None = None,
                 pending_ba: torch.Tensor | None = None) -> torch.Tensor:
         """As TorchGatedDeltaRule.forward: in chunks (delta_rule_chunked_triton.py) where
-        `uses_chunked_rule` and no sequence commits or records drafts, else token by token."""
+        `uses_chunked_rule`, else token by token; in a step that does both, the sequences that
+        commit or record drafts walk (a prompt beside verifications still goes in chunks)."""
         _, num_v_heads, _, head_v_dim = recurrent_states.shape
         tokens = qkv.shape[0]
         out = torch.empty(tokens, num_v_heads, head_v_dim, dtype=qkv.dtype, device=qkv.device)  # [T, Hv, Dv]
         num_seqs = seq_lens.shape[0]
         if tokens == 0 or num_seqs == 0:
             return out
-        if uses_chunked_rule(num_seqs, num_v_heads, head_k_dim, max_query_len) and not (drafts and drafts.active):
-            return chunked_delta_rule(qkv, a, b, a_log, dt_bias, recurrent_states, query_start, seq_lens,
-                                      state_slots, num_k_heads, head_k_dim, max_query_len, out)
+        if uses_chunked_rule(num_seqs, num_v_heads, head_k_dim, max_query_len):
+            speculative = None if drafts is None or not drafts.active else \
+                (drafts.commit > 0) | (drafts.target >= 0)  # [S]: the sequences that walk
+            # (a sequence of length 0 is padding to either form)
+            chunked_delta_rule(qkv, a, b, a_log, dt_bias, recurrent_states, query_start,
+                               seq_lens if speculative is None else seq_lens.masked_fill(speculative, 0),
+                               state_slots, num_k_heads, head_k_dim, max_query_len, out)
+            if speculative is None:
+                return out
+            seq_lens = seq_lens.masked_fill(~speculative, 0)
         block_v, warps = delta_rule_tiles(num_seqs, num_v_heads, head_v_dim)
         rows = (drafts.commit, drafts.source, drafts.target) if drafts is not None else (seq_lens,) * 3
         pending = (pending_qkv, pending_ba) if drafts is not None else (qkv, a)
