@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import re
-import shlex
 import signal
 import statistics
 import subprocess
@@ -180,9 +179,9 @@ def tree_process(tree: str, variables: dict[str, str] | None = None) -> dict:
 
 def variant_settings(flags: str) -> tuple[dict[str, str], list[str]]:
     """A variant's FLAGS: its leading NAME=VALUE words (environment variables, as
-    BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed) and the engine flags after them, split as a shell
-    would (so a JSON value in single quotes is one word)."""
-    words = shlex.split(flags)
+    BARYON_KERNEL_ALL_REDUCE=symm_mem_pushed) and the engine flags after them, split at white space
+    (a JSON value is one word without quotes around it: --hf-overrides {"num_hidden_layers":4})."""
+    words = flags.split()
     variables = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
         name, _, value = words.pop(0).partition("=")

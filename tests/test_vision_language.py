@@ -473,8 +473,9 @@ def test_speculative_decoding_of_image_prompts(tmp_path, seed, method):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     stats = llm.engine.core.spec_stats
     assert stats.num_draft_tokens > 0, stats
-    if method == "draft_model":  # itself as the draft: the text prompt's drafts are all accepted
-        assert stats.num_accepted_tokens >= 20, stats
+    if method == "draft_model":  # itself as the draft: the text prompt's drafts are all accepted,
+        # its 23 tokens after the first in five verifications of 3 drafts and one of 2 (the room left)
+        assert stats.num_accepted_tokens >= 17, stats
 
 
 def test_tower_calls_hold_at_most_the_budget(tmp_path, seed, monkeypatch):
